@@ -1,0 +1,20 @@
+"""``kvtier bench <what>``: the benchmark subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module with add_arguments(parser) and run(args), help). Modules load only when chosen.
+BENCHES = {
+    "tiers": ("kvtier.bench.tiers", "batch put/get GB/s of a tier beside memcpy / raw I/O"),
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks, each beside its physical baseline measured in the same run")
+    bench_sub = p.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
+    for name, (module, help_text) in BENCHES.items():
+        bp = bench_sub.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(bp)
+        bp.set_defaults(func=lambda args, module=module: importlib.import_module(module).run(args))

@@ -1,0 +1,75 @@
+"""``kvtier bench tiers``: batch put/get throughput of a tier beside a physical baseline of the same bytes.
+
+DRAM: the store's batched put and get into caller-owned buffers, against one ``np.copyto`` of the same bytes
+(a single-threaded memcpy at full memory bandwidth). Rounds interleave baseline, put and get so machine noise
+hits all three alike; the figures are medians over rounds, after one warm-up round that faults every page in.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_json
+from kvtier.keys import Namespace
+from kvtier.store import TieredStore
+from kvtier.units import parse_bytes
+
+DEFAULT_SIZES = "64KiB,1MiB,4MiB"
+
+
+def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1) -> list[dict[str, Any]]:
+    rows = []
+    ns = Namespace("bench-dram")
+    for bb in sizes:
+        n = max(1, total // bb)
+        nbytes = n * bb
+        src = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8).view(n, bb)  # not constant: catches mixups
+        out = torch.empty_like(src)
+        src_np, out_np = src.numpy(), out.numpy()
+        store = TieredStore.from_config({"dram_capacity": nbytes, "copy_threads": copy_threads}, bb)
+        base_t, put_t, get_t = [], [], []
+        for r in range(rounds + 1):  # round 0 warms up: page faults in the tier, src and out
+            keys = ns.keys(range(r * n, (r + 1) * n))
+            b = time_once(lambda: np.copyto(out_np, src_np))
+            p = time_once(lambda: store.put(keys, src))
+            out.zero_()
+            g = time_once(lambda: store.get(keys, out))
+            if not torch.equal(out, src):
+                raise RuntimeError(f"dram bench: bytes read back differ from bytes written at {bb} B blocks")
+            store.remove(keys)
+            if r:
+                base_t.append(b), put_t.append(p), get_t.append(g)
+        store.close()
+        base = gbps(nbytes, median(base_t))
+        rows.append(row({"tier": "dram", "op": "put", "block_bytes": bb}, gbps(nbytes, median(put_t)), base))
+        rows.append(row({"tier": "dram", "op": "get", "block_bytes": bb}, gbps(nbytes, median(get_t)), base))
+    return rows
+
+
+# --tier NAME -> (function, baseline description). Lower tiers add themselves here.
+TIER_BENCHES: dict[str, tuple[Callable[..., list[dict[str, Any]]], str]] = {
+    "dram": (bench_dram, "np.copyto of the same bytes"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tier", choices=sorted(TIER_BENCHES), default="dram", help="which tier to measure")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"block sizes, comma-separated (default {DEFAULT_SIZES})")
+    p.add_argument("--total", default="1GiB", help="bytes moved per size and round (default 1GiB)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per size; medians are reported")
+    p.add_argument("--copy-threads", type=int, default=1, help="threads per batched host copy")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
+    fn, baseline = TIER_BENCHES[args.tier]
+    rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads)
+    print_rows(rows, f"kvtier bench tiers --tier {args.tier}", baseline)
+    write_json(rows, args.json)
+    return 0

@@ -1,0 +1,182 @@
+"""One Config dataclass for the embedded store, loadable from a dict, a JSON/TOML file or KVTIER_* variables.
+
+The dict form is the one a vLLM user writes in ``kv_connector_extra_config`` and an SGLang user in
+``--hicache-storage-backend-extra-config``. Keys are flat and snake_case; an unknown key is an error that
+names it (and the closest known keys), so a typo never silently falls back to a default.
+
+Precedence, lowest first: defaults < file (``KVTIER_CONFIG`` or an explicit path) < ``KVTIER_*`` variables
+< the explicit dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.units import parse_bytes
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+ENV_PREFIX = "KVTIER_"
+ENV_CONFIG_FILE = "KVTIER_CONFIG"  # names a file; not a config key itself
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names it."""
+
+
+def _bytes_field(default: int | str, help: str) -> Any:
+    return field(default=parse_bytes(default), metadata={"kind": "bytes", "help": help})
+
+
+def _field(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class Config:
+    """Settings of one embedded TieredStore (and the connectors built on it)."""
+
+    # Host DRAM tier.
+    dram_capacity: int = _bytes_field("4GiB", "bytes of host DRAM for packed blocks, allocated once")
+    dram_shm_path: str = _field("", "back the DRAM buffer with this file (e.g. /dev/shm/kvtier) so "
+                                    "other processes can map it; empty: private memory")
+    dram_pin_memory: str = _field("auto", "page-lock the DRAM buffer for fast GPU copies: auto (when CUDA "
+                                          "is present), true, false", ("auto", "true", "false"))
+    dram_prefault: bool = _field(False, "touch every page of the DRAM buffer at start-up, so the first "
+                                        "puts pay no page faults (costs ~0.1 s per GiB at start)")
+    eviction: str = _field("lru", "eviction policy: a registered name (lru, s3fifo, ...) or an import "
+                                  "path 'package.module:Class'")
+    copy_threads: int = _field(1, "threads per batched host copy (1 keeps one core free for the engine)")
+    io_threads: int = _field(4, "threads serving the *_async calls")
+
+    # Namespace (used by connectors and the CLI when they make keys).
+    model: str = _field("", "model id folded into every key's namespace")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], base: Config | None = None) -> Config:
+        """A Config with ``values`` applied over ``base`` (or the defaults). Unknown keys are errors."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            raise ConfigError("; ".join(_unknown_key_message(k, known) for k in unknown))
+        config = dataclasses.replace(base) if base is not None else cls()
+        for key, raw in values.items():
+            setattr(config, key, _coerce(known[key], raw))
+        config.validate()
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], base: Config | None = None) -> Config:
+        """Load a .json or .toml file whose top level holds config keys (or a [kvtier] table)."""
+        p = Path(path)
+        try:
+            text = p.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
+        try:
+            data = tomllib.loads(text.decode()) if p.suffix == ".toml" else json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'JSON'}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: the top level must be a table/object")
+        data = data.get("kvtier", data)
+        try:
+            return cls.from_dict(data, base)
+        except ConfigError as e:
+            raise ConfigError(f"config file {p}: {e}") from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, base: Config | None = None) -> Config:
+        """Apply KVTIER_<KEY> variables (e.g. KVTIER_DRAM_CAPACITY=64GiB) over ``base``."""
+        environ = os.environ if environ is None else environ
+        values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
+                  if k.startswith(ENV_PREFIX) and k != ENV_CONFIG_FILE}
+        try:
+            return cls.from_dict(values, base)
+        except ConfigError as e:
+            raise ConfigError(f"environment: {e} (variables are {ENV_PREFIX}<KEY>)") from None
+
+    @classmethod
+    def load(
+        cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> Config:
+        """Defaults < file < KVTIER_* variables < ``source`` (a dict, a file path, or a Config as is)."""
+        if isinstance(source, Config):
+            return source
+        environ = os.environ if environ is None else environ
+        config = cls()
+        if environ.get(ENV_CONFIG_FILE):
+            config = cls.from_file(environ[ENV_CONFIG_FILE], config)
+        if isinstance(source, (str, os.PathLike)):
+            config = cls.from_file(source, config)
+        config = cls.from_env(environ, config)
+        if isinstance(source, Mapping):
+            config = cls.from_dict(source, config)
+        return config
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad value. Policies are checked where they are built."""
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"{f.name}: {getattr(self, f.name)!r} is not one of {', '.join(choices)}")
+        if self.dram_capacity <= 0:
+            raise ConfigError(f"dram_capacity must be > 0, got {self.dram_capacity}")
+        if not 1 <= self.copy_threads <= 16:
+            raise ConfigError(f"copy_threads must be in 1..16, got {self.copy_threads}")
+        if not 1 <= self.io_threads <= 256:
+            raise ConfigError(f"io_threads must be in 1..256, got {self.io_threads}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, str]]:
+        """(key, default, help) for every key: what ``kvtier config`` prints."""
+        return [(f.name, repr(f.default), f.metadata.get("help", "")) for f in fields(cls)]
+
+
+def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known keys: {', '.join(known)}"
+    return f"unknown config key {key!r}{hint}"
+
+
+def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
+    """Turn a dict/env/TOML value into the field's type, or raise ConfigError naming the key."""
+    try:
+        if f.metadata.get("kind") == "bytes":
+            return parse_bytes(raw)
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(raw, str) and raw.strip().lower() in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(f"expected a boolean, got {raw!r}")
+        if kind == "int":
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(f"expected an integer, got {raw!r}")
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        if kind == "str":
+            if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
+                raise ValueError(f"expected a string, got {type(raw).__name__}")
+            return str(raw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{f.name}: {e}") from None
+    return raw

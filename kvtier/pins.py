@@ -1,0 +1,55 @@
+"""Per-block pin counts shared by the store and its tiers.
+
+A pin is a reference count on a key, not on a holder: two requests sharing a prefix block each pin it once,
+and the block is evictable again only when both have unpinned (LMCache learned this the hard way: per-holder
+locks let one request release another's). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+
+class PinTable:
+    """key -> pin count. ``key in table`` is True while the count is > 0 (what eviction checks)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            counts = self._counts
+            for k in keys:
+                counts[k] = counts.get(k, 0) + 1
+
+    def unpin(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Drop one pin per key; return the keys that were not pinned (a caller's bookkeeping bug)."""
+        unknown = []
+        with self._lock:
+            counts = self._counts
+            for k in keys:
+                c = counts.get(k, 0)
+                if c > 1:
+                    counts[k] = c - 1
+                elif c == 1:
+                    del counts[k]
+                else:
+                    unknown.append(k)
+        return unknown
+
+    def drop(self, keys: Iterable[bytes]) -> None:
+        """Forget every pin of these keys (the blocks were removed)."""
+        with self._lock:
+            for k in keys:
+                self._counts.pop(k, None)
+
+    def count(self, key: bytes) -> int:
+        return self._counts.get(key, 0)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._counts  # a dict read is atomic under the GIL
+
+    def __len__(self) -> int:
+        return len(self._counts)

@@ -1,0 +1,290 @@
+"""TieredStore: one logical block store over an ordered list of tiers (DRAM, then SSD, then the remote pool).
+
+Runs in the caller's process (embedded mode). Batch-first and thread-safe: any thread may call any method.
+Buffer ownership: ``put`` copies the caller's blocks before it returns (``put_async``: before its future
+completes), ``get`` writes into the caller's ``out`` buffers before it returns; the caller must keep those
+buffers alive and unchanged until then.
+
+What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
+thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
+tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier; listeners
+hear which keys each tier gained and lost (the engines' KV events and the master's directory feed on them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.blocks import BlockRows, block_rows
+from kvtier.config import Config
+from kvtier.keys import check_keys
+from kvtier.layout import BlockLayout
+from kvtier.pins import PinTable
+from kvtier.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PutResult:
+    """What a put did: ``stored`` new blocks, ``skipped`` already held or in flight, ``rejected`` keys that
+    could not be stored (every block that could make room is pinned or busy)."""
+
+    stored: int = 0
+    skipped: int = 0
+    rejected: list[bytes] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejected
+
+
+@dataclass
+class PrefixLookup:
+    """``length`` leading keys are held; ``tiers[i]`` names the (highest) tier holding key i."""
+
+    length: int
+    tiers: list[str]
+
+    def count(self, tier: str) -> int:
+        return self.tiers.count(tier)
+
+
+@dataclass(frozen=True)
+class StoreEvent:
+    """Keys that a tier gained ("stored") or lost ("removed": evicted or removed)."""
+
+    kind: str
+    tier: str
+    keys: list[bytes]
+
+
+Listener = Callable[[StoreEvent], None]
+
+
+class TieredStore:
+    """The embedded store. Build with ``TieredStore.from_config(config, layout)`` or from tier objects."""
+
+    def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = ()) -> None:
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        sizes = {t.block_bytes for t in tiers}
+        if len(sizes) != 1:
+            raise ValueError(f"all tiers must hold blocks of one size, got {sorted(sizes)}")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.tiers = list(tiers)
+        self.block_bytes = sizes.pop()
+        self.pins = PinTable()
+        self._dtypes = tuple(dtypes)
+        self._lock = threading.Lock()
+        self._inflight: dict[bytes, int] = {}  # key -> number of puts writing it (normally 1)
+        self._listeners: list[Listener] = []
+        self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._closed = False
+        self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
+        for tier in self.tiers:
+            tier.attach(self.pins, self._evict_listener(tier.name))
+
+    @classmethod
+    def from_config(cls, config: Config | Mapping[str, Any] | str | None, layout: BlockLayout | int) -> TieredStore:
+        """Build the tiers a Config describes for blocks of ``layout`` (or a plain block size in bytes)."""
+        from kvtier.tiers.dram import DramTier
+
+        cfg = Config.load(config)
+        block_bytes = layout if isinstance(layout, int) else layout.nbytes
+        dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
+        dram = DramTier(cfg.dram_capacity, block_bytes, policy=cfg.eviction, shm_path=cfg.dram_shm_path or None,
+                        pin_memory=cfg.dram_pin_memory, prefault=cfg.dram_prefault,
+                        copy_threads=cfg.copy_threads, dtypes=dtypes)
+        return cls([dram], io_threads=cfg.io_threads, dtypes=dtypes)
+
+    # ---- writes ----------------------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks: Any) -> PutResult:
+        """Store blocks (one per key) in the top tier; keys held anywhere or in flight are skipped."""
+        check_keys(keys)
+        rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
+        held = self.contains(keys)
+        with self._lock:
+            inflight = self._inflight
+            fresh = []
+            for i, k in enumerate(keys):
+                if not held[i] and k not in inflight:
+                    inflight[k] = 1
+                    fresh.append(i)
+        result = PutResult(skipped=len(keys) - len(fresh))
+        if not fresh:
+            self._count(put_skipped=result.skipped)
+            return result
+        fresh_keys = [keys[i] for i in fresh]
+        try:
+            stored = self.tiers[0].put(fresh_keys, _subset(rows, fresh))
+        finally:
+            with self._lock:
+                for k in fresh_keys:
+                    if inflight[k] == 1:
+                        del inflight[k]
+                    else:
+                        inflight[k] -= 1
+        new_keys = [k for k, ok in zip(fresh_keys, stored) if ok]
+        result.stored = len(new_keys)
+        result.rejected = [k for k, ok in zip(fresh_keys, stored) if not ok]
+        if result.rejected:
+            log.debug("put: %d of %d blocks rejected (no evictable space in %s)", len(result.rejected),
+                      len(keys), self.tiers[0].name)
+        self._count(put_stored=result.stored, put_skipped=result.skipped, put_rejected=len(result.rejected))
+        self._emit("stored", self.tiers[0].name, new_keys)
+        return result
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop keys from every tier (and their pins); return how many blocks were dropped in all."""
+        check_keys(keys)
+        self.pins.drop(keys)
+        total = 0
+        for tier in self.tiers:
+            present = [k for k, h in zip(keys, tier.contains(keys)) if h] if self._listeners else []
+            n = tier.remove(keys)
+            total += n
+            if n and present:
+                self._emit("removed", tier.name, present)
+        return total
+
+    # ---- reads -----------------------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
+        """Copy held blocks into ``out`` (one writable block per key), trying tiers in order.
+
+        Returns a hit mask; ``out`` rows of misses are left untouched.
+        """
+        check_keys(keys)
+        rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
+        hit = self.tiers[0].get(keys, rows)
+        for tier in self.tiers[1:]:
+            missing = [i for i, h in enumerate(hit) if not h]
+            if not missing:
+                break
+            found = tier.get([keys[i] for i in missing], _subset(rows, missing))
+            for i, f in zip(missing, found):
+                hit[i] = f
+        hits = sum(hit)
+        self._count(get_hits=hits, get_misses=len(keys) - hits)
+        return hit
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys some tier holds."""
+        held = self.tiers[0].contains(keys)
+        for tier in self.tiers[1:]:
+            missing = [i for i, h in enumerate(held) if not h]
+            if not missing:
+                break
+            for i, h in zip(missing, tier.contains([keys[i] for i in missing])):
+                held[i] = h
+        return held
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
+        """How many leading keys are held, and by which tier each (the highest tier that holds it)."""
+        names: list[str | None] = [None] * len(keys)
+        end = len(keys)  # keys[end:] need not be looked at: a key before them is missing everywhere
+        for tier in self.tiers:
+            todo = [i for i in range(end) if names[i] is None]
+            if not todo:
+                break
+            for i, h in zip(todo, tier.contains([keys[i] for i in todo])):
+                if h:
+                    names[i] = tier.name
+        length = next((i for i, n in enumerate(names) if n is None), len(keys))
+        return PrefixLookup(length, names[:length])  # type: ignore[arg-type]
+
+    # ---- pins ------------------------------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[bytes]) -> list[bool]:
+        """Add one pin to each held key (pinned blocks are never evicted); True where the key was held.
+
+        Unheld keys are not pinned. Each successful pin needs one ``unpin``.
+        """
+        check_keys(keys)
+        held = self.contains(keys)
+        self.pins.pin([k for k, h in zip(keys, held) if h])
+        return held
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Drop one pin per key. Unpinning a key that holds no pin is logged, not raised."""
+        unknown = self.pins.unpin(keys)
+        if unknown:
+            log.warning("unpin of %d keys that hold no pin (first: %s)", len(unknown), unknown[0].hex())
+
+    # ---- async variants --------------------------------------------------------------------------------
+
+    def put_async(self, keys: Sequence[bytes], blocks: Any) -> Future[PutResult]:
+        """put() on an I/O thread; ``blocks`` must stay unchanged until the future completes."""
+        return self._submit(self.put, keys, blocks)
+
+    def get_async(self, keys: Sequence[bytes], out: Any) -> Future[list[bool]]:
+        """get() on an I/O thread; ``out`` is written by the time the future completes."""
+        return self._submit(self.get, keys, out)
+
+    def lookup_prefix_async(self, keys: Sequence[bytes]) -> Future[PrefixLookup]:
+        return self._submit(self.lookup_prefix, keys)
+
+    # ---- events, stats, lifetime ----------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(StoreEvent)`` whenever a tier gains or loses keys (on the thread that caused it;
+        keep it short and never call back into the store from it)."""
+        self._listeners.append(listener)
+
+    def stats(self) -> dict[str, Any]:
+        return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
+                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        for tier in self.tiers:
+            tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("the store is closed")
+        return self._executor.submit(fn, *args)
+
+    def _evict_listener(self, tier_name: str) -> Callable[[Sequence[bytes], Sequence[Any]], None]:
+        def on_evict(keys: Sequence[bytes], views: Sequence[Any]) -> None:
+            self._emit("removed", tier_name, list(keys))
+
+        return on_evict
+
+    def _emit(self, kind: str, tier: str, keys: list[bytes]) -> None:
+        if keys and self._listeners:
+            event = StoreEvent(kind, tier, keys)
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:
+                    log.exception("store listener %r failed on a %s event", listener, kind)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self.counters[name] += d
+
+
+def _subset(rows: BlockRows, index: Sequence[int]) -> BlockRows:
+    return rows if len(index) == len(rows.ptrs) else BlockRows(rows.ptrs[list(index)], rows.owners)

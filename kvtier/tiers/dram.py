@@ -1,0 +1,284 @@
+"""DramTier: packed blocks in one host buffer of fixed-size slots, with a pluggable eviction policy.
+
+Runs in the engine process (embedded mode) or in the node pool daemon. Thread-safe: metadata changes under one
+lock, byte copies outside it, so two threads copy at once. A slot being copied is *busy*: eviction skips it
+and a remove() of its key frees it only when the copy is done, so a reader never sees its bytes reused.
+
+Writes are two-phase, as in vLLM's offloading manager: ``reserve`` takes slots (evicting if needed) and
+returns their addresses, the caller fills them, ``commit`` publishes the keys. ``put`` is reserve + one
+batched copy + commit; the pool daemon uses reserve/commit to receive bytes straight into slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.blocks import block_rows
+from kvtier.hostcopy import copy_rows
+from kvtier.hostmem import HostBuffer
+from kvtier.pins import PinTable
+from kvtier.policies import make_policy
+from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.slots import SlotAllocator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reservation:
+    """Slots reserved for keys by ``DramTier.reserve``; hand it back to ``commit`` exactly once.
+
+    ``held[i]`` is True where key i is held after the put (already stored, in flight elsewhere, or reserved
+    here); ``index[j]`` is the position in the caller's batch of the j-th reserved slot.
+    """
+
+    held: list[bool]
+    keys: list[bytes] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    addresses: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
+
+
+class _Protected:
+    """What eviction must not take: pinned keys and keys whose slot is being copied."""
+
+    __slots__ = ("pins", "slot_of", "busy")
+
+    def __init__(self, pins: PinTable, slot_of: dict[bytes, int], busy: np.ndarray) -> None:
+        self.pins, self.slot_of, self.busy = pins, slot_of, busy
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.pins or self.busy[self.slot_of[key]] > 0  # type: ignore[index]
+
+
+class DramTier:
+    """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here."""
+
+    name = "dram"
+
+    def __init__(
+        self, capacity_bytes: int, block_bytes: int, *, policy: str = "lru", shm_path: str | None = None,
+        pin_memory: str | bool = "auto", prefault: bool = False, copy_threads: int = 1,
+        dtypes: Sequence[str] = (),
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        num_slots = capacity_bytes // block_bytes
+        if num_slots == 0:
+            raise ValueError(f"DRAM capacity {capacity_bytes} B holds no block of {block_bytes} B")
+        self.block_bytes = block_bytes
+        self.capacity_bytes = num_slots * block_bytes
+        self._buffer = HostBuffer(self.capacity_bytes, shm_path=shm_path, pin_memory=pin_memory,
+                                  prefault=prefault)
+        self._rows = self._buffer.tensor.view(num_slots, block_bytes)
+        self._base = np.uint64(self._buffer.ptr)
+        self._dtypes = tuple(dtypes)
+        self._copy_threads = copy_threads
+        self._alloc = SlotAllocator(num_slots)
+        self._policy = make_policy(policy, num_slots)
+        self._lock = threading.Lock()
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: list[bytes | None] = [None] * num_slots
+        self._pending: dict[bytes, int] = {}  # key -> slot reserved, being written
+        self._busy = np.zeros(num_slots, dtype=np.int32)  # in-flight copies per slot
+        self._doomed: set[int] = set()  # removed while busy: freed when the last copy ends
+        self._pins = PinTable()
+        self._on_evict: EvictListener | None = None
+        self._protected = _Protected(self._pins, self._slot_of, self._busy)
+        self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
+        log.info("DRAM tier: %d slots of %d B (%s), policy %s", num_slots, block_bytes, self._buffer, policy)
+
+    # ---- Tier protocol ---------------------------------------------------------------------------------
+
+    def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
+        with self._lock:
+            self._pins = pins
+            self._protected.pins = pins
+            self._on_evict = on_evict
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        slot_of = self._slot_of
+        return [k in slot_of for k in keys]  # dict reads are atomic under the GIL
+
+    def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
+        rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
+        res = self.reserve(keys)
+        if res.slots:
+            copy_rows(res.addresses, rows.ptrs[res.index], self.block_bytes, self._copy_threads)
+        self.commit(res)
+        return res.held
+
+    def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
+        rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
+        with self.acquire(keys) as addresses:
+            hit = [a is not None for a in addresses]
+            index = [i for i, h in enumerate(hit) if h]
+            if index:
+                src = np.fromiter((addresses[i] for i in index), dtype=np.uint64, count=len(index))
+                copy_rows(rows.ptrs[index], src, self.block_bytes, self._copy_threads)
+        return hit
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        removed = []
+        with self._lock:
+            for k in keys:
+                slot = self._slot_of.pop(k, None)
+                if slot is None:
+                    slot = self._pending.pop(k, None)  # commit() will see it gone and free the slot
+                    if slot is not None:
+                        self._doomed.add(slot)
+                    continue
+                removed.append(k)
+                self._key_of[slot] = None
+                if self._busy[slot]:
+                    self._doomed.add(slot)
+                else:
+                    self._alloc.free([slot])
+            self._policy.remove(removed)
+        return len(removed)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        s.blocks = len(self._slot_of)
+        s.used_bytes = self._alloc.used_count * self.block_bytes
+        s.extra = {"pending": len(self._pending), "shared_path": str(self._buffer.path or ""),
+                   "pinned_memory": self._buffer.pinned}
+        return s
+
+    def close(self) -> None:
+        with self._lock:
+            self._slot_of.clear()
+            self._buffer.close()
+
+    # ---- two-phase writes and zero-copy reads ----------------------------------------------------------
+
+    def reserve(self, keys: Sequence[bytes]) -> Reservation:
+        """Take a slot for each key not held or in flight, evicting unprotected blocks if needed.
+
+        Keys that get no slot (every other block is pinned or busy) have ``held`` False.
+        """
+        n = len(keys)
+        held = [True] * n
+        res = Reservation(held)
+        with self._lock:
+            slot_of, pending = self._slot_of, self._pending
+            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
+            if not new:
+                return res
+            if len({keys[i] for i in new}) < len(new):
+                new = _first_occurrences(keys, new)
+            slots = self._take_slots(len(new))
+            for i in new[len(slots):]:
+                held[i] = False
+            self._stats.rejected += len(new) - len(slots)
+            res.index = new[: len(slots)]
+            res.keys = [keys[i] for i in res.index]
+            res.slots = slots
+            for k, s in zip(res.keys, slots):
+                pending[k] = s
+            self._busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
+        res.addresses = self._base + np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        return res
+
+    def commit(self, res: Reservation, success: bool = True) -> None:
+        """Publish the reserved keys (or, with success=False, give their slots back)."""
+        if not res.slots:
+            return
+        published = []
+        with self._lock:
+            self._busy[res.slots] -= 1
+            for k, s in zip(res.keys, res.slots):
+                if self._pending.get(k) == s:
+                    del self._pending[k]
+                    if success:
+                        self._slot_of[k] = s
+                        self._key_of[s] = k
+                        published.append(k)
+                        continue
+                    self._doomed.add(s)
+                # else: removed while being written; remove() put the slot in _doomed
+            self._policy.insert(published)
+            self._free_idle_doomed()
+            self._stats.puts += len(published)
+            self._stats.put_bytes += len(published) * self.block_bytes
+
+    @contextmanager
+    def acquire(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:
+        """Addresses of held blocks (None for misses), readable until the context exits.
+
+        The blocks cannot be evicted or reused meanwhile; counts as a hit for the eviction policy and stats.
+        """
+        with self._lock:
+            get = self._slot_of.get
+            slots = [get(k) for k in keys]
+            hit_slots = [s for s in slots if s is not None]
+            np.add.at(self._busy, hit_slots, 1)
+            self._policy.access([k for k, s in zip(keys, slots) if s is not None])
+            st = self._stats
+            st.hits += len(hit_slots)
+            st.misses += len(slots) - len(hit_slots)
+            st.get_bytes += len(hit_slots) * self.block_bytes
+        bb, base = self.block_bytes, int(self._base)
+        try:
+            yield [None if s is None else base + s * bb for s in slots]
+        finally:
+            with self._lock:
+                np.subtract.at(self._busy, hit_slots, 1)
+                self._free_idle_doomed()
+
+    @contextmanager
+    def read_views(self, keys: Sequence[bytes]) -> Iterator[list[torch.Tensor | None]]:
+        """Zero-copy uint8 views of held blocks (None for misses), valid until the context exits."""
+        with self.acquire(keys) as addresses:
+            base, bb = int(self._base), self.block_bytes
+            yield [None if a is None else self._rows[(a - base) // bb] for a in addresses]
+
+    @property
+    def buffer(self) -> HostBuffer:
+        return self._buffer
+
+    # ---- internals (call with the lock held) ------------------------------------------------------------
+
+    def _take_slots(self, n: int) -> list[int]:
+        slots = self._alloc.alloc(n)
+        short = n - len(slots)
+        if short > 0:
+            victims = self._policy.victims(short, self._protected)
+            if victims:
+                vslots = [self._slot_of.pop(v) for v in victims]
+                if self._on_evict is not None:
+                    try:
+                        self._on_evict(victims, [self._rows[s] for s in vslots])
+                    except Exception:  # a failing demotion must not break the put that evicted
+                        log.exception("eviction listener failed for %d blocks; they are dropped", len(victims))
+                for s in vslots:
+                    self._key_of[s] = None
+                self._stats.evictions += len(victims)
+                slots += vslots
+        return slots
+
+    def _free_idle_doomed(self) -> None:
+        if self._doomed:
+            idle = [s for s in self._doomed if self._busy[s] == 0]
+            if idle:
+                self._doomed.difference_update(idle)
+                self._alloc.free(idle)
+
+
+def _first_occurrences(keys: Sequence[bytes], index: list[int]) -> list[int]:
+    """Drop repeats of a key within one batch: only its first occurrence is written."""
+    seen: set[bytes] = set()
+    out = []
+    for i in index:
+        if keys[i] not in seen:
+            seen.add(keys[i])
+            out.append(i)
+    return out

@@ -1,0 +1,1 @@
+"""kvtier.master: the kvtier-master cluster directory daemon (nodes, placements, heat, cost)."""

@@ -1,0 +1,36 @@
+"""Build glue that pyproject.toml cannot express: the folder -> package mapping and the native CPU copy library.
+
+One import name, several top-level folders: the master daemon, the engine adapters and the benchmarks each
+live in a room of their own (master/, connectors/, bench/) but import as kvtier.master, kvtier.connectors and
+kvtier.bench, so users see one package and one version.
+"""
+
+from setuptools import Extension, find_packages, setup
+
+ROOTS = {
+    "kvtier": "kvtier",
+    "kvtier.master": "master",
+    "kvtier.connectors": "connectors",
+    "kvtier.bench": "bench",
+}
+
+packages: list[str] = []
+for name, folder in ROOTS.items():
+    packages.append(name)
+    packages += [f"{name}.{sub}" for sub in find_packages(folder)]
+
+# A plain C shared library (no Python API), loaded with ctypes: the same calling convention as the CUDA
+# launchers in native/cuda, and nothing that ties it to one Python or torch build.
+native_cpu = Extension(
+    "kvtier._native_cpu",
+    sources=["native/cpu/memcopy.c"],
+    extra_compile_args=["-O3", "-std=c11", "-fvisibility=hidden"],
+    extra_link_args=["-lpthread"],
+)
+
+setup(
+    packages=packages,
+    package_dir=ROOTS,
+    ext_modules=[native_cpu],
+    include_package_data=True,
+)

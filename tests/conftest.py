@@ -1,0 +1,27 @@
+"""Shared test helpers: deterministic block contents, so any reader can check any writer's bytes."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+
+def block_for(key: bytes, nbytes: int) -> torch.Tensor:
+    """Bytes that depend only on the key: two threads writing one key write the same block."""
+    seed = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & 0x7FFF_FFFF
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+
+def blocks_for(keys: list[bytes], nbytes: int) -> torch.Tensor:
+    return torch.stack([block_for(k, nbytes) for k in keys]) if keys else torch.empty(0, nbytes, dtype=torch.uint8)
+
+
+@pytest.fixture
+def make_keys():
+    from kvtier.keys import Namespace
+
+    ns = Namespace("test-model")
+    return lambda n, start=0: ns.keys(range(start, start + n))

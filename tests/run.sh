@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install everything the tests need into .venv (idempotent), then run them.
+#   tests/run.sh            the default suite
+#   tests/run.sh --slow     soak, crash-loop and benchmark tests (a separate CI step)
+#   tests/run.sh -k dram    extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+
+# torch: the CPU build where there is no GPU. A bare "torch" requirement would pull a multi-GB CUDA build.
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    pip install -q torch
+  else
+    pip install -q torch==2.13.0 || pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+pip install -q -e '.[test]'
+
+if [ "${1:-}" = "--slow" ]; then
+  shift
+  exec python -m pytest -m slow "$@"
+fi
+exec python -m pytest "$@"

@@ -1,0 +1,41 @@
+import json
+import subprocess
+import sys
+
+
+def kvtier(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, **kw)
+
+
+def test_help_lists_subcommands():
+    r = kvtier("--help")
+    assert r.returncode == 0
+    for name in ("bench", "config"):
+        assert name in r.stdout
+
+
+def test_bench_tiers_dram_writes_rows(tmp_path):
+    out = tmp_path / "dram.json"
+    r = kvtier("bench", "tiers", "--tier", "dram", "--sizes", "64KiB,1MiB", "--total", "8MiB", "--rounds", "1",
+               "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert {(x["op"], x["block_bytes"]) for x in rows} == {("put", 65536), ("get", 65536), ("put", 2**20),
+                                                          ("get", 2**20)}
+    for x in rows:
+        assert set(x) == {"tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"} and x["tier"] == "dram"
+        assert x["gbps"] > 0 and x["baseline_gbps"] > 0
+        assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
+    assert "ratio" in r.stdout
+
+
+def test_config_errors_are_one_line_not_tracebacks():
+    r = kvtier("config", "--effective", env={"KVTIER_DRAM_CAPACITY": "lots", "PATH": ""})
+    assert r.returncode == 2
+    assert "kvtier: error: environment: dram_capacity: not a byte size: 'lots'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_config_lists_keys():
+    r = kvtier("config")
+    assert r.returncode == 0 and "dram_capacity" in r.stdout and "eviction" in r.stdout

@@ -1,0 +1,172 @@
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import blocks_for
+from kvtier.pins import PinTable
+from kvtier.tiers.dram import DramTier
+
+BB = 4096
+
+
+def tier(blocks=8, **kw):
+    t = DramTier(blocks * BB, BB, **kw)
+    t.attach(PinTable(), None)
+    return t
+
+
+def test_put_get_bit_exact_all_input_forms(make_keys):
+    t = tier(16)
+    keys = make_keys(12)
+    data = blocks_for(keys, BB)
+    assert t.put(keys[:4], data[:4]) == [True] * 4                      # one 2-D tensor
+    assert t.put(keys[4:8], [data[i] for i in range(4, 8)]) == [True] * 4  # list of tensors
+    assert t.put(keys[8:10], data[8:10].numpy()) == [True] * 2          # numpy
+    assert t.put(keys[10:], [bytes(data[10].numpy()), bytearray(data[11].numpy())]) == [True] * 2
+    out = torch.zeros_like(data)
+    assert t.get(keys, out) == [True] * 12
+    assert torch.equal(out, data)
+    outs = [np.zeros(BB, np.uint8) for _ in range(3)]
+    assert t.get(keys[:3], outs) == [True] * 3
+    assert all(np.array_equal(o, data[i].numpy()) for i, o in enumerate(outs))
+
+
+def test_wrong_size_and_dtype_errors(make_keys):
+    t = DramTier(8 * BB, BB, dtypes=("bfloat16",))
+    t.attach(PinTable(), None)
+    keys = make_keys(2)
+    with pytest.raises(ValueError, match=f"expected {BB} bytes per block, got {BB // 2} bytes per row"):
+        t.put(keys, torch.zeros(2, BB // 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=rf"blocks\[1\]: expected {BB} bytes, got 10 bytes"):
+        t.put(keys, [torch.zeros(BB, dtype=torch.uint8), torch.zeros(10, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="expected dtype uint8 or bfloat16, got float32"):
+        t.put(keys, torch.zeros(2, BB // 4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="2 keys but 3 blocks"):
+        t.put(keys, [torch.zeros(BB, dtype=torch.uint8)] * 3)
+    assert t.stats().blocks == 0  # the failed calls stored nothing
+    assert t.put(keys, torch.zeros(2, BB // 2, dtype=torch.bfloat16)) == [True, True]
+    with pytest.raises(ValueError, match="read-only"):
+        t.get(keys, [bytes(BB), bytes(BB)])
+    assert t.stats().blocks == 2
+
+
+def test_capacity_and_eviction_hand_back(make_keys):
+    evicted = []
+    t = DramTier(4 * BB, BB)
+    t.attach(PinTable(), lambda keys, views: evicted.extend((k, bytes(v.numpy())) for k, v in zip(keys, views)))
+    keys = make_keys(6)
+    data = blocks_for(keys, BB)
+    t.put(keys[:4], data[:4])
+    t.put(keys[4:], data[4:])
+    st = t.stats()
+    assert st.used_bytes == 4 * BB == st.capacity_bytes and st.evictions == 2
+    # LRU hands back the two oldest with their bytes, before the slots are reused.
+    assert [k for k, _ in evicted] == keys[:2]
+    assert [v for _, v in evicted] == [bytes(data[0].numpy()), bytes(data[1].numpy())]
+
+
+def test_all_pinned_rejects_and_reports(make_keys):
+    pins = PinTable()
+    t = DramTier(2 * BB, BB)
+    t.attach(pins, None)
+    keys = make_keys(4)
+    t.put(keys[:2], blocks_for(keys[:2], BB))
+    pins.pin(keys[:2])
+    assert t.put(keys[2:], blocks_for(keys[2:], BB)) == [False, False]
+    assert t.contains(keys) == [True, True, False, False]
+    assert t.stats().rejected == 2
+    pins.unpin(keys[:1])
+    assert t.put(keys[2:], blocks_for(keys[2:], BB)) == [True, False]
+    assert t.contains(keys) == [False, True, True, False]
+
+
+def test_duplicate_keys_in_one_batch(make_keys):
+    t = tier(4)
+    k = make_keys(1)[0]
+    data = blocks_for([k, k], BB)
+    assert t.put([k, k], data) == [True, True]
+    assert t.stats().blocks == 1 and t.stats().used_bytes == BB
+
+
+def test_remove_while_reading_defers_the_free(make_keys):
+    t = tier(2)
+    keys = make_keys(3)
+    data = blocks_for(keys, BB)
+    t.put(keys[:2], data[:2])
+    with t.read_views(keys[:1]) as views:
+        assert t.remove(keys[:1]) == 1
+        # The slot is still busy: a put must not reuse it while the view is alive.
+        t.put(keys[2:], data[2:])
+        assert torch.equal(views[0], data[0])
+        assert t.contains(keys) == [False, False, True]  # keys[1] was evicted instead
+    assert t.stats().used_bytes == BB
+
+
+def test_reserve_commit_and_abort(make_keys):
+    t = tier(4)
+    keys = make_keys(3)
+    res = t.reserve(keys)
+    assert t.contains(keys) == [False] * 3  # not visible until committed
+    assert t.reserve(keys).slots == []       # in flight: a second writer gets nothing to do
+    for a in res.addresses.tolist():
+        torch.from_numpy(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * BB).from_address(a))).fill_(7)
+    t.commit(res)
+    out = torch.zeros(3, BB, dtype=torch.uint8)
+    assert t.get(keys, out) == [True] * 3 and (out == 7).all()
+    more = make_keys(1, start=10)
+    aborted = t.reserve(more)
+    t.commit(aborted, success=False)
+    assert t.contains(more) == [False] and t.stats().used_bytes == 3 * BB
+
+
+def test_shared_memory_buffer_is_visible_to_another_process(tmp_path, make_keys):
+    path = tmp_path / "pool.shm"
+    t = DramTier(4 * BB, BB, shm_path=str(path))
+    t.attach(PinTable(), None)
+    keys = make_keys(1)
+    data = blocks_for(keys, BB)
+    t.put(keys, data)
+    with t.acquire(keys) as (addr,):
+        offset = addr - t.buffer.ptr
+    code = (f"import torch; t=torch.from_file({str(path)!r}, shared=True, size={4 * BB}, dtype=torch.uint8);"
+            f"import sys; sys.stdout.buffer.write(bytes(t[{offset}:{offset + BB}].numpy()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout
+    assert out == bytes(data[0].numpy())
+
+
+def test_too_small_capacity():
+    with pytest.raises(ValueError, match="holds no block"):
+        DramTier(100, BB)
+
+
+def test_concurrent_readers_and_writers_on_one_tier(make_keys):
+    t = tier(16)
+    keys = make_keys(64)
+    data = {k: b for k, b in zip(keys, blocks_for(keys, BB))}
+    errors = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        out = torch.zeros(4, BB, dtype=torch.uint8)
+        for _ in range(200):
+            ks = [keys[i] for i in rng.choice(64, 4, replace=False)]
+            if rng.random() < 0.5:
+                t.put(ks, torch.stack([data[k] for k in ks]))
+            else:
+                hit = t.get(ks, out)
+                errors.extend(k for k, h, o in zip(ks, hit, out) if h and not torch.equal(o, data[k]))
+            if rng.random() < 0.05:
+                t.remove(ks[:1])
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    st = t.stats()
+    assert st.used_bytes <= st.capacity_bytes and st.extra["pending"] == 0
