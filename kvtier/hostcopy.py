@@ -1,7 +1,8 @@
 """Batched host-memory copies: one native call for a whole batch of rows (see native/cpu/memcopy.c).
 
 ``copy_rows(dst, src, nbytes)`` copies row i of ``src`` addresses to row i of ``dst`` addresses. The tables
-are numpy uint64 arrays; the call releases the GIL. When the native library is missing (a source tree that
+are numpy uint64 arrays; the call releases the GIL. ``copy_fragments`` gathers/scatters packed KV blocks
+from a fragment table (kvtier.kernels builds it). When the native library is missing (a source tree that
 was never built, a platform without a C compiler at install) the same copies run through ctypes.memmove,
 one call per row, after one logged warning: slower for small rows, never wrong.
 """
@@ -18,6 +19,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
+_i64p = ctypes.POINTER(ctypes.c_int64)
 
 
 def _load_native() -> ctypes.CDLL | None:
@@ -35,6 +37,10 @@ def _load_native() -> ctypes.CDLL | None:
     if lib.kvtier_native_abi_version() != 1:
         log.warning("kvtier native CPU library has an unexpected ABI version; not using it")
         return None
+    if hasattr(lib, "kvtier_copy_fragments"):  # absent in a library built before it existed
+        lib.kvtier_copy_fragments.argtypes = [_i64p, ctypes.c_int64, _i64p, _u64p, ctypes.c_int64, ctypes.c_int,
+                                              ctypes.c_int]
+        lib.kvtier_copy_fragments.restype = ctypes.c_int
     return lib
 
 
@@ -59,3 +65,60 @@ def copy_rows(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray | int, thread
     memmove = ctypes.memmove
     for d, s, k in zip(dst.tolist(), src.tolist(), sizes.tolist()):
         memmove(d, s, k)
+
+
+# Columns of a fragment table row (int64), shared with native/cpu/memcopy.c, native/cuda/packcopy.cu and the
+# Triton kernel: for engine block id b, ``nruns`` runs of ``run_bytes``, run r at
+#   engine  engine_base + b * block_stride + r * engine_run_stride
+#   packed  packed_row + packed_offset + r * packed_run_stride
+FRAGMENT_FIELDS = ("engine_base", "block_stride", "packed_offset", "run_bytes", "nruns", "engine_run_stride",
+                   "packed_run_stride", "group")
+
+
+def copy_fragments(frags: np.ndarray, block_ids: np.ndarray, packed: np.ndarray, scatter: bool,
+                   threads: int = 1) -> None:
+    """Gather (packed <- engine) or scatter (engine <- packed) every fragment of ``len(packed)`` blocks.
+
+    ``frags``: int64 (F, 8) table (FRAGMENT_FIELDS); ``block_ids``: int64 (groups, N), -1 where a group has no
+    engine block (a gather then writes zeros there, a scatter skips it); ``packed``: uint64 (N,) row
+    addresses. The caller has validated ids and sizes: this only moves bytes.
+    """
+    frags = np.ascontiguousarray(frags, dtype=np.int64)
+    ids = np.ascontiguousarray(block_ids, dtype=np.int64)
+    rows = np.ascontiguousarray(packed, dtype=np.uint64)
+    n = len(rows)
+    if n == 0 or len(frags) == 0:
+        return
+    if _lib is not None and hasattr(_lib, "kvtier_copy_fragments"):
+        _lib.kvtier_copy_fragments(frags.ctypes.data_as(_i64p), len(frags), ids.ctypes.data_as(_i64p),
+                                   rows.ctypes.data_as(_u64p), n, int(scatter), threads)
+        return
+    dst, src, nbytes, zero_dst, zero_bytes = fragment_rows(frags, ids, rows, scatter)
+    copy_rows(dst, src, nbytes, threads)
+    for d, k in zip(zero_dst.tolist(), zero_bytes.tolist()):
+        ctypes.memset(d, 0, k)
+
+
+def fragment_rows(frags: np.ndarray, ids: np.ndarray, rows: np.ndarray, scatter: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The fragment copy as plain rows (dst, src, nbytes), plus the (dst, nbytes) runs a gather zeroes.
+
+    What the native loop does, spelled out with numpy, in the same (block, fragment, run) order: the
+    fallback when the native library is missing.
+    """
+    frags = np.asarray(frags, dtype=np.int64)
+    nruns = frags[:, 4]
+    run_frag = np.repeat(np.arange(len(frags)), nruns)  # the fragment of every run
+    run_index = np.arange(len(run_frag)) - np.repeat(np.cumsum(nruns) - nruns, nruns)
+    f = frags[run_frag]  # one row per run
+    engine_off = f[:, 0] + run_index * f[:, 5]
+    packed_off = f[:, 2] + run_index * f[:, 6]
+    block = ids[f[:, 7]].T  # (N, runs): the engine block id of every run of every packed row
+    engine = (engine_off[None, :] + block * f[None, :, 1]).astype(np.uint64)
+    packed = rows.astype(np.uint64)[:, None] + packed_off.astype(np.uint64)[None, :]
+    nbytes = np.broadcast_to(f[:, 3].astype(np.uint64), block.shape)
+    ok = block >= 0
+    src, dst = (packed[ok], engine[ok]) if scatter else (engine[ok], packed[ok])
+    if scatter:
+        return dst, src, nbytes[ok], np.empty(0, np.uint64), np.empty(0, np.uint64)
+    return dst, src, nbytes[ok], packed[~ok], nbytes[~ok]

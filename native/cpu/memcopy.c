@@ -1,5 +1,5 @@
 /*
- * Batched host-memory copies for kvtier's DRAM tier and CPU gather/scatter.
+ * Batched host-memory copies for kvtier's DRAM tier and CPU gather/scatter of packed KV blocks.
  *
  * One call copies a whole batch of rows: dst[i] <- src[i], nbytes[i] bytes each. Python builds the three
  * address tables with numpy and calls this once through ctypes (which releases the GIL), so a batch of
@@ -55,72 +55,161 @@ static void copy_row(char *dst, const char *src, uint64_t n) {
     memcpy(dst, src, n);
 }
 
-static void copy_range(const uint64_t *dst, const uint64_t *src, const uint64_t *nbytes, int64_t begin,
-                       int64_t end) {
-    for (int64_t i = begin; i < end; i++)
-        copy_row((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], nbytes[i]);
+/* ---- running a batch on several threads ------------------------------------------------------------- */
+
+/* Work on items [begin, end) of a batch; ctx describes the batch. */
+typedef void (*range_fn)(const void *ctx, int64_t begin, int64_t end);
+
+typedef struct {
+    range_fn fn;
+    const void *ctx;
+    int64_t begin, end;
+} range_job;
+
+static void *range_worker(void *arg) {
+    range_job *job = (range_job *)arg;
+    job->fn(job->ctx, job->begin, job->end);
 #ifdef KVTIER_HAVE_SSE2
     /* Streaming stores are weakly ordered: fence so the bytes are visible before we report completion. */
     _mm_sfence();
 #endif
-}
-
-typedef struct {
-    const uint64_t *dst, *src, *nbytes;
-    int64_t begin, end;
-} copy_job;
-
-static void *copy_worker(void *arg) {
-    copy_job *job = (copy_job *)arg;
-    copy_range(job->dst, job->src, job->nbytes, job->begin, job->end);
     return NULL;
 }
 
 #define MAX_THREADS 16
 
 /*
- * Copy n rows. threads > 1 splits the rows (by bytes, not count) across that many threads, the caller's
- * thread included. Returns 0, or -1 if a worker thread could not be started (the rows are then copied on
- * the calling thread, so the copy itself never fails).
+ * Run fn over the nparts ranges [bounds[t], bounds[t+1]), one per thread, the caller's thread included.
+ * Returns 0, or -1 if a worker thread could not be started (its range then runs on the calling thread, so
+ * the work itself never fails).
  */
-KVTIER_API int kvtier_copy_rows(const uint64_t *dst, const uint64_t *src, const uint64_t *nbytes, int64_t n,
-                                int threads) {
-    if (n <= 0) return 0;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = (int)n;
-    if (threads <= 1) {
-        copy_range(dst, src, nbytes, 0, n);
-        return 0;
-    }
-    uint64_t total = 0;
-    for (int64_t i = 0; i < n; i++) total += nbytes[i];
-    copy_job jobs[MAX_THREADS];
+static int run_ranges(range_fn fn, const void *ctx, const int64_t *bounds, int nparts) {
+    range_job jobs[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    int64_t row = 0;
-    uint64_t acc = 0; /* bytes assigned to threads so far */
-    for (int t = 0; t < threads; t++) {
-        uint64_t target = total * (uint64_t)(t + 1) / (uint64_t)threads;
-        int64_t begin = row;
-        while (row < n && (acc < target || t == threads - 1)) acc += nbytes[row++];
-        jobs[t] = (copy_job){dst, src, nbytes, begin, row};
-    }
     int rc = 0;
-    for (int t = 1; t < threads; t++) {
+    for (int t = 0; t < nparts; t++) jobs[t] = (range_job){fn, ctx, bounds[t], bounds[t + 1]};
+    for (int t = 1; t < nparts; t++) {
         if (jobs[t].begin == jobs[t].end) continue;
-        if (pthread_create(&tids[t], NULL, copy_worker, &jobs[t]) == 0)
+        if (pthread_create(&tids[t], NULL, range_worker, &jobs[t]) == 0)
             started[t] = 1;
         else
             rc = -1;
     }
-    copy_worker(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
+    range_worker(&jobs[0]);
+    for (int t = 1; t < nparts; t++) {
         if (started[t])
             pthread_join(tids[t], NULL);
         else if (jobs[t].begin != jobs[t].end)
-            copy_worker(&jobs[t]);
+            range_worker(&jobs[t]);
     }
     return rc;
+}
+
+static int clamp_threads(int threads, int64_t n) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = (int)n;
+    return threads < 1 ? 1 : threads;
+}
+
+/* ---- rows: dst[i] <- src[i] ---------------------------------------------------------------------------- */
+
+typedef struct {
+    const uint64_t *dst, *src, *nbytes;
+} rows_batch;
+
+static void copy_rows_range(const void *ctx, int64_t begin, int64_t end) {
+    const rows_batch *b = (const rows_batch *)ctx;
+    for (int64_t i = begin; i < end; i++)
+        copy_row((char *)(uintptr_t)b->dst[i], (const char *)(uintptr_t)b->src[i], b->nbytes[i]);
+}
+
+/*
+ * Copy n rows. threads > 1 splits the rows (by bytes, not count) across that many threads, the caller's
+ * thread included. Returns 0, or -1 if a worker thread could not be started (the copy itself never fails).
+ */
+KVTIER_API int kvtier_copy_rows(const uint64_t *dst, const uint64_t *src, const uint64_t *nbytes, int64_t n,
+                                int threads) {
+    if (n <= 0) return 0;
+    rows_batch batch = {dst, src, nbytes};
+    threads = clamp_threads(threads, n);
+    int64_t bounds[MAX_THREADS + 1] = {0};
+    uint64_t total = 0;
+    if (threads > 1)
+        for (int64_t i = 0; i < n; i++) total += nbytes[i];
+    int64_t row = 0;
+    uint64_t acc = 0; /* bytes assigned to threads so far */
+    for (int t = 0; t < threads; t++) {
+        uint64_t target = total * (uint64_t)(t + 1) / (uint64_t)threads;
+        while (row < n && (acc < target || t == threads - 1)) acc += nbytes[row++];
+        bounds[t + 1] = row;
+    }
+    return run_ranges(copy_rows_range, &batch, bounds, threads);
+}
+
+/* ---- fragments: gather engine paged KV into packed blocks, scatter back ------------------------------- */
+
+/*
+ * One fragment of a packed block, as kvtier/kernels/enginekv.py compiles it (the same 64-byte record the
+ * CUDA and Triton kernels read). For engine block id b it is nruns runs of run_bytes:
+ *     engine: engine_base + b * block_stride + r * engine_run_stride
+ *     packed: packed_row + packed_offset + r * packed_run_stride
+ * group picks the row of the block-id table (hybrid models keep one block table per cache group; a last,
+ * all -1 row marks the fragments that zero-fill a packed block's alignment padding).
+ */
+typedef struct {
+    int64_t engine_base, block_stride, packed_offset, run_bytes, nruns, engine_run_stride, packed_run_stride,
+        group;
+} kvtier_fragment;
+_Static_assert(sizeof(kvtier_fragment) == 64, "kvtier_fragment is shared with Python, CUDA and Triton");
+
+typedef struct {
+    const kvtier_fragment *frags;
+    int64_t nfrags, nblocks;
+    const int64_t *block_ids; /* (groups, nblocks), row-major; -1 = no engine block for this group */
+    const uint64_t *packed;   /* nblocks row addresses */
+    int scatter;
+} frag_batch;
+
+static void copy_fragments_range(const void *ctx, int64_t begin, int64_t end) {
+    const frag_batch *b = (const frag_batch *)ctx;
+    for (int64_t item = begin; item < end; item++) {
+        int64_t i = item / b->nfrags;
+        const kvtier_fragment *f = &b->frags[item - i * b->nfrags];
+        int64_t id = b->block_ids[f->group * b->nblocks + i];
+        char *packed = (char *)(uintptr_t)b->packed[i] + f->packed_offset;
+        if (id < 0) {
+            /* No engine block (or alignment padding): a gather writes zeros, so equal KV packs to equal bytes. */
+            if (!b->scatter)
+                for (int64_t r = 0; r < f->nruns; r++) memset(packed + r * f->packed_run_stride, 0, f->run_bytes);
+            continue;
+        }
+        char *engine = (char *)(uintptr_t)f->engine_base + id * f->block_stride;
+        for (int64_t r = 0; r < f->nruns; r++) {
+            char *e = engine + r * f->engine_run_stride, *p = packed + r * f->packed_run_stride;
+            if (b->scatter)
+                copy_row(e, p, (uint64_t)f->run_bytes);
+            else
+                copy_row(p, e, (uint64_t)f->run_bytes);
+        }
+    }
+}
+
+/*
+ * Gather (scatter = 0: packed <- engine) or scatter (scatter = 1: engine <- packed) nblocks packed blocks,
+ * every fragment of each. Work items are (block, fragment) pairs in block-major order; threads > 1 splits
+ * them into equal ranges (every block has the same bytes, so equal counts are equal bytes up to one block).
+ * Returns 0, or -1 if a worker thread could not be started (the copy itself never fails).
+ */
+KVTIER_API int kvtier_copy_fragments(const kvtier_fragment *frags, int64_t nfrags, const int64_t *block_ids,
+                                     const uint64_t *packed, int64_t nblocks, int scatter, int threads) {
+    int64_t items = nfrags * nblocks;
+    if (items <= 0) return 0;
+    frag_batch batch = {frags, nfrags, nblocks, block_ids, packed, scatter};
+    threads = clamp_threads(threads, items);
+    int64_t bounds[MAX_THREADS + 1];
+    for (int t = 0; t <= threads; t++) bounds[t] = items * t / threads;
+    return run_ranges(copy_fragments_range, &batch, bounds, threads);
 }
 
 /* Lets Python check it loaded the library it expects. */
