@@ -21,6 +21,11 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install -q -e '.[test]'
+# triton: the kernel tests run the Triton backend in its interpreter on CPU tensors. Optional: where it cannot
+# install, those tests skip with a reason and the rest still run. A GPU torch build brings its own triton.
+if ! python -c "import triton" 2>/dev/null; then
+  pip install -q 'triton==3.9.0' || echo "tests/run.sh: triton did not install; Triton kernel tests will skip" >&2
+fi
 
 if [ "${1:-}" = "--slow" ]; then
   shift
