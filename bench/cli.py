@@ -8,6 +8,7 @@ import importlib
 # name -> (module with add_arguments(parser) and run(args), help). Modules load only when chosen.
 BENCHES = {
     "tiers": ("kvtier.bench.tiers", "batch put/get GB/s of a tier beside memcpy / raw I/O"),
+    "kernels": ("kvtier.bench.kernels", "packed-block gather/scatter GB/s beside a contiguous copy"),
 }
 
 

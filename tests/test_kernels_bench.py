@@ -1,0 +1,29 @@
+import json
+import subprocess
+import sys
+
+
+def kvtier(*args):
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True)
+
+
+def test_bench_kernels_writes_rows_beside_memcpy(tmp_path):
+    out = tmp_path / "kernels.json"
+    r = kvtier("bench", "kernels", "--block-sizes", "1,2", "--total", "4MiB", "--rounds", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    cpu = [x for x in rows if x["op"] in ("gather", "scatter")]
+    assert {(x["backend"], x["op"], x["block_bytes"]) for x in cpu} >= {
+        ("cpu", op, bb) for op in ("gather", "scatter") for bb in (128 * 1024, 256 * 1024)}
+    for x in rows:
+        assert set(x) == {"backend", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"}
+        assert x["gbps"] > 0 and x["baseline_gbps"] > 0
+        assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
+    assert "ratio" in r.stdout and "memcpy" in r.stdout
+
+
+def test_bench_kernels_bad_arguments_are_one_line_errors():
+    r = kvtier("bench", "kernels", "--model", "deepseek-v3")
+    assert r.returncode == 2 and "MLA model" in r.stderr and "Traceback" not in r.stderr
+    r = kvtier("bench", "kernels", "--backends", "cuda", "--total", "1MiB", "--block-sizes", "1")
+    assert r.returncode == 2 and "backend cuda cannot run here" in r.stderr and "Traceback" not in r.stderr
