@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(build_cuda_library(args.arch, out_dir=args.out_dir))
     except BuildError as e:
-        print(f"kvtier: error: {e}")
+        print(f"kvtier: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -9,6 +9,7 @@ directly, with no staging copy; unpinned host rows go through staging (dispatch.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 
 import numpy as np
@@ -17,6 +18,8 @@ import torch
 from kvtier import native_build
 from kvtier.kernels.dispatch import KernelError, PackedRows, upload_ids_and_rows
 from kvtier.kernels.enginekv import EngineKV
+
+log = logging.getLogger(__name__)
 
 _ABI_VERSION = 1
 _CTAS_PER_SM = 8  # enough resident CTAs to keep every SM's memory pipeline full
@@ -39,6 +42,8 @@ class _Library:
                     self._lib = load(native_build.build_cuda_library())
                 except (native_build.BuildError, OSError) as e:
                     self._error = str(e)
+                    log.warning("kvtier CUDA copy kernels unavailable (GPU copies fall back to triton or torch): %s",
+                                e)
             return self._lib, self._error
 
 
@@ -91,13 +96,11 @@ class CudaBackend:
         lib = self._lib()
         out = np.empty_like(rows.ptrs)
         src = np.ascontiguousarray(rows.ptrs)
+        one_allocation = rows.tensor is not None and len(src) > 0  # map its first row, offset the rest
         with torch.cuda.device(kv.device):
-            if rows.tensor is not None and len(src):
-                # One allocation: map its first row and offset the rest.
-                rc = lib.kvtier_cuda_device_pointers(_u64(src[:1]), _u64(out[:1]), 1)
-                out[:] = out[0] + (src - src[0])
-            else:
-                rc = lib.kvtier_cuda_device_pointers(_u64(src), _u64(out), len(src))
+            rc = lib.kvtier_cuda_device_pointers(_u64(src), _u64(out), 1 if one_allocation else len(src))
+        if rc == 0 and one_allocation:
+            out[:] = out[0] + (src - src[0])
         if rc > 0:
             return None  # not page-locked: stage
         if rc < 0:
