@@ -59,6 +59,25 @@ class Config:
     copy_threads: int = _field(1, "threads per batched host copy (1 keeps one core free for the engine)")
     io_threads: int = _field(4, "threads serving the *_async calls")
 
+    # Local SSD tier under DRAM (kvtier/tiers/ssd.py); off while ssd_path is empty.
+    ssd_path: str = _field("", "directory for the SSD tier's segment files and index (on a local disk; reopened "
+                               "after a restart, its blocks are served again); empty: no SSD tier")
+    ssd_capacity: int = _bytes_field("64GiB", "most bytes of block data the SSD tier keeps on disk")
+    ssd_offload: str = _field("on_evict", "when blocks go from DRAM to SSD: write_through (every put), on_evict "
+                                          "(when DRAM evicts them), second_hit (on eviction, if seen twice)",
+                              ("write_through", "on_evict", "second_hit"))
+    ssd_promote: bool = _field(True, "copy a block served from SSD into DRAM too")
+    ssd_eviction: str = _field("lru", "SSD eviction policy: a registered name or an import path")
+    ssd_direct_io: str = _field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
+                                        "warning, where the filesystem lacks it), true, false",
+                                ("auto", "true", "false"))
+    ssd_fsync: bool = _field(True, "fsync data and index at the end of each SSD write batch (crash-durable); "
+                                   "false keeps checksums but may lose the last writes to a machine crash")
+    ssd_segment_bytes: int = _bytes_field("256MiB", "size of each SSD segment file")
+    ssd_staging_bytes: int = _bytes_field("256MiB", "host memory for blocks queued for the SSD (write-behind); "
+                                                    "0 writes offloads synchronously on the caller's thread")
+    ssd_io_threads: int = _field(4, "threads doing the SSD tier's preadv/pwritev")
+
     # Namespace (used by connectors and the CLI when they make keys).
     model: str = _field("", "model id folded into every key's namespace")
 
@@ -137,6 +156,12 @@ class Config:
             raise ConfigError(f"copy_threads must be in 1..16, got {self.copy_threads}")
         if not 1 <= self.io_threads <= 256:
             raise ConfigError(f"io_threads must be in 1..256, got {self.io_threads}")
+        if self.ssd_path and self.ssd_capacity <= 0:
+            raise ConfigError(f"ssd_capacity must be > 0, got {self.ssd_capacity}")
+        if self.ssd_segment_bytes <= 0:
+            raise ConfigError(f"ssd_segment_bytes must be > 0, got {self.ssd_segment_bytes}")
+        if not 1 <= self.ssd_io_threads <= 64:
+            raise ConfigError(f"ssd_io_threads must be in 1..64, got {self.ssd_io_threads}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

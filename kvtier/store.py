@@ -24,6 +24,7 @@ from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
+from kvtier.offload import Offloader
 from kvtier.pins import PinTable
 from kvtier.tiers.base import Tier
 
@@ -70,7 +71,8 @@ Listener = Callable[[StoreEvent], None]
 class TieredStore:
     """The embedded store. Build with ``TieredStore.from_config(config, layout)`` or from tier objects."""
 
-    def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = ()) -> None:
+    def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = (),
+                 offload: str = "on_evict", promote: bool = True) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         sizes = {t.block_bytes for t in tiers}
@@ -89,6 +91,10 @@ class TieredStore:
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
+        # Between the top tier and the one under it: what goes down when, and what comes back up (offload.py).
+        self._offload = Offloader(self.tiers[0], self.tiers[1], offload, promote=promote, emit=self._emit,
+                                  seen_capacity=4 * self.tiers[0].stats().capacity_bytes // self.block_bytes
+                                  ) if len(self.tiers) > 1 else None
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
 
@@ -103,7 +109,16 @@ class TieredStore:
         dram = DramTier(cfg.dram_capacity, block_bytes, policy=cfg.eviction, shm_path=cfg.dram_shm_path or None,
                         pin_memory=cfg.dram_pin_memory, prefault=cfg.dram_prefault,
                         copy_threads=cfg.copy_threads, dtypes=dtypes)
-        return cls([dram], io_threads=cfg.io_threads, dtypes=dtypes)
+        tiers: list[Tier] = [dram]
+        if cfg.ssd_path:
+            from kvtier.tiers.ssd import DiskTier
+
+            fingerprint = "" if isinstance(layout, int) else layout.fingerprint
+            tiers.append(DiskTier(cfg.ssd_path, cfg.ssd_capacity, block_bytes, segment_bytes=cfg.ssd_segment_bytes,
+                                  policy=cfg.ssd_eviction, direct_io=cfg.ssd_direct_io, fsync=cfg.ssd_fsync,
+                                  io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
+                                  fingerprint=fingerprint, dtypes=dtypes))
+        return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=cfg.ssd_offload, promote=cfg.ssd_promote)
 
     # ---- writes ----------------------------------------------------------------------------------------
 
@@ -141,6 +156,8 @@ class TieredStore:
                       len(keys), self.tiers[0].name)
         self._count(put_stored=result.stored, put_skipped=result.skipped, put_rejected=len(result.rejected))
         self._emit("stored", self.tiers[0].name, new_keys)
+        if self._offload is not None and new_keys:
+            self._offload.after_put(new_keys, _subset(rows, [i for i, ok in zip(fresh, stored) if ok]))
         return result
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -166,15 +183,19 @@ class TieredStore:
         check_keys(keys)
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
         hit = self.tiers[0].get(keys, rows)
-        for tier in self.tiers[1:]:
+        served = [0 if h else -1 for h in hit]  # which tier served each key
+        for t, tier in enumerate(self.tiers[1:], 1):
             missing = [i for i, h in enumerate(hit) if not h]
             if not missing:
                 break
             found = tier.get([keys[i] for i in missing], _subset(rows, missing))
             for i, f in zip(missing, found):
                 hit[i] = f
+                served[i] = t if f else -1
         hits = sum(hit)
         self._count(get_hits=hits, get_misses=len(keys) - hits)
+        if self._offload is not None:
+            self._offload.after_get(keys, served, rows)
         return hit
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -240,9 +261,14 @@ class TieredStore:
         keep it short and never call back into the store from it)."""
         self._listeners.append(listener)
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks queued for lower tiers (write-behind) are written; False on timeout."""
+        return True if self._offload is None else self._offload.flush(timeout)
+
     def stats(self) -> dict[str, Any]:
+        extra = {"offload": self._offload.stats()} if self._offload is not None else {}
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
-                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}}
+                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}, **extra}
 
     def close(self) -> None:
         if self._closed:
@@ -266,7 +292,11 @@ class TieredStore:
         return self._executor.submit(fn, *args)
 
     def _evict_listener(self, tier_name: str) -> Callable[[Sequence[bytes], Sequence[Any]], None]:
+        offload = self._offload if self._offload is not None and tier_name == self.tiers[0].name else None
+
         def on_evict(keys: Sequence[bytes], views: Sequence[Any]) -> None:
+            if offload is not None:
+                offload.on_top_evict(keys, views)  # copies what goes down before the slots are reused
             self._emit("removed", tier_name, list(keys))
 
         return on_evict

@@ -84,3 +84,12 @@ def test_policy_invariants(name, ops, protected):
                 assert tracked - set(v) <= prot
             tracked -= set(v)
         assert len(p) == len(tracked)
+
+
+def test_fifo_ignores_hits():
+    p = make_policy("fifo", 4)
+    p.insert([k(1), k(2), k(3)])
+    p.access([k(1)])
+    assert p.victims(1, set()) == [k(1)]  # LRU would take k(2)
+    assert p.victims(5, {k(3)}) == [k(2)]
+    assert len(p) == 1

@@ -48,4 +48,4 @@ def make_policy(spec: str, capacity: int, **kwargs: Any) -> Any:
 
 def _load_builtins() -> None:
     # Importing the modules runs their @register_policy decorators.
-    from kvtier.policies import lru, s3fifo  # noqa: F401
+    from kvtier.policies import fifo, lru, s3fifo  # noqa: F401

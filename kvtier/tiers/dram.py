@@ -27,7 +27,7 @@ from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import make_policy
 from kvtier.tiers.base import EvictListener, TierStats
-from kvtier.tiers.slots import SlotAllocator
+from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +45,6 @@ class Reservation:
     slots: list[int] = field(default_factory=list)
     index: list[int] = field(default_factory=list)
     addresses: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
-
-
-class _Protected:
-    """What eviction must not take: pinned keys and keys whose slot is being copied."""
-
-    __slots__ = ("pins", "slot_of", "busy")
-
-    def __init__(self, pins: PinTable, slot_of: dict[bytes, int], busy: np.ndarray) -> None:
-        self.pins, self.slot_of, self.busy = pins, slot_of, busy
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.pins or self.busy[self.slot_of[key]] > 0  # type: ignore[index]
 
 
 class DramTier:
@@ -92,7 +80,7 @@ class DramTier:
         self._doomed: set[int] = set()  # removed while busy: freed when the last copy ends
         self._pins = PinTable()
         self._on_evict: EvictListener | None = None
-        self._protected = _Protected(self._pins, self._slot_of, self._busy)
+        self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
         self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
         log.info("DRAM tier: %d slots of %d B (%s), policy %s", num_slots, block_bytes, self._buffer, policy)
 

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvtier.pins import PinTable
+
 
 class SlotAllocator:
     """A stack of free slot indices in a numpy array. Not thread-safe: the owning tier locks around it."""
@@ -47,3 +49,18 @@ class SlotAllocator:
         self._free[self._top : self._top + len(arr)] = arr[::-1]
         self._top += len(arr)
         self._is_free[arr] = True
+
+
+class ProtectedSlots:
+    """What eviction must not take: pinned keys and keys whose slot is busy (being copied, read or written).
+
+    A ``Container`` for ``EvictionPolicy.victims``; reads the owning tier's live maps (call under its lock).
+    """
+
+    __slots__ = ("pins", "slot_of", "busy")
+
+    def __init__(self, pins: PinTable, slot_of: dict[bytes, int], busy: np.ndarray) -> None:
+        self.pins, self.slot_of, self.busy = pins, slot_of, busy
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.pins or self.busy[self.slot_of[key]] > 0  # type: ignore[index]

@@ -1,0 +1,555 @@
+"""DiskTier: the SSD tier. Fixed-size block slots in segment files, an lmdb index, a checksum on every read.
+
+Runs in the engine process (embedded mode), under DRAM in a TieredStore. Thread-safe: metadata changes under one
+lock; reads and writes run outside it on a pool of I/O threads doing preadv/pwritev (which release the GIL), so
+a batch's blocks move in parallel. Blocks all have one size, so space is managed per block: a block's slot is
+freed the moment it is evicted or removed and reused by the next write; the eviction policy (lru, s3fifo, ...)
+is the same pluggable one the DRAM tier uses. Why not log-structured segments with reinsertion: see the note in
+``kvtier/tiers/ssd_write.py`` and the issue's numbers (equal hit rate, no write amplification).
+
+Durability and crash safety (kill -9 or power loss at any moment never serves wrong bytes):
+  * a block's entry is committed to the index only after its bytes are written and fdatasync'ed;
+  * an entry is deleted (committed) before its slot is reused, and a removed slot is held until then;
+  * every entry carries an xxh3-64 checksum of the bytes seeded with the key, verified on every read: a
+    torn, stale, misdirected or corrupted block is a miss, dropped from the index and counted, never data.
+Warm restart: reopening the directory validates each entry against the segment files (missing or truncated
+file, slot beyond the capacity, other layout) and serves the rest.
+
+Faults: ENOSPC or EIO on a write (or EIO on a read) stops admission, logs once and names the cause in
+``stats().extra["stopped_reason"]``; the tier keeps serving verified reads and the store keeps serving DRAM.
+
+Buffer ownership: ``put`` writes from the caller's blocks (directly when they are aligned for O_DIRECT, else
+through an aligned bounce copy) and returns when they are durable; ``get`` reads into the caller's ``out``
+(directly when aligned, else through a bounce buffer); ``put_later`` copies the blocks into staging memory
+before it returns and writes them in the background (see ssd_write.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvtier.blocks import block_rows
+from kvtier.hostcopy import copy_rows
+from kvtier.pins import PinTable
+from kvtier.policies import make_policy
+from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
+from kvtier.tiers.ssd_index import FORMAT_VERSION, DiskIndex, IndexEntry
+from kvtier.tiers.ssd_io import ALIGN, STAGE_TIMEOUT_S, SegmentFiles, StagingPool, probe_direct_io, round_up
+from kvtier.tiers.ssd_read import ReadFailure, read_slots
+from kvtier.tiers.ssd_write import WriteBehind, write_slots
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk."""
+
+    name = "ssd"
+
+    def __init__(
+        self, path: str | os.PathLike[str], capacity_bytes: int, block_bytes: int, *,
+        segment_bytes: int = 256 << 20, policy: str = "lru", direct_io: str = "auto", fsync: bool = True,
+        io_threads: int = 4, staging_bytes: int = 64 << 20, fingerprint: str = "", dtypes: Sequence[str] = (),
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        if direct_io not in ("auto", "true", "false"):
+            raise ValueError(f"direct_io must be auto, true or false, got {direct_io!r}")
+        self.block_bytes = block_bytes
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = _lock_directory(self.path)
+        try:
+            self.direct = self._choose_direct_io(direct_io)
+            self.slot_bytes = round_up(block_bytes, ALIGN) if self.direct else block_bytes
+            num_slots = capacity_bytes // self.slot_bytes
+            if num_slots == 0:
+                raise ValueError(f"SSD capacity {capacity_bytes} B holds no block of {self.slot_bytes} B")
+            self.capacity_bytes = num_slots * self.slot_bytes
+            per_segment = max(1, segment_bytes // self.slot_bytes)
+            self._files = SegmentFiles(self.path, self.slot_bytes, per_segment, num_slots, self.direct)
+            self._index = DiskIndex(self.path / "index", sync=fsync, map_size=max(64 << 20, num_slots * 256))
+        except BaseException:
+            os.close(self._dir_lock)
+            raise
+        self._fsync = fsync
+        self._fingerprint = xxhash.xxh3_64_intdigest(f"{fingerprint}|{block_bytes}".encode())
+        self._dtypes = tuple(dtypes)
+        self._lock = threading.Lock()
+        self._alloc = SlotAllocator(num_slots)
+        self._policy = make_policy(policy, num_slots)
+        self._slot_of: dict[bytes, int] = {}  # committed blocks
+        self._pending: dict[bytes, int] = {}  # key -> slot being written
+        self._staged: dict[bytes, int] = {}  # key -> staging address: queued for write-behind, readable
+        self._checksum = np.zeros(num_slots, dtype=np.uint64)
+        self._busy = np.zeros(num_slots, dtype=np.int32)  # in-flight reads/writes (and unindexed removals)
+        self._doomed: set[int] = set()  # slots to free when no longer busy
+        self._seq = 0
+        self._pins = PinTable()
+        self._on_evict: EvictListener | None = None
+        self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
+        self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
+        self._counts: Counter[str] = Counter()
+        self._stopped = ""  # why the tier stopped admitting; "" while it admits
+        self._closed = False
+        self._restore()
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-ssd-io")
+        # Bounce buffers for unaligned callers always exist; write-behind copies only when staging_bytes > 0.
+        self._staging = StagingPool(self.slot_bytes, max(2, staging_bytes // self.slot_bytes))
+        self._writer = WriteBehind(self, max_batch=max(1, (64 << 20) // self.slot_bytes)) if staging_bytes else None
+
+    # ---- Tier protocol ---------------------------------------------------------------------------------
+
+    def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
+        """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions (no views: the bytes are on
+        disk, nothing below this tier to demote them to)."""
+        with self._lock:
+            self._pins = pins
+            self._protected.pins = pins
+            self._on_evict = on_evict
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Committed blocks and blocks queued for write-behind (readable from staging meanwhile)."""
+        slot_of, staged = self._slot_of, self._staged
+        return [k in slot_of or k in staged for k in keys]  # dict reads are atomic under the GIL
+
+    def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
+        """Write blocks and return when they are durable (fsync'ed and indexed, unless fsync is off).
+
+        True where the key is held afterwards; False where refused (no evictable slot, or admission stopped).
+        """
+        rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
+        return self.store_rows(keys, rows.ptrs)[0]
+
+    def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
+        """Read held blocks into ``out``, all of a batch's reads in flight together; verify every checksum.
+
+        A block failing verification (or its read) is a miss: it is dropped, counted, and its ``out`` row is
+        zeroed if the read had landed there. Other ``out`` rows of misses are left untouched.
+        """
+        rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
+        hit = [False] * len(keys)
+        reads: list[tuple[int, int, int]] = []  # (index in batch, slot, checksum)
+        with self._lock:
+            for i, k in enumerate(keys):
+                s = self._slot_of.get(k)
+                if s is not None:
+                    reads.append((i, s, int(self._checksum[s])))
+                elif k in self._staged:  # still on its way to disk: serve the staged copy
+                    copy_rows(rows.ptrs[i : i + 1], np.array([self._staged[k]], np.uint64), self.block_bytes)
+                    hit[i] = True
+            slots = [s for _, s, _ in reads]
+            np.add.at(self._busy, slots, 1)
+            self._policy.access([keys[i] for i, _, _ in reads])
+        failures: list[ReadFailure] = []
+        try:
+            if reads:
+                failures = read_slots(self, keys, rows.ptrs, reads)
+        finally:
+            failed = {f.index for f in failures}
+            for i, _, _ in reads:
+                hit[i] = i not in failed
+            self._after_reads(keys, slots, failures)
+        with self._lock:
+            st = self._stats
+            st.hits += sum(hit)
+            st.misses += len(keys) - sum(hit)
+            st.get_bytes += sum(hit) * self.block_bytes
+        return hit
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop keys (committed, queued or being written); return how many were held."""
+        committed: list[bytes] = []
+        freed: list[int] = []
+        held = 0
+        with self._lock:
+            for k in keys:
+                s = self._slot_of.pop(k, None)
+                if s is not None:
+                    committed.append(k)
+                    freed.append(s)
+                    self._doomed.add(s)
+                    self._busy[s] += 1  # hold the slot until the index forgets the key (crash ordering)
+                    held += 1
+                elif self._staged.pop(k, None) is not None:
+                    held += 1
+                s = self._pending.pop(k, None)
+                if s is not None:
+                    self._doomed.add(s)  # the writer sees the key gone and frees the slot when done
+            self._policy.remove(committed)
+        self._unindex(committed, freed)
+        return held
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            s = self._stats
+            s.blocks = len(self._slot_of)
+            s.used_bytes = self._alloc.used_count * self.slot_bytes
+            s.extra = {"admitting": not self._stopped, "stopped_reason": self._stopped, "path": str(self.path),
+                       "direct_io": self.direct, "fsync": self._fsync, "slot_bytes": self.slot_bytes,
+                       "segments": self._files.num_segments, "staged": len(self._staged),
+                       "pending": len(self._pending), "staging_in_use": self._staging.in_use, **self._counts}
+            return s
+
+    def close(self) -> None:
+        """Finish queued write-behind, then release the files, the index and the directory lock."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
+        self._io.shutdown(wait=True)
+        self._files.close()
+        self._index.close()
+        os.close(self._dir_lock)
+
+    # ---- beyond the protocol ---------------------------------------------------------------------------
+
+    def put_later(self, keys: Sequence[bytes], blocks: Any, *, wait: bool) -> Future[list[bytes]] | None:
+        """Copy blocks into staging memory now and write them in the background; the Future gives the keys
+        newly held on disk. Keys already held or queued are skipped. Without ``wait``, blocks that find no
+        staging memory are dropped (counted as ``offload_dropped``); with it, the call waits for memory (at
+        most STAGE_TIMEOUT_S). Returns None when the tier does not admit. Never raises for I/O errors.
+
+        With write-behind off (``staging_bytes=0``) the blocks are written before this returns.
+        """
+        if self._stopped or self._closed:
+            return None
+        rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
+        if self._writer is None:
+            done: Future[list[bytes]] = Future()
+            done.set_result(self.store_rows(keys, rows.ptrs)[1])
+            return done
+        return self._writer.submit(keys, rows.ptrs, wait=wait)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write-behind block is on disk (or failed); False on timeout."""
+        return True if self._writer is None else self._writer.flush(timeout)
+
+    def check(self) -> int:
+        """Drop blocks whose segment file was deleted, replaced or truncated under us; return how many.
+
+        Reads notice a truncated file by themselves (a short read is a miss); a deleted file is still readable
+        through our open descriptor, but its blocks would vanish at the next restart, so they go now.
+        """
+        sizes = self._files.scan()
+        doomed_segments = set()
+        for seg in range(self._files.num_segments):
+            if self._files.unlinked(seg):
+                doomed_segments.add(seg)
+                self._files.forget(seg)
+        with self._lock:
+            gone = [k for k, s in self._slot_of.items()
+                    if self._files.place(s)[0] in doomed_segments
+                    or sizes.get(self._files.place(s)[0], 0) < self._files.place(s)[1] + self.slot_bytes]
+        failures = [ReadFailure(-1, self._slot_of[k], "segment_file_gone", None, k) for k in gone]
+        self._after_reads(gone, [], failures)
+        return len(gone)
+
+    # ---- the write path (used by put, put_later and WriteBehind) ---------------------------------------
+
+    def store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool = False
+                   ) -> tuple[list[bool], list[bytes]]:
+        """Write the blocks at ``ptrs``; return (held mask, keys newly stored). Bounces unaligned sources.
+
+        The batch's keys that are held already are protected meanwhile: a put never evicts what it names.
+        """
+        with self._lock:
+            protect = [s for s in (self._slot_of.get(k) for k in set(keys)) if s is not None]
+            self._busy[protect] += 1
+        try:
+            return self._store_rows(keys, ptrs, staged)
+        finally:
+            with self._lock:
+                self._busy[protect] -= 1
+                self._free_idle_doomed()
+
+    def _store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray, staged: bool) -> tuple[list[bool], list[bytes]]:
+        if not self._needs_bounce(ptrs):
+            return self._write_batch(keys, ptrs, staged=staged)
+        held, stored = [False] * len(keys), []
+        i = 0
+        while i < len(keys):
+            chunks = self._staging.alloc(len(keys) - i, wait=True, timeout=STAGE_TIMEOUT_S)
+            if not chunks:
+                log.warning("SSD tier: no bounce memory within %.0f s; %d blocks not written", STAGE_TIMEOUT_S,
+                            len(keys) - i)
+                break
+            j = i + len(chunks)
+            addresses = self._staging.addresses(chunks)
+            try:
+                copy_rows(addresses, ptrs[i:j], self.block_bytes)
+                h, s = self._write_batch(keys[i:j], addresses, staged=staged)
+            finally:
+                self._staging.free(chunks)
+            held[i:j] = h
+            stored += s
+            i = j
+        return held, stored
+
+    def _write_batch(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool
+                     ) -> tuple[list[bool], list[bytes]]:
+        held = [True] * len(keys)
+        with self._lock:
+            if self._stopped:
+                held = [k in self._slot_of for k in keys]
+                self._stats.rejected += held.count(False)
+                return held, []
+            index, slots, victims, refused = self._reserve(keys, staged)
+        for i in refused:
+            held[i] = False
+        if victims and self._on_evict is not None:
+            try:
+                self._on_evict(victims, [])
+            except Exception:
+                log.exception("SSD eviction listener failed for %d blocks", len(victims))
+        if not slots:
+            return held, []
+        try:
+            self._index.write(delete=victims)  # before their slots are overwritten: no entry points at new bytes
+            sums = write_slots(self, [keys[i] for i in index], slots, ptrs[index])
+            if self._fsync:
+                self._files.sync(sorted({self._files.place(s)[0] for s in slots}))
+            self._index.write(put=self._entries(keys, index, slots, sums))
+        except OSError as e:
+            self._abandon(keys, index, slots)
+            self._counts["write_errors"] += 1
+            self.stop_admitting(e, "write")
+            for i in index:
+                held[i] = False
+            return held, []
+        return held, self._publish(keys, index, slots, sums)
+
+    def _reserve(self, keys: Sequence[bytes], staged: bool) -> tuple[list[int], list[int], list[bytes], list[int]]:
+        """Take a slot per new key, evicting if needed (lock held). Returns (index, slots, victims, refused)."""
+        slot_of, pending = self._slot_of, self._pending
+        new, seen = [], set()
+        for i, k in enumerate(keys):
+            if k in slot_of or k in pending or k in seen or (staged and k not in self._staged):
+                continue
+            seen.add(k)
+            new.append(i)
+        slots = self._alloc.alloc(len(new))
+        victims: list[bytes] = []
+        if len(slots) < len(new):
+            victims = self._policy.victims(len(new) - len(slots), self._protected)
+            slots += [slot_of.pop(v) for v in victims]
+            self._stats.evictions += len(victims)
+        refused = new[len(slots):]
+        new = new[: len(slots)]
+        for i, s in zip(new, slots):
+            pending[keys[i]] = s
+        self._busy[slots] += 1
+        self._stats.rejected += len(refused)
+        return new, slots, victims, refused
+
+    def _entries(self, keys: Sequence[bytes], index: list[int], slots: list[int], sums: Sequence[int]
+                 ) -> list[tuple[bytes, IndexEntry]]:
+        with self._lock:
+            seq0 = self._seq
+            self._seq += len(slots)
+        out = []
+        for n, (i, s, c) in enumerate(zip(index, slots, sums)):
+            seg, off = self._files.place(s)
+            out.append((keys[i], IndexEntry(seg, off, self.block_bytes, c, self._fingerprint, seq0 + n)))
+        return out
+
+    def _publish(self, keys: Sequence[bytes], index: list[int], slots: list[int], sums: Sequence[int]
+                 ) -> list[bytes]:
+        stored, removed = [], []
+        with self._lock:
+            for i, s, c in zip(index, slots, sums):
+                k = keys[i]
+                if self._pending.get(k) == s:
+                    del self._pending[k]
+                    self._slot_of[k] = s
+                    self._checksum[s] = c
+                    stored.append(k)
+                else:  # removed while being written: remove() doomed the slot
+                    removed.append(k)
+            self._busy[slots] -= 1
+            self._free_idle_doomed()
+            self._policy.insert(stored)
+            self._stats.puts += len(stored)
+            self._stats.put_bytes += len(stored) * self.block_bytes
+        self._unindex(removed)  # entries just written for keys removed meanwhile
+        return stored
+
+    def _abandon(self, keys: Sequence[bytes], index: list[int], slots: list[int]) -> None:
+        with self._lock:
+            for i, s in zip(index, slots):
+                if self._pending.get(keys[i]) == s:
+                    del self._pending[keys[i]]
+                self._doomed.add(s)
+            self._busy[slots] -= 1
+            self._free_idle_doomed()
+
+    # ---- shared internals ------------------------------------------------------------------------------
+
+    def stop_admitting(self, err: OSError, what: str) -> None:
+        """Refuse new blocks from now on (the disk is full or failing); logged once, reason in stats."""
+        with self._lock:
+            first = not self._stopped
+            if first:
+                self._stopped = f"{errno.errorcode.get(err.errno or 0, err.errno)} on {what}: {err.strerror}"
+        if first:
+            log.error("SSD tier at %s stopped admitting blocks after %s; it keeps serving the blocks it holds "
+                      "and the store keeps serving from DRAM. Cause: %s", self.path, what, err)
+
+    def _after_reads(self, keys: Sequence[bytes], slots: Sequence[int], failures: Sequence[ReadFailure]) -> None:
+        """Release read slots; drop blocks that failed (a miss, counted, never data)."""
+        dropped: list[bytes] = []
+        freed: list[int] = []
+        with self._lock:
+            np.subtract.at(self._busy, list(slots), 1)
+            for f in failures:
+                k = f.key if f.key is not None else keys[f.index]
+                self._counts[f.reason] += 1
+                if self._slot_of.get(k) == f.slot:
+                    del self._slot_of[k]
+                    dropped.append(k)
+                    freed.append(f.slot)
+                    self._doomed.add(f.slot)
+                    self._busy[f.slot] += 1  # held until unindexed
+            self._policy.remove(dropped)
+            self._free_idle_doomed()
+        if failures:
+            f = failures[0]
+            log.warning("SSD tier: %d blocks failed (%s), served as misses and dropped; first: key %s slot %d%s",
+                        len(failures), ", ".join(sorted({x.reason for x in failures})),
+                        (f.key or keys[f.index]).hex(), f.slot, f": {f.error}" if f.error else "")
+            eio = next((x.error for x in failures if x.error is not None and x.error.errno == errno.EIO), None)
+            if eio is not None:
+                self.stop_admitting(eio, "read")
+        self._unindex(dropped, freed)
+
+    def _unindex(self, keys: list[bytes], held_slots: Sequence[int] = ()) -> None:
+        """Delete keys from the index, then release ``held_slots`` (slots kept busy so that they are not
+        reused while an entry on disk still points at them)."""
+        if keys:
+            try:
+                self._index.write(delete=keys)
+            except OSError as e:  # the entries stay on disk; their keyed checksums fail if the slot is reused
+                self._counts["index_errors"] += 1
+                self.stop_admitting(e, "index update")
+        if len(held_slots):
+            with self._lock:
+                np.subtract.at(self._busy, list(held_slots), 1)
+                self._free_idle_doomed()
+
+    def _needs_bounce(self, ptrs: np.ndarray) -> bool:
+        return self.direct and (self.slot_bytes != self.block_bytes or bool((ptrs % np.uint64(ALIGN)).any()))
+
+    def _free_idle_doomed(self) -> None:
+        if self._doomed:
+            idle = [s for s in self._doomed if self._busy[s] == 0]
+            if idle:
+                self._doomed.difference_update(idle)
+                self._alloc.free(idle)
+
+    # ---- opening -----------------------------------------------------------------------------------------
+
+    def _choose_direct_io(self, mode: str) -> bool:
+        if mode == "false":
+            return False
+        reason = probe_direct_io(self.path)
+        if not reason:
+            return True
+        if mode == "true":
+            raise OSError(errno.EINVAL, f"ssd_direct_io is true but {self.path} cannot do O_DIRECT: {reason}")
+        log.warning("SSD tier at %s: no O_DIRECT on this filesystem (%s); using buffered I/O, so reads may come "
+                    "from the page cache (put the tier on a real disk for device-speed figures)", self.path, reason)
+        return False
+
+    def _restore(self) -> None:
+        """Load the index, keeping only entries that the segment files can back (warm restart)."""
+        files = self._files
+        geometry = {"format": FORMAT_VERSION, "slot_bytes": self.slot_bytes, "per_segment": files.per_segment,
+                    "block_bytes": self.block_bytes, "fingerprint": self._fingerprint}
+        old = self._index.geometry()
+        if old != geometry:
+            if old is not None:
+                log.warning("SSD tier at %s was written with %s, now %s: its blocks cannot be read this way; "
+                            "starting empty", self.path, old, geometry)
+            self._index.reset(geometry)
+            files.remove_all()
+            return
+        sizes = files.scan()
+        owner: dict[int, tuple[int, bytes, int]] = {}  # slot -> (seq, key, checksum)
+        drop: list[bytes] = []
+        why: Counter[str] = Counter()
+        for key, e in self._index.items():
+            reason = self._invalid(key, e, sizes)
+            if not reason and e is not None:
+                slot = e.segment * files.per_segment + e.offset // self.slot_bytes
+                prev = owner.get(slot)
+                if prev is None or prev[0] < e.seq:
+                    if prev is not None:  # cannot happen with ordered writes; the newer entry wins
+                        drop.append(prev[1])
+                        why["duplicate_slot"] += 1
+                    owner[slot] = (e.seq, key, e.checksum)
+                    continue
+                reason = "duplicate_slot"
+            drop.append(key)
+            why[reason] += 1
+        self._index.write(delete=drop)
+        restored = sorted(owner.items(), key=lambda item: item[1][0])
+        used = np.array([slot for slot, _ in restored], dtype=np.int64)
+        for slot, (_, key, checksum) in restored:
+            self._slot_of[key] = slot
+            self._checksum[slot] = checksum
+        self._policy.insert([key for _, (_, key, _) in restored])  # oldest first: eviction order survives
+        free = np.setdiff1d(np.arange(files.num_slots), used)
+        self._alloc.alloc(files.num_slots)
+        self._alloc.free(free[::-1].tolist())
+        self._seq = (restored[-1][1][0] + 1) if restored else 0
+        self._counts["restored"] = len(restored)
+        self._counts.update({f"dropped_at_open_{r}": n for r, n in why.items()})
+        if restored or drop:
+            log.info("SSD tier at %s: %d blocks restored, %d dropped (%s)", self.path, len(restored), len(drop),
+                     ", ".join(f"{r}: {n}" for r, n in why.items()) or "none")
+
+    def _invalid(self, key: bytes, e: IndexEntry | None, sizes: dict[int, int]) -> str:
+        """Why an index entry cannot be served ("" when it can)."""
+        if e is None or len(key) != 16:
+            return "unreadable_entry"
+        if e.length != self.block_bytes or e.fingerprint != self._fingerprint:
+            return "other_layout"
+        files = self._files
+        if (e.offset % self.slot_bytes or e.offset // self.slot_bytes >= files.per_segment
+                or e.segment * files.per_segment + e.offset // self.slot_bytes >= files.num_slots):
+            return "beyond_capacity"
+        if e.segment not in sizes:
+            return "segment_file_missing"
+        if sizes[e.segment] < e.offset + self.slot_bytes:
+            return "segment_file_truncated"
+        return ""
+
+
+def _lock_directory(path: Path) -> int:
+    """Hold ``path/LOCK`` exclusively for the tier's lifetime: two stores on one directory would overwrite
+    each other's slots. The kernel drops the lock when the process dies, kill -9 included."""
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DirectoryInUse(f"SSD directory {path} is in use by another store (its LOCK is held)") from None
+    return fd
+
+
+class DirectoryInUse(OSError):
+    """Another DiskTier (in this or another process) has the directory open."""
