@@ -3,6 +3,7 @@
 DRAM: the store's batched put and get into caller-owned buffers, against one ``np.copyto`` of the same bytes
 (a single-threaded memcpy at full memory bandwidth). Rounds interleave baseline, put and get so machine noise
 hits all three alike; the figures are medians over rounds, after one warm-up round that faults every page in.
+SSD: bench/ssd.py, against raw O_DIRECT I/O of the same bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_json
+from kvtier.bench.ssd import DEFAULT_SIZES as SSD_SIZES
+from kvtier.bench.ssd import bench_ssd
 from kvtier.keys import Namespace
 from kvtier.store import TieredStore
 from kvtier.units import parse_bytes
@@ -22,7 +25,7 @@ from kvtier.units import parse_bytes
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 
 
-def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1) -> list[dict[str, Any]]:
+def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1, **_: Any) -> list[dict[str, Any]]:
     rows = []
     ns = Namespace("bench-dram")
     for bb in sizes:
@@ -51,25 +54,28 @@ def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1)
     return rows
 
 
-# --tier NAME -> (function, baseline description). Lower tiers add themselves here.
-TIER_BENCHES: dict[str, tuple[Callable[..., list[dict[str, Any]]], str]] = {
-    "dram": (bench_dram, "np.copyto of the same bytes"),
+# --tier NAME -> (function, baseline description, default sizes). Lower tiers add themselves here; each
+# function takes (sizes, total, rounds, **options) and ignores the options meant for other tiers.
+TIER_BENCHES: dict[str, tuple[Callable[..., list[dict[str, Any]]], str, str]] = {
+    "dram": (bench_dram, "np.copyto of the same bytes", DEFAULT_SIZES),
+    "ssd": (bench_ssd, "raw O_DIRECT write+fdatasync / read of the same bytes", SSD_SIZES),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tier", choices=sorted(TIER_BENCHES), default="dram", help="which tier to measure")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"block sizes, comma-separated (default {DEFAULT_SIZES})")
+    p.add_argument("--sizes", help=f"block sizes, comma-separated (default {DEFAULT_SIZES}; ssd: {SSD_SIZES})")
     p.add_argument("--total", default="1GiB", help="bytes moved per size and round (default 1GiB)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per size; medians are reported")
     p.add_argument("--copy-threads", type=int, default=1, help="threads per batched host copy")
+    p.add_argument("--path", help="ssd: a directory on the disk to measure (default /var/tmp)")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = [parse_bytes(s) for s in args.sizes.split(",") if s.strip()]
-    fn, baseline = TIER_BENCHES[args.tier]
-    rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads)
+    fn, baseline, default_sizes = TIER_BENCHES[args.tier]
+    sizes = [parse_bytes(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
+    rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads, path=args.path)
     print_rows(rows, f"kvtier bench tiers --tier {args.tier}", baseline)
     write_json(rows, args.json)
     return 0

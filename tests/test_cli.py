@@ -39,3 +39,19 @@ def test_config_errors_are_one_line_not_tracebacks():
 def test_config_lists_keys():
     r = kvtier("config")
     assert r.returncode == 0 and "dram_capacity" in r.stdout and "eviction" in r.stdout
+
+
+def test_bench_tiers_ssd_writes_rows_beside_raw_io(tmp_path):
+    out = tmp_path / "ssd.json"
+    r = kvtier("bench", "tiers", "--tier", "ssd", "--sizes", "1MiB", "--total", "4MiB", "--rounds", "1",
+               "--path", str(tmp_path), "--json", str(out))
+    if r.returncode and "cannot do O_DIRECT" in r.stderr:
+        import pytest
+
+        pytest.skip(f"the test temp dir has no O_DIRECT: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [(x["tier"], x["op"], x["block_bytes"]) for x in rows] == [("ssd", "put", 2**20), ("ssd", "get", 2**20)]
+    for x in rows:
+        assert x["gbps"] > 0 and x["baseline_gbps"] > 0 and abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
+    assert not list(tmp_path.glob("kvtier-bench-ssd-*"))  # cleaned up
