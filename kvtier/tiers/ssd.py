@@ -27,7 +27,6 @@ before it returns and writes them in the background (see ssd_write.py).
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import threading
@@ -46,9 +45,11 @@ from kvtier.pins import PinTable
 from kvtier.policies import make_policy
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
-from kvtier.tiers.ssd_index import FORMAT_VERSION, DiskIndex, IndexEntry
-from kvtier.tiers.ssd_io import ALIGN, STAGE_TIMEOUT_S, SegmentFiles, StagingPool, probe_direct_io, round_up
+from kvtier.tiers.ssd_index import DiskIndex, IndexEntry
+from kvtier.tiers.ssd_io import (ALIGN, STAGE_TIMEOUT_S, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
+                                 probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
+from kvtier.tiers.ssd_restore import restore_index
 from kvtier.tiers.ssd_write import WriteBehind, write_slots
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class DiskTier:
         self.block_bytes = block_bytes
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._dir_lock = _lock_directory(self.path)
+        self._dir_lock = lock_directory(self.path)
         try:
             self.direct = self._choose_direct_io(direct_io)
             self.slot_bytes = round_up(block_bytes, ALIGN) if self.direct else block_bytes
@@ -462,6 +463,21 @@ class DiskTier:
 
     # ---- opening -----------------------------------------------------------------------------------------
 
+    def _restore(self) -> None:
+        """Load the index, keeping only entries the segment files can back (warm restart)."""
+        found = restore_index(self._index, self._files, self.block_bytes, self._fingerprint)
+        for slot, key, checksum in found.blocks:
+            self._slot_of[key] = slot
+            self._checksum[slot] = checksum
+        self._policy.insert([key for _, key, _ in found.blocks])  # oldest write first: eviction order survives
+        if found.blocks:  # take the used slots out of the allocator; the lowest free slot stays on top
+            used = np.array([slot for slot, _, _ in found.blocks], dtype=np.int64)
+            self._alloc.alloc(self._files.num_slots)
+            self._alloc.free(np.setdiff1d(np.arange(self._files.num_slots), used).tolist())
+        self._seq = found.next_seq
+        self._counts["restored"] = len(found.blocks)
+        self._counts.update({f"dropped_at_open_{r}": n for r, n in found.dropped.items()})
+
     def _choose_direct_io(self, mode: str) -> bool:
         if mode == "false":
             return False
@@ -474,82 +490,5 @@ class DiskTier:
                     "from the page cache (put the tier on a real disk for device-speed figures)", self.path, reason)
         return False
 
-    def _restore(self) -> None:
-        """Load the index, keeping only entries that the segment files can back (warm restart)."""
-        files = self._files
-        geometry = {"format": FORMAT_VERSION, "slot_bytes": self.slot_bytes, "per_segment": files.per_segment,
-                    "block_bytes": self.block_bytes, "fingerprint": self._fingerprint}
-        old = self._index.geometry()
-        if old != geometry:
-            if old is not None:
-                log.warning("SSD tier at %s was written with %s, now %s: its blocks cannot be read this way; "
-                            "starting empty", self.path, old, geometry)
-            self._index.reset(geometry)
-            files.remove_all()
-            return
-        sizes = files.scan()
-        owner: dict[int, tuple[int, bytes, int]] = {}  # slot -> (seq, key, checksum)
-        drop: list[bytes] = []
-        why: Counter[str] = Counter()
-        for key, e in self._index.items():
-            reason = self._invalid(key, e, sizes)
-            if not reason and e is not None:
-                slot = e.segment * files.per_segment + e.offset // self.slot_bytes
-                prev = owner.get(slot)
-                if prev is None or prev[0] < e.seq:
-                    if prev is not None:  # cannot happen with ordered writes; the newer entry wins
-                        drop.append(prev[1])
-                        why["duplicate_slot"] += 1
-                    owner[slot] = (e.seq, key, e.checksum)
-                    continue
-                reason = "duplicate_slot"
-            drop.append(key)
-            why[reason] += 1
-        self._index.write(delete=drop)
-        restored = sorted(owner.items(), key=lambda item: item[1][0])
-        used = np.array([slot for slot, _ in restored], dtype=np.int64)
-        for slot, (_, key, checksum) in restored:
-            self._slot_of[key] = slot
-            self._checksum[slot] = checksum
-        self._policy.insert([key for _, (_, key, _) in restored])  # oldest first: eviction order survives
-        free = np.setdiff1d(np.arange(files.num_slots), used)
-        self._alloc.alloc(files.num_slots)
-        self._alloc.free(free[::-1].tolist())
-        self._seq = (restored[-1][1][0] + 1) if restored else 0
-        self._counts["restored"] = len(restored)
-        self._counts.update({f"dropped_at_open_{r}": n for r, n in why.items()})
-        if restored or drop:
-            log.info("SSD tier at %s: %d blocks restored, %d dropped (%s)", self.path, len(restored), len(drop),
-                     ", ".join(f"{r}: {n}" for r, n in why.items()) or "none")
 
-    def _invalid(self, key: bytes, e: IndexEntry | None, sizes: dict[int, int]) -> str:
-        """Why an index entry cannot be served ("" when it can)."""
-        if e is None or len(key) != 16:
-            return "unreadable_entry"
-        if e.length != self.block_bytes or e.fingerprint != self._fingerprint:
-            return "other_layout"
-        files = self._files
-        if (e.offset % self.slot_bytes or e.offset // self.slot_bytes >= files.per_segment
-                or e.segment * files.per_segment + e.offset // self.slot_bytes >= files.num_slots):
-            return "beyond_capacity"
-        if e.segment not in sizes:
-            return "segment_file_missing"
-        if sizes[e.segment] < e.offset + self.slot_bytes:
-            return "segment_file_truncated"
-        return ""
-
-
-def _lock_directory(path: Path) -> int:
-    """Hold ``path/LOCK`` exclusively for the tier's lifetime: two stores on one directory would overwrite
-    each other's slots. The kernel drops the lock when the process dies, kill -9 included."""
-    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DirectoryInUse(f"SSD directory {path} is in use by another store (its LOCK is held)") from None
-    return fd
-
-
-class DirectoryInUse(OSError):
-    """Another DiskTier (in this or another process) has the directory open."""
+__all__ = ["DirectoryInUse", "DiskTier"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -283,3 +284,19 @@ def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
     if n and rest:
         rest[0] = rest[0][n:]
     return rest
+
+
+def lock_directory(path: Path) -> int:
+    """Hold ``path/LOCK`` exclusively for the tier's lifetime: two stores on one directory would overwrite
+    each other's slots. The kernel drops the lock when the process dies, kill -9 included."""
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DirectoryInUse(f"SSD directory {path} is in use by another store (its LOCK is held)") from None
+    return fd
+
+
+class DirectoryInUse(OSError):
+    """Another DiskTier (in this or another process) has the directory open."""
