@@ -178,7 +178,8 @@ class TieredStore:
     def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
         """Copy held blocks into ``out`` (one writable block per key), trying tiers in order.
 
-        Returns a hit mask; ``out`` rows of misses are left untouched.
+        Returns a hit mask; ``out`` rows of misses are left untouched, except that a row an SSD read landed
+        in and whose checksum then failed is zeroed (a miss, never the damaged bytes).
         """
         check_keys(keys)
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")

@@ -4,8 +4,7 @@ Runs in the engine process (embedded mode), under DRAM in a TieredStore. Thread-
 lock; reads and writes run outside it on a pool of I/O threads doing preadv/pwritev (which release the GIL), so
 a batch's blocks move in parallel. Blocks all have one size, so space is managed per block: a block's slot is
 freed the moment it is evicted or removed and reused by the next write; the eviction policy (lru, s3fifo, ...)
-is the same pluggable one the DRAM tier uses. Why not log-structured segments with reinsertion: see the note in
-``kvtier/tiers/ssd_write.py`` and the issue's numbers (equal hit rate, no write amplification).
+is the same pluggable one the DRAM tier uses (why not log-structured segments with reinsertion: ssd_write.py).
 
 Durability and crash safety (kill -9 or power loss at any moment never serves wrong bytes):
   * a block's entry is committed to the index only after its bytes are written and fdatasync'ed;
@@ -56,7 +55,12 @@ log = logging.getLogger(__name__)
 
 
 class DiskTier:
-    """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk."""
+    """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk.
+
+    One DiskTier per directory (a lock file enforces it, across processes too). All methods are thread-safe
+    and block the calling thread until their I/O is done, except ``put_later``. ``slot_bytes`` is the block
+    size rounded up to 4 KiB with O_DIRECT (capacity counts slots), or the block size itself without.
+    """
 
     name = "ssd"
 
@@ -252,18 +256,16 @@ class DiskTier:
             if self._files.unlinked(seg):
                 doomed_segments.add(seg)
                 self._files.forget(seg)
+        place = self._files.place
         with self._lock:
-            gone = [k for k, s in self._slot_of.items()
-                    if self._files.place(s)[0] in doomed_segments
-                    or sizes.get(self._files.place(s)[0], 0) < self._files.place(s)[1] + self.slot_bytes]
-        failures = [ReadFailure(-1, self._slot_of[k], "segment_file_gone", None, k) for k in gone]
-        self._after_reads(gone, [], failures)
-        return len(gone)
+            failures = [ReadFailure(-1, s, "segment_file_gone", None, k) for k, s in self._slot_of.items()
+                        if place(s)[0] in doomed_segments or sizes.get(place(s)[0], 0) < place(s)[1] + self.slot_bytes]
+        self._after_reads([], [], failures)
+        return len(failures)
 
     # ---- the write path (used by put, put_later and WriteBehind) ---------------------------------------
 
-    def store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool = False
-                   ) -> tuple[list[bool], list[bytes]]:
+    def store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
         """Write the blocks at ``ptrs``; return (held mask, keys newly stored). Bounces unaligned sources.
 
         The batch's keys that are held already are protected meanwhile: a put never evicts what it names.
@@ -272,15 +274,15 @@ class DiskTier:
             protect = [s for s in (self._slot_of.get(k) for k in set(keys)) if s is not None]
             self._busy[protect] += 1
         try:
-            return self._store_rows(keys, ptrs, staged)
+            return self._store_rows(keys, ptrs)
         finally:
             with self._lock:
                 self._busy[protect] -= 1
                 self._free_idle_doomed()
 
-    def _store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray, staged: bool) -> tuple[list[bool], list[bytes]]:
+    def _store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
         if not self._needs_bounce(ptrs):
-            return self._write_batch(keys, ptrs, staged=staged)
+            return self._write_batch(keys, ptrs, staged=False)
         held, stored = [False] * len(keys), []
         i = 0
         while i < len(keys):
@@ -293,7 +295,7 @@ class DiskTier:
             addresses = self._staging.addresses(chunks)
             try:
                 copy_rows(addresses, ptrs[i:j], self.block_bytes)
-                h, s = self._write_batch(keys[i:j], addresses, staged=staged)
+                h, s = self._write_batch(keys[i:j], addresses, staged=False)
             finally:
                 self._staging.free(chunks)
             held[i:j] = h
