@@ -389,3 +389,17 @@ class DiskModel(RuleBasedStateMachine):
 
 TestDiskModel = DiskModel.TestCase
 TestDiskModel.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+
+
+def test_damaged_index_costs_the_cache_not_the_store(tmp_path, make_keys, caplog):
+    keys = make_keys(4)
+    t = open_tier(tmp_path, 8, BB)
+    t.put(keys, blocks_for(keys, BB))
+    t.close()
+    with open(tmp_path / "index" / "data.mdb", "r+b") as f:  # scribble over lmdb's meta pages
+        f.write(b"\xa5" * 8192)
+    with caplog.at_level(logging.ERROR):
+        t = open_tier(tmp_path, 8, BB)
+    assert "index cannot be read" in caplog.text and t.contains(keys) == [False] * 4
+    assert t.put(keys, blocks_for(keys, BB)) == [True] * 4
+    t.close()

@@ -203,3 +203,19 @@ class StoreWithDisk(RuleBasedStateMachine):
 
 TestStoreWithDisk = StoreWithDisk.TestCase
 TestStoreWithDisk.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+
+
+def test_tiny_blocks_for_a_replayer(tmp_path):
+    """The configuration a trace replayer uses: 64 B blocks standing for real ones, capacity in blocks exact."""
+    keys = Namespace("tiny").keys(range(300))
+    store = TieredStore.from_config({"dram_capacity": 50 * 64, "ssd_path": str(tmp_path), "ssd_capacity": 200 * 64,
+                                     "ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0}, 64)
+    data = blocks_for(keys, 64)
+    for i in range(0, 300, 10):
+        store.put(keys[i:i + 10], data[i:i + 10])
+    ssd = store.stats()["tiers"]["ssd"]
+    assert ssd["extra"]["slot_bytes"] == 64 and ssd["capacity_bytes"] == 200 * 64 and ssd["blocks"] == 200
+    out = torch.zeros(300, 64, dtype=torch.uint8)
+    hit = store.get(keys, out)
+    assert sum(hit) == 250 and all(torch.equal(out[i], data[i]) for i in range(300) if hit[i])
+    store.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 import xxhash
 
@@ -44,7 +46,7 @@ from kvtier.pins import PinTable
 from kvtier.policies import make_policy
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
-from kvtier.tiers.ssd_index import DiskIndex, IndexEntry
+from kvtier.tiers.ssd_index import DiskIndex, IndexEntry, IndexFault
 from kvtier.tiers.ssd_io import (ALIGN, STAGE_TIMEOUT_S, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
                                  probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
@@ -86,7 +88,6 @@ class DiskTier:
             self.capacity_bytes = num_slots * self.slot_bytes
             per_segment = max(1, segment_bytes // self.slot_bytes)
             self._files = SegmentFiles(self.path, self.slot_bytes, per_segment, num_slots, self.direct)
-            self._index = DiskIndex(self.path / "index", sync=fsync, map_size=max(64 << 20, num_slots * 256))
         except BaseException:
             os.close(self._dir_lock)
             raise
@@ -110,7 +111,12 @@ class DiskTier:
         self._counts: Counter[str] = Counter()
         self._stopped = ""  # why the tier stopped admitting; "" while it admits
         self._closed = False
-        self._restore()
+        try:
+            self._index = self._open_index(map_size=max(64 << 20, num_slots * 256))
+        except BaseException:
+            self._files.close()
+            os.close(self._dir_lock)
+            raise
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-ssd-io")
         # Bounce buffers for unaligned callers always exist; write-behind copies only when staging_bytes > 0.
         self._staging = StagingPool(self.slot_bytes, max(2, staging_bytes // self.slot_bytes))
@@ -329,7 +335,8 @@ class DiskTier:
             self._index.write(put=self._entries(keys, index, slots, sums))
         except OSError as e:
             self._abandon(keys, index, slots)
-            self._counts["write_errors"] += 1
+            with self._lock:
+                self._counts["write_errors"] += 1
             self.stop_admitting(e, "write")
             for i in index:
                 held[i] = False
@@ -446,7 +453,8 @@ class DiskTier:
             try:
                 self._index.write(delete=keys)
             except OSError as e:  # the entries stay on disk; their keyed checksums fail if the slot is reused
-                self._counts["index_errors"] += 1
+                with self._lock:
+                    self._counts["index_errors"] += 1
                 self.stop_admitting(e, "index update")
         if len(held_slots):
             with self._lock:
@@ -465,9 +473,30 @@ class DiskTier:
 
     # ---- opening -----------------------------------------------------------------------------------------
 
-    def _restore(self) -> None:
+    def _open_index(self, map_size: int) -> DiskIndex:
+        """Open the index and restore from it; a damaged index (a machine crash with fsync off, a disk error)
+        costs the cached blocks, never the store: the directory is wiped and starts empty."""
+        where = self.path / "index"
+        for attempt in (0, 1):
+            index = None
+            try:
+                index = DiskIndex(where, sync=self._fsync, map_size=map_size)
+                self._restore(index)
+                return index
+            except (IndexFault, lmdb.Error) as e:
+                if index is not None:
+                    index.close()
+                if attempt:
+                    raise
+                log.error("SSD tier at %s: its index cannot be read (%s); discarding the cached blocks and "
+                          "starting empty", self.path, e)
+                shutil.rmtree(where, ignore_errors=True)
+                self._files.remove_all()
+        raise AssertionError("unreachable")
+
+    def _restore(self, index: DiskIndex) -> None:
         """Load the index, keeping only entries the segment files can back (warm restart)."""
-        found = restore_index(self._index, self._files, self.block_bytes, self._fingerprint)
+        found = restore_index(index, self._files, self.block_bytes, self._fingerprint)
         for slot, key, checksum in found.blocks:
             self._slot_of[key] = slot
             self._checksum[slot] = checksum
