@@ -254,11 +254,7 @@ class DramTier:
         return slots
 
     def _free_idle_doomed(self) -> None:
-        if self._doomed:
-            idle = [s for s in self._doomed if self._busy[s] == 0]
-            if idle:
-                self._doomed.difference_update(idle)
-                self._alloc.free(idle)
+        self._alloc.free_idle(self._doomed, self._busy)
 
 
 def _first_occurrences(keys: Sequence[bytes], index: list[int]) -> list[int]:

@@ -50,6 +50,14 @@ class SlotAllocator:
         self._top += len(arr)
         self._is_free[arr] = True
 
+    def free_idle(self, doomed: set[int], busy: np.ndarray) -> None:
+        """Free the slots of ``doomed`` (dropped while in use) that ``busy`` now shows idle; keep the rest."""
+        if doomed:
+            idle = [s for s in doomed if busy[s] == 0]
+            if idle:
+                doomed.difference_update(idle)
+                self.free(idle)
+
 
 class ProtectedSlots:
     """What eviction must not take: pinned keys and keys whose slot is busy (being copied, read or written).

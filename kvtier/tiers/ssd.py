@@ -465,11 +465,7 @@ class DiskTier:
         return self.direct and (self.slot_bytes != self.block_bytes or bool((ptrs % np.uint64(ALIGN)).any()))
 
     def _free_idle_doomed(self) -> None:
-        if self._doomed:
-            idle = [s for s in self._doomed if self._busy[s] == 0]
-            if idle:
-                self._doomed.difference_update(idle)
-                self._alloc.free(idle)
+        self._alloc.free_idle(self._doomed, self._busy)
 
     # ---- opening -----------------------------------------------------------------------------------------
 
