@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
                 ssd = SegmentFIFO(cap, args.segment, reinsert=scheme.endswith("+reinsert"))
             r = simulate(files, args.lanes, dram, ssd)
             print(f"ssd {frac:>4.0%} of WS  {scheme:<24} dram {r['dram_hit']:.3f}  ssd {r['ssd_hit']:.3f}  "
-                  f"total {r['total_hit']:.3f}  ssd writes {r['ssd_writes']:>9}  per offered {r['writes_per_offered']:.2f}",
-                  flush=True)
+                  f"total {r['total_hit']:.3f}  ssd writes {r['ssd_writes']:>9}  "
+                  f"per offered {r['writes_per_offered']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,12 +51,12 @@ from kvtier.tiers.ssd_io import (ALIGN, STAGE_TIMEOUT_S, DirectoryInUse, Segment
                                  probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
 from kvtier.tiers.ssd_restore import restore_index
-from kvtier.tiers.ssd_write import WriteBehind, write_slots
+from kvtier.tiers.ssd_write import WriteBehind, WritePath
 
 log = logging.getLogger(__name__)
 
 
-class DiskTier:
+class DiskTier(WritePath):
     """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk.
 
     One DiskTier per directory (a lock file enforces it, across processes too). All methods are thread-safe
@@ -269,144 +269,6 @@ class DiskTier:
         self._after_reads([], [], failures)
         return len(failures)
 
-    # ---- the write path (used by put, put_later and WriteBehind) ---------------------------------------
-
-    def store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
-        """Write the blocks at ``ptrs``; return (held mask, keys newly stored). Bounces unaligned sources.
-
-        The batch's keys that are held already are protected meanwhile: a put never evicts what it names.
-        """
-        with self._lock:
-            protect = [s for s in (self._slot_of.get(k) for k in set(keys)) if s is not None]
-            self._busy[protect] += 1
-        try:
-            return self._store_rows(keys, ptrs)
-        finally:
-            with self._lock:
-                self._busy[protect] -= 1
-                self._free_idle_doomed()
-
-    def _store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
-        if not self._needs_bounce(ptrs):
-            return self._write_batch(keys, ptrs, staged=False)
-        held, stored = [False] * len(keys), []
-        i = 0
-        while i < len(keys):
-            chunks = self._staging.alloc(len(keys) - i, wait=True, timeout=STAGE_TIMEOUT_S)
-            if not chunks:
-                log.warning("SSD tier: no bounce memory within %.0f s; %d blocks not written", STAGE_TIMEOUT_S,
-                            len(keys) - i)
-                break
-            j = i + len(chunks)
-            addresses = self._staging.addresses(chunks)
-            try:
-                copy_rows(addresses, ptrs[i:j], self.block_bytes)
-                h, s = self._write_batch(keys[i:j], addresses, staged=False)
-            finally:
-                self._staging.free(chunks)
-            held[i:j] = h
-            stored += s
-            i = j
-        return held, stored
-
-    def _write_batch(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool
-                     ) -> tuple[list[bool], list[bytes]]:
-        held = [True] * len(keys)
-        with self._lock:
-            if self._stopped:
-                held = [k in self._slot_of for k in keys]
-                self._stats.rejected += held.count(False)
-                return held, []
-            index, slots, victims, refused = self._reserve(keys, staged)
-        for i in refused:
-            held[i] = False
-        if victims and self._on_evict is not None:
-            try:
-                self._on_evict(victims, [])
-            except Exception:
-                log.exception("SSD eviction listener failed for %d blocks", len(victims))
-        if not slots:
-            return held, []
-        try:
-            self._index.write(delete=victims)  # before their slots are overwritten: no entry points at new bytes
-            sums = write_slots(self, [keys[i] for i in index], slots, ptrs[index])
-            if self._fsync:
-                self._files.sync(sorted({self._files.place(s)[0] for s in slots}))
-            self._index.write(put=self._entries(keys, index, slots, sums))
-        except OSError as e:
-            self._abandon(keys, index, slots)
-            with self._lock:
-                self._counts["write_errors"] += 1
-            self.stop_admitting(e, "write")
-            for i in index:
-                held[i] = False
-            return held, []
-        return held, self._publish(keys, index, slots, sums)
-
-    def _reserve(self, keys: Sequence[bytes], staged: bool) -> tuple[list[int], list[int], list[bytes], list[int]]:
-        """Take a slot per new key, evicting if needed (lock held). Returns (index, slots, victims, refused)."""
-        slot_of, pending = self._slot_of, self._pending
-        new, seen = [], set()
-        for i, k in enumerate(keys):
-            if k in slot_of or k in pending or k in seen or (staged and k not in self._staged):
-                continue
-            seen.add(k)
-            new.append(i)
-        slots = self._alloc.alloc(len(new))
-        victims: list[bytes] = []
-        if len(slots) < len(new):
-            victims = self._policy.victims(len(new) - len(slots), self._protected)
-            slots += [slot_of.pop(v) for v in victims]
-            self._stats.evictions += len(victims)
-        refused = new[len(slots):]
-        new = new[: len(slots)]
-        for i, s in zip(new, slots):
-            pending[keys[i]] = s
-        self._busy[slots] += 1
-        self._stats.rejected += len(refused)
-        return new, slots, victims, refused
-
-    def _entries(self, keys: Sequence[bytes], index: list[int], slots: list[int], sums: Sequence[int]
-                 ) -> list[tuple[bytes, IndexEntry]]:
-        with self._lock:
-            seq0 = self._seq
-            self._seq += len(slots)
-        out = []
-        for n, (i, s, c) in enumerate(zip(index, slots, sums)):
-            seg, off = self._files.place(s)
-            out.append((keys[i], IndexEntry(seg, off, self.block_bytes, c, self._fingerprint, seq0 + n)))
-        return out
-
-    def _publish(self, keys: Sequence[bytes], index: list[int], slots: list[int], sums: Sequence[int]
-                 ) -> list[bytes]:
-        stored, removed = [], []
-        with self._lock:
-            for i, s, c in zip(index, slots, sums):
-                k = keys[i]
-                if self._pending.get(k) == s:
-                    del self._pending[k]
-                    self._slot_of[k] = s
-                    self._checksum[s] = c
-                    stored.append(k)
-                else:  # removed while being written: remove() doomed the slot
-                    removed.append(k)
-            self._busy[slots] -= 1
-            self._free_idle_doomed()
-            self._policy.insert(stored)
-            self._stats.puts += len(stored)
-            self._stats.put_bytes += len(stored) * self.block_bytes
-        self._unindex(removed)  # entries just written for keys removed meanwhile
-        return stored
-
-    def _abandon(self, keys: Sequence[bytes], index: list[int], slots: list[int]) -> None:
-        with self._lock:
-            for i, s in zip(index, slots):
-                if self._pending.get(keys[i]) == s:
-                    del self._pending[keys[i]]
-                self._doomed.add(s)
-            self._busy[slots] -= 1
-            self._free_idle_doomed()
-
     # ---- shared internals ------------------------------------------------------------------------------
 
     def stop_admitting(self, err: OSError, what: str) -> None:
@@ -460,9 +322,6 @@ class DiskTier:
             with self._lock:
                 np.subtract.at(self._busy, list(held_slots), 1)
                 self._free_idle_doomed()
-
-    def _needs_bounce(self, ptrs: np.ndarray) -> bool:
-        return self.direct and (self.slot_bytes != self.block_bytes or bool((ptrs % np.uint64(ALIGN)).any()))
 
     def _free_idle_doomed(self) -> None:
         self._alloc.free_idle(self._doomed, self._busy)
