@@ -12,7 +12,7 @@ a tier holds blocks of one size, so freed slots never fragment; every block is w
 with reinsertion rewrites hit blocks when their segment is reclaimed); the eviction policy is the same
 pluggable per-block one as DRAM's; and blocks of >= 64 KiB are written at full device speed wherever they
 land. Measured on agentic-cc (bench/ssd_eviction.py, SSD of 5-20% of the working set under a 10% DRAM): the
-per-block fifo policy serves exactly what segment FIFO does, and reinsertion cost 0.9-2.0 points of hit rate
+per-block fifo policy serves exactly what segment FIFO does, and reinsertion cost 1.0-2.0 points of hit rate
 while writing 1.3-3.1x the blocks.
 """
 
