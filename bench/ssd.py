@@ -80,9 +80,10 @@ def _bench_size(root: Path, bb: int, n: int, rounds: int, io_threads: int, pool:
     finally:
         tier.close()
         raw.close()
-    fields = {"tier": "ssd", "block_bytes": bb}
-    return [row({**fields, "op": "put"}, gbps(nbytes, median(times["put"])), gbps(nbytes, median(times["raw_write"]))),
-            row({**fields, "op": "get"}, gbps(nbytes, median(times["get"])), gbps(nbytes, median(times["raw_read"])))]
+    return [row({"tier": "ssd", "op": "put", "block_bytes": bb}, gbps(nbytes, median(times["put"])),
+                gbps(nbytes, median(times["raw_write"]))),
+            row({"tier": "ssd", "op": "get", "block_bytes": bb}, gbps(nbytes, median(times["get"])),
+                gbps(nbytes, median(times["raw_read"])))]
 
 
 class _RawFile:
