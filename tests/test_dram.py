@@ -170,3 +170,16 @@ def test_concurrent_readers_and_writers_on_one_tier(make_keys):
     assert not errors
     st = t.stats()
     assert st.used_bytes <= st.capacity_bytes and st.extra["pending"] == 0
+
+
+def test_put_never_evicts_keys_of_its_own_batch(make_keys):
+    t = tier(2)
+    keys = make_keys(3)
+    t.put(keys[:2], blocks_for(keys[:2], BB))
+    # keys[0] is held and named again: the new key may evict keys[1] (not in the batch), never keys[0].
+    assert t.put([keys[0], keys[2]], blocks_for([keys[0], keys[2]], BB)) == [True, True]
+    assert t.contains(keys) == [True, False, True]
+    # Now every held key is in the batch: the new key is refused rather than evicting one of them.
+    k3 = make_keys(1, start=3)[0]
+    assert t.put([keys[0], keys[2], k3], blocks_for([keys[0], keys[2], k3], BB)) == [True, True, False]
+    assert t.contains([keys[0], keys[2], k3]) == [True, True, False]

@@ -163,7 +163,13 @@ class DramTier:
                 return res
             if len({keys[i] for i in new}) < len(new):
                 new = _first_occurrences(keys, new)
+            # Keys of this batch that are already held are reported held: the batch's new keys must not
+            # evict them to make room.
+            keep = ([slot_of[k] for k in keys if k in slot_of]
+                    if len(new) < n and self._alloc.free_count < len(new) else [])
+            np.add.at(self._busy, keep, 1)
             slots = self._take_slots(len(new))
+            np.subtract.at(self._busy, keep, 1)
             for i in new[len(slots):]:
                 held[i] = False
             self._stats.rejected += len(new) - len(slots)
