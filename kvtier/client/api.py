@@ -1,0 +1,252 @@
+"""What each master op sends and what it answers: request builders (``Call``) and typed results.
+
+A ``Call`` is one request body plus the function that turns the reply body into a result object; the sync
+and the asyncio client both just send Calls, so each op is written once. Field layouts here are the wire
+contract the daemon's ops (master/ops_router.py, master/ops_node.py) implement.
+
+Pure data; no I/O; thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from kvtier import wire
+
+T = TypeVar("T")
+KeysLike = Sequence[bytes] | np.ndarray | bytes
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    op: str
+    body: dict[str, Any]
+    parse: Callable[[dict[str, Any]], T]
+
+
+# ---- results ---------------------------------------------------------------------------------------------
+
+@dataclass
+class PrefixHit:
+    """``blocks`` leading keys of the lookup are held in ``tier`` of ``node``."""
+
+    node: str
+    tier: str
+    blocks: int
+
+
+@dataclass
+class LookupResult:
+    """Per (node, tier), the leading keys held; ``any``: leading keys held by at least one live node."""
+
+    n: int
+    any: int
+    hits: list[PrefixHit]
+
+    def best(self) -> PrefixHit | None:
+        return max(self.hits, key=lambda h: h.blocks, default=None)
+
+    def for_node(self, node: str) -> dict[str, int]:
+        return {h.tier: h.blocks for h in self.hits if h.node == node}
+
+
+@dataclass
+class Plan:
+    """The master's estimate for serving the prompt on ``worker`` (seconds; tokens are block tokens)."""
+
+    worker: str
+    prefix_tokens: int  # leading tokens some live node holds
+    local_tokens: dict[str, int]  # of those, loaded from the worker's own tiers, by tier
+    remote_tokens: int  # of those, fetched from other nodes
+    load_s: float  # load the whole prefix
+    recompute_s: float  # recompute the whole prefix instead
+    load_tokens: int  # the cheapest plan: load this many leading tokens...
+    recompute_tokens: int  # ...and recompute the rest of the prompt
+    total_s: float  # its estimated seconds
+    sources: dict[str, int] = field(default_factory=dict)  # blocks per source ("local/dram", "node-b/ssd")
+
+    @classmethod
+    def from_wire(cls, p: Mapping[str, Any]) -> Plan:
+        plan = p["plan"]
+        return cls(worker=p["worker"], prefix_tokens=p["prefix_tokens"], local_tokens=p["local_tokens"],
+                   remote_tokens=p["remote_tokens"], load_s=p["load_s"], recompute_s=p["recompute_s"],
+                   load_tokens=plan["load_tokens"], recompute_tokens=plan["recompute_tokens"],
+                   total_s=plan["total_s"], sources=plan["sources"])
+
+
+@dataclass
+class CostResult:
+    n: int
+    prefix_blocks: int
+    plans: list[Plan]
+
+
+@dataclass
+class HeatResult:
+    """Per key: access count, decayed heat (accesses, halving every half-life), last access (unix s, 0: never)."""
+
+    count: list[int]
+    heat: list[float]
+    last: list[int]
+
+
+@dataclass
+class TopResult:
+    keys: list[bytes]
+    heat: list[float]
+    count: list[int]
+    last: list[int]
+
+
+@dataclass
+class Hints:
+    """Pins and priorities the master keeps. Expiry times are unix seconds; ``float('inf')``: no expiry."""
+
+    version: int
+    key_pins: dict[bytes, float] = field(default_factory=dict)
+    session_pins: dict[str, float] = field(default_factory=dict)
+    key_priority: dict[bytes, tuple[int, float]] = field(default_factory=dict)
+    session_priority: dict[str, tuple[int, float]] = field(default_factory=dict)
+    unchanged: bool = False  # the reply to hints(since=version): nothing changed, the maps are empty
+
+    @classmethod
+    def from_wire(cls, b: Mapping[str, Any]) -> Hints:
+        if b.get("unchanged"):
+            return cls(version=b["version"], unchanged=True)
+
+        def t(x: float) -> float:
+            return float("inf") if x == 0 else x
+
+        pins, prio = b["pins"], b["priority"]
+        return cls(
+            version=b["version"],
+            key_pins={k: t(e) for k, e in zip(wire.unpack_keys(pins["keys"]), pins["expires"])},
+            session_pins={s: t(e) for s, e in b["session_pins"].items()},
+            key_priority={k: (lv, t(e)) for k, lv, e in zip(wire.unpack_keys(prio["keys"]), prio["levels"],
+                                                               prio["expires"])},
+            session_priority={s: (lv, t(e)) for s, (lv, e) in b["session_priority"].items()},
+        )
+
+
+@dataclass
+class NodeReply:
+    """The master's answer to register / heartbeat / events / inventory."""
+
+    resync: bool  # send a full inventory
+    applied_seq: int | None
+    lease_s: float | None = None
+    hints_version: int | None = None
+    next_part: int | None = None
+
+    @classmethod
+    def from_wire(cls, b: Mapping[str, Any]) -> NodeReply:
+        return cls(resync=bool(b.get("resync", False)), applied_seq=b.get("applied_seq"),
+                   lease_s=b.get("lease_s"), hints_version=b.get("hints_version"), next_part=b.get("next_part"))
+
+
+# ---- calls -----------------------------------------------------------------------------------------------
+
+def _keys(keys: KeysLike) -> bytes:
+    return wire.pack_keys(keys)
+
+
+def _hint_body(keys: KeysLike | None, session: str | None) -> dict[str, Any]:
+    if keys is None and session is None:
+        raise ValueError("give keys or a session (or both)")
+    body: dict[str, Any] = {}
+    if keys is not None:
+        body["keys"] = _keys(keys)
+    if session is not None:
+        body["session"] = session
+    return body
+
+
+def ping() -> Call[dict[str, Any]]:
+    return Call(wire.PING, {}, dict)
+
+
+def lookup(keys: KeysLike, touch: bool = True) -> Call[LookupResult]:
+    return Call(wire.LOOKUP, {"keys": _keys(keys), "touch": touch},
+                lambda b: LookupResult(b["n"], b["any"], [PrefixHit(*h) for h in b["prefix"]]))
+
+
+def cost(keys: KeysLike, candidates: Sequence[str], block_tokens: int, prefill_tokens_per_s: float,
+         prompt_tokens: int | None = None, touch: bool = True) -> Call[CostResult]:
+    model: dict[str, Any] = {"block_tokens": block_tokens, "prefill_tokens_per_s": prefill_tokens_per_s}
+    if prompt_tokens is not None:
+        model["prompt_tokens"] = prompt_tokens
+    return Call(wire.COST, {"keys": _keys(keys), "candidates": list(candidates), "model": model, "touch": touch},
+                lambda b: CostResult(b["n"], b["prefix_blocks"], [Plan.from_wire(p) for p in b["plans"]]))
+
+
+def route_put(sizes: Sequence[int], requester: str | None = None, keys: KeysLike | None = None,
+              policy: str | None = None) -> Call[list[tuple[str, str] | None]]:
+    body: dict[str, Any] = {"sizes": [int(s) for s in sizes], "requester": requester, "policy": policy}
+    if keys is not None:
+        body["keys"] = _keys(keys)
+    return Call(wire.ROUTE_PUT, body, lambda b: [tuple(t) if t else None for t in b["targets"]])  # type: ignore[misc]
+
+
+def heat(keys: KeysLike) -> Call[HeatResult]:
+    return Call(wire.HEAT, {"keys": _keys(keys)}, lambda b: HeatResult(b["count"], b["heat"], b["last"]))
+
+
+def top(n: int) -> Call[TopResult]:
+    return Call(wire.TOP, {"n": n},
+                lambda b: TopResult(wire.unpack_keys(b["keys"]), b["heat"], b["count"], b["last"]))
+
+
+def nodes() -> Call[list[dict[str, Any]]]:
+    return Call(wire.NODES, {}, lambda b: b["nodes"])
+
+
+def pin(keys: KeysLike | None = None, session: str | None = None, ttl_s: float = 0.0) -> Call[int]:
+    return Call(wire.PIN, {**_hint_body(keys, session), "ttl_s": ttl_s}, lambda b: b["count"])
+
+
+def unpin(keys: KeysLike | None = None, session: str | None = None) -> Call[int]:
+    return Call(wire.UNPIN, _hint_body(keys, session), lambda b: b["count"])
+
+
+def priority(level: int, keys: KeysLike | None = None, session: str | None = None, ttl_s: float = 0.0) -> Call[int]:
+    return Call(wire.PRIORITY, {**_hint_body(keys, session), "level": level, "ttl_s": ttl_s}, lambda b: b["count"])
+
+
+def hints(since: int = -1) -> Call[Hints]:
+    return Call(wire.HINTS, {"since": since}, Hints.from_wire)
+
+
+# Node side (kvtier.client.NodeAgent uses these; a benchmark or a custom node may too).
+
+def register(node: str, incarnation: str, seq: int, tiers: Sequence[tuple[str, int]], address: str = "",
+             labels: Mapping[str, str] | None = None) -> Call[NodeReply]:
+    return Call(wire.REGISTER, {"node": node, "incarnation": incarnation, "seq": seq, "address": address,
+                                "tiers": [[name, int(cap)] for name, cap in tiers], "labels": dict(labels or {})},
+                NodeReply.from_wire)
+
+
+def heartbeat(node: str, incarnation: str, seq: int, used: Mapping[str, int], bw: Mapping[str, float],
+              path_bw: Mapping[str, float], rpc_latency_s: float) -> Call[NodeReply]:
+    return Call(wire.HEARTBEAT, {"node": node, "incarnation": incarnation, "seq": seq, "used": dict(used),
+                                 "bw": dict(bw), "path_bw": dict(path_bw), "rpc_latency_s": rpc_latency_s},
+                NodeReply.from_wire)
+
+
+def events(node: str, incarnation: str, seq: int,
+           batch: Sequence[tuple[int, str, KeysLike, int]]) -> Call[NodeReply]:
+    """``batch``: (wire.ADD or wire.REMOVE, tier, keys, block_bytes) in the order they happened."""
+    return Call(wire.EVENTS, {"node": node, "incarnation": incarnation, "seq": seq,
+                              "events": [[kind, tier, _keys(keys), int(size)] for kind, tier, keys, size in batch]},
+                NodeReply.from_wire)
+
+
+def inventory(node: str, incarnation: str, seq: int, part: int, last: bool, tiers: Mapping[str, KeysLike],
+              block_bytes: Mapping[str, int]) -> Call[NodeReply]:
+    return Call(wire.INVENTORY, {"node": node, "incarnation": incarnation, "seq": seq, "part": part, "last": last,
+                                 "tiers": {t: _keys(k) for t, k in tiers.items()},
+                                 "block_bytes": {t: int(b) for t, b in block_bytes.items()}},
+                NodeReply.from_wire)

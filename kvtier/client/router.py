@@ -1,0 +1,82 @@
+"""Router: rank candidate workers for a prompt by what the master estimates each would cost.
+
+    router = Router(MasterClient("tcp://master:7300"), Namespace("meta-llama/Llama-3.1-8B", layout.fingerprint),
+                    hasher=VllmBlockHasher(16), prefill_tokens_per_s=20_000)
+    best = router.rank(token_ids, ["w1", "w2", "w3"])[0]      # Plan: worker, total_s, load/recompute split
+
+Keys are computed the way the engine computed them (an engine hasher from kvtier.hashers, folded into the
+namespace exactly as the connectors fold engine hashes), or by kvtier's own chained hash when no hasher is
+given; a caller holding keys already passes them instead of token ids.
+
+Thread-safety and blocking follow the client: ``rank`` blocks on a MasterClient, ``rank_async`` awaits an
+AsyncMasterClient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.client.api import Plan
+from kvtier.client.master import AsyncMasterClient, MasterClient
+from kvtier.hashers import BlockHasher
+from kvtier.keys import KEY_BYTES, Namespace
+
+
+class Router:
+    """Cost-ranked worker choice. ``block_tokens`` defaults to the hasher's block size."""
+
+    def __init__(self, client: MasterClient | AsyncMasterClient, namespace: Namespace, *,
+                 hasher: BlockHasher | None = None, block_tokens: int | None = None,
+                 prefill_tokens_per_s: float = 10_000.0) -> None:
+        if block_tokens is None:
+            if hasher is None:
+                raise ValueError("give block_tokens (or a hasher, whose block size it then is)")
+            block_tokens = hasher.block_size
+        if hasher is not None and hasher.block_size != block_tokens:
+            raise ValueError(f"hasher block size {hasher.block_size} != block_tokens {block_tokens}")
+        if not prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s}")
+        self.client = client
+        self.namespace = namespace
+        self.hasher = hasher
+        self.block_tokens = block_tokens
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+
+    def keys_for(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The keys the engine stored for the full blocks of ``token_ids``."""
+        if self.hasher is None:
+            return self.namespace.chain(token_ids, self.block_tokens)
+        return self.namespace.keys(self.hasher.hashes(token_ids))
+
+    def _request(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray) -> tuple[list[bytes], int]:
+        """(keys, prompt tokens) for token ids or for keys."""
+        if len(prompt) and isinstance(prompt[0], (bytes, bytearray)):
+            keys = [bytes(k) for k in prompt]  # type: ignore[arg-type]
+            if any(len(k) != KEY_BYTES for k in keys):
+                raise ValueError(f"keys must be {KEY_BYTES} bytes each")
+            return keys, len(keys) * self.block_tokens
+        return self.keys_for(prompt), len(prompt)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _ranked(plans: list[Plan]) -> list[Plan]:
+        # Cheapest first; among equals, the one holding more locally (it spends no network).
+        return sorted(plans, key=lambda p: (p.total_s, -sum(p.local_tokens.values())))
+
+    def rank(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, workers: Sequence[str]) -> list[Plan]:
+        """Plans for ``workers``, cheapest first. ``prompt``: token ids, or the prompt's block keys."""
+        if not isinstance(self.client, MasterClient):
+            raise TypeError("rank() needs a MasterClient; use rank_async() with an AsyncMasterClient")
+        keys, tokens = self._request(prompt)
+        res = self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s, prompt_tokens=tokens)
+        return self._ranked(res.plans)
+
+    async def rank_async(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray,
+                         workers: Sequence[str]) -> list[Plan]:
+        if not isinstance(self.client, AsyncMasterClient):
+            raise TypeError("rank_async() needs an AsyncMasterClient; use rank() with a MasterClient")
+        keys, tokens = self._request(prompt)
+        res = await self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s,
+                                     prompt_tokens=tokens)
+        return self._ranked(res.plans)

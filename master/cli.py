@@ -1,0 +1,97 @@
+"""``kvtier-master``: start the cluster directory daemon.
+
+    kvtier-master --bind tcp://127.0.0.1:7300 --data-dir /var/lib/kvtier-master --metrics-port 9310
+
+Errors at start-up (address in use, unwritable data dir, bad option) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import zmq
+
+from kvtier.master.cost import DEFAULT_TIER_BW, CostDefaults
+from kvtier.master.persist import DiskError
+from kvtier.master.placement import known_placements, make_placement
+from kvtier.master.server import MasterServer
+from kvtier.master.service import MasterSettings
+from kvtier.units import parse_bytes
+
+
+def _bandwidths(text: str) -> dict[str, float]:
+    out = dict(DEFAULT_TIER_BW)
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected tier=bytes_per_s, got {item!r}")
+        out[name.strip()] = float(parse_bytes(value.strip().removesuffix("/s")))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = MasterSettings()
+    p = argparse.ArgumentParser(prog="kvtier-master", description="kvtier cluster directory: where every KV "
+                                "block is, how hot it is, and what it costs to bring back")
+    p.add_argument("--bind", default=d.bind, help=f"zmq endpoint to serve on (default {d.bind}; "
+                   "tcp://host:* picks a free port)")
+    p.add_argument("--data-dir", help="directory for the lmdb state (nodes, hints, directory snapshots); "
+                   "without it nothing survives a restart")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port,
+                   help=f"Prometheus port (default {d.metrics_port}; 0 picks a free one; -1 disables)")
+    p.add_argument("--metrics-host", default=d.metrics_host, help=f"metrics bind address (default {d.metrics_host})")
+    p.add_argument("--lease-s", type=float, default=d.lease_s,
+                   help=f"a node silent this long is dead and its placements vanish (default {d.lease_s})")
+    p.add_argument("--heat-half-life-s", type=float, default=d.heat_half_life_s,
+                   help=f"half-life of a key's access heat (default {d.heat_half_life_s})")
+    p.add_argument("--placement", default=d.placement, help=f"route_put policy: {', '.join(known_placements())} "
+                   f"or package.module:Class (default {d.placement})")
+    p.add_argument("--max-batch-keys", type=int, default=d.max_batch_keys,
+                   help=f"largest batch one request may carry (default {d.max_batch_keys})")
+    p.add_argument("--snapshot-interval-s", type=float, default=d.snapshot_interval_s,
+                   help=f"write a directory snapshot this often, 0: only at shutdown (default {d.snapshot_interval_s})")
+    p.add_argument("--tier-bw", type=_bandwidths, default=dict(DEFAULT_TIER_BW),
+                   help="bandwidth per tier name where nodes have measured none yet, e.g. "
+                   "'dram=20GB,ssd=3GB' (bytes/s; defaults: "
+                   + ", ".join(f"{k}={v / 1e9:g}GB" for k, v in DEFAULT_TIER_BW.items()) + ")")
+    p.add_argument("--path-bw", type=lambda s: float(parse_bytes(s)), default=CostDefaults().path_bw,
+                   help="node-to-node bandwidth where none is measured yet (bytes/s, default 10GB)")
+    p.add_argument("--ready-file", help="write {endpoint, metrics_port, pid} as JSON here once serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.lease_s <= 0 or args.heat_half_life_s <= 0:
+            raise ValueError("--lease-s and --heat-half-life-s must be > 0")
+        if args.max_batch_keys <= 0:
+            raise ValueError("--max-batch-keys must be > 0")
+        make_placement(args.placement)
+        settings = MasterSettings(
+            bind=args.bind, data_dir=args.data_dir,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port, metrics_host=args.metrics_host,
+            lease_s=args.lease_s, heat_half_life_s=args.heat_half_life_s, placement=args.placement,
+            max_batch_keys=args.max_batch_keys, snapshot_interval_s=args.snapshot_interval_s,
+            cost=CostDefaults(tier_bw=args.tier_bw, path_bw=args.path_bw),
+        )
+        server = MasterServer(settings, ready_file=args.ready_file)
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency; a plain loop still works
+            asyncio.run(server.run())
+        else:
+            uvloop.run(server.run())
+    except (ValueError, OSError, DiskError, zmq.ZMQError) as e:
+        print(f"kvtier-master: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

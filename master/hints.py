@@ -1,0 +1,131 @@
+"""HintTable: pins and priorities that routers set on keys or sessions, kept for the nodes' policies to read.
+
+A router that knows an agent session comes back in 30 s pins that session (or its prefix keys) with a TTL;
+a node's eviction policy keeps pinned blocks and prefers evicting low-priority ones. The master does not
+enforce hints (the nodes own their memory); it keeps them, persists them, expires them, and serves them
+with a version number that heartbeat replies carry, so nodes refetch only when something changed.
+
+Expiry times are wall-clock unix seconds (they persist across restarts); 0 on the wire means "no expiry".
+Runs in the master's event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvtier.wire import ERR_TOO_LARGE, WireError, pack_keys, unpack_keys
+
+NEVER = float("inf")
+
+
+def _expiry(now: float, ttl_s: float) -> float:
+    return now + ttl_s if ttl_s > 0 else NEVER
+
+
+def _wire_time(t: float) -> float:
+    return 0.0 if t == NEVER else t
+
+
+def _from_wire_time(t: float) -> float:
+    return NEVER if t == 0 else t
+
+
+class HintTable:
+    """Pins and priorities by key (16-byte) or session (a string), each with an expiry; at most ``max_keys``
+    keyed hints in all (a router bug must not grow the master without bound)."""
+
+    def __init__(self, max_keys: int = 1 << 20) -> None:
+        self.max_keys = max_keys
+        self.key_pins: dict[bytes, float] = {}
+        self.session_pins: dict[str, float] = {}
+        self.key_priority: dict[bytes, tuple[int, float]] = {}
+        self.session_priority: dict[str, tuple[int, float]] = {}
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self.key_pins) + len(self.session_pins) + len(self.key_priority) + len(self.session_priority)
+
+    def _room(self, adding: int) -> None:
+        if len(self.key_pins) + len(self.key_priority) + adding > self.max_keys:
+            raise WireError(ERR_TOO_LARGE, f"hints would exceed {self.max_keys} keyed hints; unpin some, "
+                                           "pin sessions instead of keys, or use shorter TTLs")
+
+    def pin(self, keys: Iterable[bytes], session: str | None, ttl_s: float, now: float) -> int:
+        """Pin keys and/or a session until now + ttl_s (0: until unpinned). A repeated pin extends it."""
+        keys = list(keys)
+        self._room(len(keys))
+        until = _expiry(now, ttl_s)
+        for k in keys:
+            self.key_pins[k] = until
+        if session is not None:
+            self.session_pins[session] = until
+        self.version += 1
+        return len(keys) + (session is not None)
+
+    def unpin(self, keys: Iterable[bytes], session: str | None) -> int:
+        n = sum(self.key_pins.pop(k, None) is not None for k in keys)
+        if session is not None:
+            n += self.session_pins.pop(session, None) is not None
+        self.version += 1
+        return n
+
+    def set_priority(self, keys: Iterable[bytes], session: str | None, level: int, ttl_s: float,
+                     now: float) -> int:
+        """Priority ``level`` (higher: keep longer; 0 removes the hint) for keys and/or a session."""
+        keys = list(keys)
+        until = _expiry(now, ttl_s)
+        if level == 0:
+            for k in keys:
+                self.key_priority.pop(k, None)
+            if session is not None:
+                self.session_priority.pop(session, None)
+        else:
+            self._room(len(keys))
+            for k in keys:
+                self.key_priority[k] = (level, until)
+            if session is not None:
+                self.session_priority[session] = (level, until)
+        self.version += 1
+        return len(keys) + (session is not None)
+
+    def expire(self, now: float) -> bool:
+        """Drop expired hints; True if anything changed."""
+        before = len(self)
+        for d in (self.key_pins, self.session_pins):
+            for k in [k for k, t in d.items() if t <= now]:
+                del d[k]
+        for p in (self.key_priority, self.session_priority):
+            for k in [k for k, (_, t) in p.items() if t <= now]:
+                del p[k]
+        if len(self) != before:
+            self.version += 1
+            return True
+        return False
+
+    # ---- wire and disk (one form for both) -----------------------------------------------------------------
+
+    def to_wire(self) -> dict[str, Any]:
+        pins = list(self.key_pins.items())
+        prio = list(self.key_priority.items())
+        return {
+            "version": self.version,
+            "pins": {"keys": pack_keys([k for k, _ in pins]), "expires": [_wire_time(t) for _, t in pins]},
+            "session_pins": {s: _wire_time(t) for s, t in self.session_pins.items()},
+            "priority": {"keys": pack_keys([k for k, _ in prio]), "levels": [lv for _, (lv, _) in prio],
+                         "expires": [_wire_time(t) for _, (_, t) in prio]},
+            "session_priority": {s: [lv, _wire_time(t)] for s, (lv, t) in self.session_priority.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], max_keys: int = 1 << 20) -> HintTable:
+        table = cls(max_keys)
+        table.version = int(data["version"])
+        pins = data["pins"]
+        table.key_pins = {k: _from_wire_time(t) for k, t in zip(unpack_keys(pins["keys"]), pins["expires"])}
+        table.session_pins = {s: _from_wire_time(t) for s, t in data["session_pins"].items()}
+        prio = data["priority"]
+        table.key_priority = {k: (lv, _from_wire_time(t))
+                              for k, lv, t in zip(unpack_keys(prio["keys"]), prio["levels"], prio["expires"])}
+        table.session_priority = {s: (lv, _from_wire_time(t)) for s, (lv, t) in data["session_priority"].items()}
+        return table

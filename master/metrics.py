@@ -1,0 +1,80 @@
+"""Prometheus metrics of the master (prometheus_client, served on ``--metrics-port``).
+
+Requests per op and status (rates come from ``rate(kvtier_master_requests_total[1m])``), latency histograms
+per op, keys per op, nodes per state, directory size and memory, and per node and tier: capacity, used bytes,
+utilization, measured bandwidth, plus per node RPC latency and resyncs. Op labels are only the known op
+names ("unknown" otherwise): a client must not be able to blow up label cardinality.
+
+Updated from the master's event loop; prometheus_client serves them from its own HTTP thread (its metric
+objects are thread-safe).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvtier import wire
+
+KNOWN_OPS = frozenset({
+    wire.PING, wire.LOOKUP, wire.COST, wire.ROUTE_PUT, wire.HEAT, wire.TOP, wire.NODES, wire.PIN, wire.UNPIN,
+    wire.PRIORITY, wire.HINTS, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS, wire.INVENTORY,
+})
+LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
+
+
+class MasterMetrics:
+    """The master's metric objects in their own registry (several masters can live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvtier_master_requests", "Requests served, by op and status (ok or an error "
+                                "code)", ["op", "status"], registry=r)
+        self.latency = Histogram("kvtier_master_request_seconds", "Time to serve a request inside the master, "
+                                 "by op", ["op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.keys = Counter("kvtier_master_request_keys", "Keys carried by requests, by op", ["op"], registry=r)
+        self.nodes = Gauge("kvtier_master_nodes", "Nodes by state (live, syncing, pending, dead)", ["state"],
+                           registry=r)
+        self.entries = Gauge("kvtier_master_directory_keys", "Keys in the directory (held by >= 1 location)",
+                             registry=r)
+        self.directory_bytes = Gauge("kvtier_master_directory_bytes", "Bytes of the directory's arrays",
+                                     registry=r)
+        self.hints = Gauge("kvtier_master_hints", "Pins and priorities kept (keys and sessions)", registry=r)
+        self.node_capacity = Gauge("kvtier_master_node_capacity_bytes", "Tier capacity a node registered",
+                                   ["node", "tier"], registry=r)
+        self.node_used = Gauge("kvtier_master_node_used_bytes", "Tier bytes in use (last heartbeat)",
+                               ["node", "tier"], registry=r)
+        self.node_utilization = Gauge("kvtier_master_node_utilization", "Used / capacity per node tier",
+                                      ["node", "tier"], registry=r)
+        self.node_bandwidth = Gauge("kvtier_master_node_bandwidth_bytes_per_second", "Measured transfer "
+                                    "bandwidth (EWMA) per node tier", ["node", "tier"], registry=r)
+        self.node_rpc_latency = Gauge("kvtier_master_node_rpc_latency_seconds", "Measured RPC latency (EWMA) "
+                                      "per node", ["node"], registry=r)
+        self.resyncs = Counter("kvtier_master_node_resyncs", "Full inventories started, per node", ["node"],
+                               registry=r)
+        self.lease_expiries = Counter("kvtier_master_lease_expiries", "Nodes declared dead for silence",
+                                      registry=r)
+        self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
+
+    def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
+        label = op if op in KNOWN_OPS else "unknown"
+        child = self._children.get((label, status))
+        if child is None:
+            child = (self.requests.labels(label, status), self.latency.labels(label), self.keys.labels(label))
+            self._children[(label, status)] = child
+        req, lat, keys = child
+        req.inc()  # type: ignore[attr-defined]
+        lat.observe(seconds)  # type: ignore[attr-defined]
+        if nkeys:
+            keys.inc(nkeys)  # type: ignore[attr-defined]
+
+    def node_tier(self, node: str, tier: str, capacity: int, used: int, bw: float) -> None:
+        self.node_capacity.labels(node, tier).set(capacity)
+        self.node_used.labels(node, tier).set(used)
+        self.node_utilization.labels(node, tier).set(used / capacity if capacity else 0.0)
+        self.node_bandwidth.labels(node, tier).set(bw)
+
+    def serve(self, port: int, host: str) -> int:
+        """Start the HTTP endpoint; returns the port it bound (``port`` 0 picks a free one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)

@@ -1,0 +1,279 @@
+"""NodeRegistry: the nodes of the cluster, their leases, their measured signals, and their directory locations.
+
+A node goes through these states:
+
+    (register) -> syncing --inventory done--> live --silent for a lease--> dead
+                    ^                           |
+                    +------- seq gap -----------+
+    pending: loaded from disk after a master restart, not heard from yet (not answered from, lease running)
+
+Only *live* nodes are answered from: a syncing node's placements are incomplete, a pending one's may be
+stale, a dead one's are gone. Each (node, tier) of a sync generation owns one *location* (a bit of the
+directory masks); a new sync generation or a death retires the old locations, which the directory sweeps
+and hands back here for reuse.
+
+Runs in the master's event loop; not thread-safe. Times: ``now`` is time.monotonic() (leases), except
+``registered_at`` (wall clock, for humans).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.master.directory import location_words
+
+log = logging.getLogger(__name__)
+
+LIVE, SYNCING, PENDING, DEAD = "live", "syncing", "pending", "dead"
+
+
+@dataclass
+class TierState:
+    """One tier of a node as its heartbeats describe it. ``bw`` 0.0 means not measured yet."""
+
+    name: str
+    capacity: int
+    used: int = 0
+    bw: float = 0.0  # bytes/s, EWMA of real transfers out of this tier, measured by the node
+    promised: int = 0  # bytes route_put sent here since the last heartbeat (not yet in ``used``)
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.used - self.promised)
+
+
+@dataclass
+class Node:
+    """What the master knows about one node (a process holding a TieredStore: an engine or kvtier-pool)."""
+
+    node_id: str
+    address: str
+    tiers: dict[str, TierState]  # in the node's order, fastest first
+    labels: dict[str, str]
+    incarnation: str
+    state: str = SYNCING
+    locations: dict[str, int] = field(default_factory=dict)  # tier -> location, for the current sync generation
+    applied_seq: int | None = None  # last event sequence number applied; None: needs a full inventory
+    next_part: int | None = None  # next inventory part expected while syncing
+    last_seen: float = 0.0
+    path_bw: dict[str, float] = field(default_factory=dict)  # peer node id -> bytes/s into this node
+    rpc_latency_s: float = 0.0
+    registered_at: float = field(default_factory=time.time)
+
+    def view(self, now: float, lease_s: float) -> dict[str, Any]:
+        """The node as the ``nodes`` op answers it."""
+        return {
+            "node": self.node_id, "address": self.address, "state": self.state, "labels": self.labels,
+            "incarnation": self.incarnation, "applied_seq": self.applied_seq,
+            "silent_s": round(max(0.0, now - self.last_seen), 3), "lease_s": lease_s,
+            "rpc_latency_s": self.rpc_latency_s, "path_bw": self.path_bw,
+            "tiers": [{"name": t.name, "capacity": t.capacity, "used": t.used, "bw": t.bw} for t in self.tiers.values()],
+            "registered_at": self.registered_at,
+        }
+
+    def record(self) -> dict[str, Any]:
+        """What persists across master restarts (liveness does not: a restarted master hears nodes anew)."""
+        return {"node": self.node_id, "address": self.address, "labels": self.labels,
+                "incarnation": self.incarnation, "registered_at": self.registered_at,
+                "tiers": [[t.name, t.capacity] for t in self.tiers.values()]}
+
+
+class NodeRegistry:
+    """Nodes by id, leases of ``lease_s`` seconds, and the location numbering the directory masks use."""
+
+    def __init__(self, lease_s: float) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
+        self.lease_s = lease_s
+        self.nodes: dict[str, Node] = {}
+        self._owner: list[tuple[str, str] | None] = []  # location -> (node, tier) while owned
+        self._free: list[int] = []  # swept locations, reusable
+        self._live_mask = np.zeros(1, np.uint64)
+        self._live_dirty = True
+        self._next_deadline = float("inf")
+
+    # ---- locations -------------------------------------------------------------------------------------
+
+    @property
+    def location_count(self) -> int:
+        """Locations ever numbered (owned, retired or free): the directory masks need this many bits."""
+        return len(self._owner)
+
+    def owner(self, loc: int) -> tuple[str, str] | None:
+        return self._owner[loc] if loc < len(self._owner) else None
+
+    def _allocate(self, node: Node) -> None:
+        for tier in node.tiers:
+            if self._free:
+                self._free.sort()
+                loc = self._free.pop(0)
+                self._owner[loc] = (node.node_id, tier)
+            else:
+                loc = len(self._owner)
+                self._owner.append((node.node_id, tier))
+            node.locations[tier] = loc
+
+    def _retire(self, node: Node) -> list[int]:
+        """Take the node's locations away (their bits are swept by the directory, then ``release``d)."""
+        locs = list(node.locations.values())
+        node.locations = {}
+        self._live_dirty = True
+        return locs
+
+    def release(self, locations: list[int]) -> None:
+        """The directory swept these locations clean: they may be numbered again."""
+        for loc in locations:
+            if loc < len(self._owner) and self._owner[loc] is None and loc not in self._free:
+                self._free.append(loc)
+
+    def mark_retired(self, locations: list[int]) -> None:
+        """Locations whose bits may still be in the directory but that no node owns (before a sweep)."""
+        for loc in locations:
+            while loc >= len(self._owner):
+                self._owner.append(None)
+            self._owner[loc] = None
+
+    # ---- node lifecycle --------------------------------------------------------------------------------
+
+    def register(self, node_id: str, address: str, tiers: list[tuple[str, int]], labels: dict[str, str],
+                 incarnation: str, seq: int, now: float) -> tuple[Node, bool, list[int]]:
+        """Register (or re-register) a node. Returns (node, needs_inventory, retired locations).
+
+        A node that re-registers with the incarnation and sequence number the master last applied (a master
+        restart, a lost reply) keeps its placements; anything else starts a new sync generation.
+        """
+        old = self.nodes.get(node_id)
+        tier_states = {name: TierState(name, cap) for name, cap in tiers}
+        keep = (old is not None and old.incarnation == incarnation and old.state != DEAD
+                and old.applied_seq == seq and old.locations and list(old.tiers) == list(tier_states))
+        retired: list[int] = []
+        if keep and old is not None:
+            node = old
+            node.address, node.labels = address, labels
+            for name, t in tier_states.items():
+                node.tiers[name].capacity = t.capacity
+            node.state = LIVE
+        else:
+            if old is not None:
+                retired = self._retire(old)
+            node = Node(node_id, address, tier_states, labels, incarnation, state=SYNCING)
+            if old is not None and old.incarnation == incarnation:
+                node.registered_at = old.registered_at
+            self.nodes[node_id] = node
+        node.last_seen = now
+        self._changed()
+        return node, not keep, retired
+
+    def begin_inventory(self, node: Node) -> list[int]:
+        """Part 0 of a full inventory: a fresh sync generation. Returns the retired old locations."""
+        retired = self._retire(node)
+        node.state = SYNCING
+        node.applied_seq = None
+        self._allocate(node)
+        node.next_part = 1
+        self._changed()
+        return retired
+
+    def finish_inventory(self, node: Node, seq: int) -> None:
+        node.state = LIVE
+        node.applied_seq = seq
+        node.next_part = None
+        self._changed()
+
+    def lose_sync(self, node: Node, why: str) -> list[int]:
+        """The node's placements can no longer be trusted (an event gap): stop answering from them."""
+        log.warning("node %s out of sync (%s): its placements are dropped until it sends a full inventory",
+                    node.node_id, why)
+        node.state = SYNCING
+        node.applied_seq = None
+        node.next_part = None
+        retired = self._retire(node)
+        self._changed()
+        return retired
+
+    def expire(self, now: float) -> list[int]:
+        """Mark nodes silent for longer than their lease dead; returns their retired locations."""
+        if now < self._next_deadline:
+            return []
+        retired: list[int] = []
+        for node in self.nodes.values():
+            if node.state != DEAD and now - node.last_seen > self.lease_s:
+                log.warning("node %s lease expired: silent %.1f s > lease %.1f s; dropping its placements "
+                            "(state was %s)", node.node_id, now - node.last_seen, self.lease_s, node.state)
+                node.state = DEAD
+                node.applied_seq = None
+                retired += self._retire(node)
+        self._changed()
+        return retired
+
+    def heard_from(self, node: Node, now: float) -> None:
+        node.last_seen = now
+        deadline = now + self.lease_s
+        if deadline < self._next_deadline:
+            self._next_deadline = deadline
+
+    def _changed(self) -> None:
+        self._live_dirty = True
+        alive = [n.last_seen for n in self.nodes.values() if n.state != DEAD]
+        self._next_deadline = min(alive) + self.lease_s if alive else float("inf")
+
+    # ---- answers ---------------------------------------------------------------------------------------
+
+    def live_mask(self, words: int) -> np.ndarray:
+        """Bits of the locations of live nodes (what every answer ANDs placements with)."""
+        if self._live_dirty or len(self._live_mask) != words:
+            locs = [loc for n in self.nodes.values() if n.state == LIVE for loc in n.locations.values()]
+            self._live_mask = location_words(locs, words)
+            self._live_dirty = False
+        return self._live_mask
+
+    def live_nodes(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.state == LIVE]
+
+    def counts(self) -> dict[str, int]:
+        out = {LIVE: 0, SYNCING: 0, PENDING: 0, DEAD: 0}
+        for n in self.nodes.values():
+            out[n.state] += 1
+        return out
+
+    # ---- restart ---------------------------------------------------------------------------------------
+
+    def load(self, records: list[dict[str, Any]], synced: dict[str, dict[str, Any]], now: float) -> None:
+        """Nodes from disk after a restart: pending, with the locations and sequence number of the directory
+        snapshot (``synced``: node id -> {"incarnation", "seq", "locations"}) where it has them."""
+        for rec in records:
+            tiers = {name: TierState(name, cap) for name, cap in rec["tiers"]}
+            node = Node(rec["node"], rec["address"], tiers, rec["labels"], rec["incarnation"], state=PENDING,
+                        registered_at=rec["registered_at"], last_seen=now)
+            snap = synced.get(node.node_id)
+            if snap and snap["incarnation"] == node.incarnation and set(snap["locations"]) == set(tiers):
+                node.applied_seq = snap["seq"]
+                node.locations = dict(snap["locations"])
+                for tier, loc in node.locations.items():
+                    while loc >= len(self._owner):
+                        self._owner.append(None)
+                    self._owner[loc] = (node.node_id, tier)
+            self.nodes[node.node_id] = node
+        self._changed()
+
+    def confirm(self, node: Node, seq: int) -> bool:
+        """A pending node heartbeats with ``seq``: live again if it matches the snapshot, else it must resync."""
+        if node.applied_seq == seq and node.locations:
+            node.state = LIVE
+            self._changed()
+            return True
+        return False
+
+    def adopt_orphans(self, present: list[int]) -> list[int]:
+        """After a restart: of the locations with bits in the restored directory (``present``), those no node
+        owns must be swept before reuse (returned); every other unowned number is free now."""
+        owned = {loc for n in self.nodes.values() for loc in n.locations.values()}
+        orphans = [loc for loc in present if loc not in owned]
+        self.mark_retired(orphans)
+        self._free = [i for i, o in enumerate(self._owner) if o is None and i not in set(orphans)]
+        return orphans

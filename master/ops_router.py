@@ -1,0 +1,167 @@
+"""The ops routers and operators call: ping, lookup, cost, route_put, heat, top, nodes, pin, unpin, priority,
+hints. Each takes the MasterState and a request body (already msgpack-decoded) and returns the reply body,
+or raises WireError naming the bad field. Field layouts are documented in kvtier/client/api.py, which
+builds these requests.
+
+Run on the master's event loop, one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from kvtier import wire
+from kvtier.master.cost import CostRequest
+from kvtier.master.placement import PlacementError, PlacementRequest
+from kvtier.master.service import MasterState
+from kvtier.wire import ERR_BAD_REQUEST, WireError, field, float_field, int_field, keys_field
+
+Body = Mapping[str, Any]
+MAX_CANDIDATES = 4096
+MAX_TOP = 100_000
+MAX_TTL_S = 10 * 365 * 86400.0
+
+
+def ping(st: MasterState, body: Body) -> dict[str, Any]:
+    return {"version": wire.VERSION, "uptime_s": st.mono() - st.started, "keys": len(st.directory),
+            "directory_bytes": st.directory.nbytes, "nodes": st.registry.counts(),
+            "locations": st.registry.location_count, "lease_s": st.settings.lease_s}
+
+
+def lookup(st: MasterState, body: Body) -> dict[str, Any]:
+    """For each live node and tier, how many leading ``keys`` it holds; ``any``: leading keys held anywhere."""
+    keys = keys_field(body, "keys", st.settings.max_batch_keys)
+    touch = field(body, "touch", bool, True)
+    slots, masks = st.directory.masks(keys, st.live_mask())
+    counts = st.directory.prefix_counts(masks)
+    if touch:
+        st.directory.touch(slots[masks.any(axis=1)], st.wall())
+    prefix = []
+    for loc, n in sorted(counts.by_location.items(), key=lambda kv: -kv[1]):
+        owner = st.registry.owner(loc)
+        if owner is not None:
+            prefix.append([owner[0], owner[1], n])
+    return {"n": len(keys), "any": counts.any, "prefix": prefix}
+
+
+def cost(st: MasterState, body: Body) -> dict[str, Any]:
+    """Per candidate worker: prefix tokens per local tier, remote tokens, load and recompute seconds, and
+    the cheapest load-then-recompute plan (see master/cost.py)."""
+    keys = keys_field(body, "keys", st.settings.max_batch_keys)
+    candidates = wire.str_list_field(body, "candidates", MAX_CANDIDATES)
+    model = field(body, "model", dict)
+    try:
+        bt = int_field(model, "block_tokens", 1, 1 << 20)
+        rate = float_field(model, "prefill_tokens_per_s", 1e-3, 1e12)
+        prompt = int_field(model, "prompt_tokens", 0, 1 << 40, default=len(keys) * bt)
+    except WireError as e:
+        raise WireError(e.code, f"model: {e.message}") from None
+    if prompt < len(keys) * bt:
+        raise WireError(ERR_BAD_REQUEST, f"model: prompt_tokens {prompt} is less than {len(keys)} keys x "
+                                         f"block_tokens {bt}")
+    slots, masks = st.directory.masks(keys, st.live_mask())
+    held = masks.any(axis=1)
+    prefix_len = len(keys) if held.all() else int(np.argmin(held))
+    if field(body, "touch", bool, True):
+        st.directory.touch(slots[held], st.wall())
+    plans = st.cost.plans(masks, st.directory.block_bytes(slots), prefix_len, candidates,
+                          CostRequest(bt, rate, prompt))
+    return {"n": len(keys), "prefix_blocks": prefix_len, "plans": plans}
+
+
+def route_put(st: MasterState, body: Body) -> dict[str, Any]:
+    """Target (node, tier) per block to store, from the placement policy (``policy`` or the daemon's)."""
+    sizes = field(body, "sizes", list)
+    if len(sizes) > st.settings.max_batch_keys:
+        raise WireError(wire.ERR_TOO_LARGE, f"field 'sizes': {len(sizes)} blocks, the limit is "
+                                            f"{st.settings.max_batch_keys}")
+    if not all(type(s) is int and 0 < s < 1 << 40 for s in sizes):  # noqa: E721 - bool is not a size
+        raise WireError(ERR_BAD_REQUEST, "field 'sizes': expected positive integers (block bytes)")
+    keys = keys_field(body, "keys", st.settings.max_batch_keys, default=None)
+    if keys is not None and len(keys) != len(sizes):
+        raise WireError(ERR_BAD_REQUEST, f"'keys' has {len(keys)} keys for {len(sizes)} sizes")
+    requester = field(body, "requester", str, default=None)
+    spec = field(body, "policy", str, default=None)
+    try:
+        policy = st.placement(spec)
+    except ValueError as e:
+        raise WireError(ERR_BAD_REQUEST, str(e)) from None
+    st.expire_leases()
+    nodes = st.registry.live_nodes()
+    try:
+        targets = policy.place(PlacementRequest(np.asarray(sizes, np.int64), keys, requester), nodes)
+    except PlacementError as e:
+        raise WireError(ERR_BAD_REQUEST, str(e)) from None
+    for target, size in zip(targets, sizes):
+        if target is not None:
+            st.registry.nodes[target[0]].tiers[target[1]].promised += size
+    return {"targets": [list(t) if t is not None else None for t in targets],
+            "placed": sum(t is not None for t in targets)}
+
+
+def heat(st: MasterState, body: Body) -> dict[str, Any]:
+    keys = keys_field(body, "keys", st.settings.max_batch_keys)
+    count, h, last = st.directory.heat(keys, st.wall())
+    return {"count": count.tolist(), "heat": h.tolist(), "last": last.tolist()}
+
+
+def top(st: MasterState, body: Body) -> dict[str, Any]:
+    n = int_field(body, "n", 1, MAX_TOP)
+    keys, h, count, last = st.directory.top(n, st.wall())
+    return {"keys": wire.pack_keys(keys), "heat": h.tolist(), "count": count.tolist(), "last": last.tolist()}
+
+
+def nodes(st: MasterState, body: Body) -> dict[str, Any]:
+    st.expire_leases()
+    now = st.mono()
+    return {"nodes": [n.view(now, st.settings.lease_s) for n in st.registry.nodes.values()]}
+
+
+def _hint_target(st: MasterState, body: Body) -> tuple[list[bytes], str | None]:
+    keys = keys_field(body, "keys", st.settings.max_batch_keys, default=None)
+    session = field(body, "session", str, default=None)
+    if keys is None and session is None:
+        raise WireError(ERR_BAD_REQUEST, "give 'keys' or 'session' (or both)")
+    return (wire.unpack_keys(keys.tobytes()) if keys is not None else []), session
+
+
+def pin(st: MasterState, body: Body) -> dict[str, Any]:
+    keys, session = _hint_target(st, body)
+    ttl = float_field(body, "ttl_s", 0.0, MAX_TTL_S, default=0.0)
+    n = st.hints.pin(keys, session, ttl, st.wall())
+    st.hints_dirty = True
+    return {"count": n, "version": st.hints.version}
+
+
+def unpin(st: MasterState, body: Body) -> dict[str, Any]:
+    keys, session = _hint_target(st, body)
+    n = st.hints.unpin(keys, session)
+    st.hints_dirty = True
+    return {"count": n, "version": st.hints.version}
+
+
+def priority(st: MasterState, body: Body) -> dict[str, Any]:
+    keys, session = _hint_target(st, body)
+    level = int_field(body, "level", -(1 << 31), (1 << 31) - 1)
+    ttl = float_field(body, "ttl_s", 0.0, MAX_TTL_S, default=0.0)
+    n = st.hints.set_priority(keys, session, level, ttl, st.wall())
+    st.hints_dirty = True
+    return {"count": n, "version": st.hints.version}
+
+
+def hints(st: MasterState, body: Body) -> dict[str, Any]:
+    since = int_field(body, "since", -1, 1 << 62, default=-1)
+    st.hints.expire(st.wall())
+    if since == st.hints.version:
+        return {"version": since, "unchanged": True}
+    return st.hints.to_wire()
+
+
+OPS: dict[str, Callable[[MasterState, Body], dict[str, Any]]] = {
+    wire.PING: ping, wire.LOOKUP: lookup, wire.COST: cost, wire.ROUTE_PUT: route_put, wire.HEAT: heat,
+    wire.TOP: top, wire.NODES: nodes, wire.PIN: pin, wire.UNPIN: unpin, wire.PRIORITY: priority,
+    wire.HINTS: hints,
+}

@@ -1,0 +1,251 @@
+"""MasterServer: the kvtier-master process. One asyncio (uvloop) loop owns all state; one zmq ROUTER socket.
+
+    client DEALER --[payload]--> ROUTER --[identity, payload]--> serve() --> [identity, reply] --> client
+
+The loop waits for the socket to become readable, then drains every queued request (up to a bound, so the
+timer still runs) and answers each before waiting again: a burst of lookups costs one wakeup, not one per
+request. Ops are synchronous numpy work on the loop; nothing else touches the state, so nothing locks.
+Disk writes (node records, hints, snapshots) run on one writer thread, so a large snapshot never stalls
+answers. A bad request gets an error reply naming the problem; a bug in an op gets ERR_INTERNAL and a
+logged traceback, and the loop goes on.
+
+Shutdown (SIGTERM or SIGINT): stop taking requests, write the final snapshot, node records and hints,
+close lmdb, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvtier import wire
+from kvtier.master import ops_node, ops_router
+from kvtier.master.metrics import MasterMetrics
+from kvtier.master.persist import MasterDisk
+from kvtier.master.service import MasterSettings, MasterState
+from kvtier.wire import WireError
+
+log = logging.getLogger("kvtier.master")
+
+OPS = {**ops_router.OPS, **ops_node.OPS}
+DRAIN_LIMIT = 256  # requests answered per wakeup before the timer gets a turn
+TICK_S = 0.1
+# Ops whose keys count toward kvtier_master_request_keys.
+_KEYED = {wire.LOOKUP, wire.COST, wire.HEAT, wire.PIN, wire.UNPIN, wire.PRIORITY}
+
+
+class _RateLimitedLog:
+    """At most one line per ``interval`` per kind; counts what it held back (a fuzzer must not flood logs)."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, kind: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" (+{held} more like it in the last {self.interval:.0f} s)" if held else ""
+        log.log(level, msg + suffix, *args, exc_info=exc_info)
+
+
+class MasterServer:
+    """Serves one MasterState on ``settings.bind`` until ``stop()``. Create and run inside one process."""
+
+    def __init__(self, settings: MasterSettings, ready_file: str | None = None) -> None:
+        self.settings = settings
+        self.ready_file = ready_file
+        self.metrics = MasterMetrics()
+        self.state = MasterState(settings, self.metrics)
+        self.disk: MasterDisk | None = None
+        self.endpoint = ""
+        self.metrics_port: int | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-master-disk")
+        self._stop: asyncio.Event | None = None
+        self._last_snapshot = time.monotonic()
+        self._snapshot_running = False
+        self._bad = _RateLimitedLog()
+
+    # ---- requests --------------------------------------------------------------------------------------
+
+    def serve(self, frame: bytes) -> bytes:
+        """Answer one request frame (never raises)."""
+        t0 = time.perf_counter()
+        op, req_id, nkeys = "?", 0, 0
+        try:
+            req_id, op, body = wire.decode_request(frame)
+            handler = OPS.get(op)
+            if handler is None:
+                raise WireError(wire.ERR_UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(sorted(OPS))}")
+            reply = wire.encode_reply(req_id, True, handler(self.state, body))
+            if op in _KEYED and isinstance(body.get("keys"), bytes):
+                nkeys = len(body["keys"]) // 16
+            status = "ok"
+        except WireError as e:
+            req_id = req_id or wire.salvage_req_id(e)
+            reply = wire.encode_error(req_id, e)
+            status = e.code
+            self._bad(e.code, logging.WARNING, "bad request (op %s): %s", op[:64], e)
+        except Exception as e:  # a bug in an op: answer, log, keep serving
+            status = wire.ERR_INTERNAL
+            reply = wire.encode_error(req_id, WireError(wire.ERR_INTERNAL, f"{type(e).__name__} in op {op[:64]}: "
+                                                        f"{e}"[:500]))
+            self._bad("internal:" + op[:64], logging.ERROR, "internal error serving op %s", op[:64], exc_info=True)
+        self.metrics.observe(op, status, time.perf_counter() - t0, nkeys)
+        return reply
+
+    # ---- lifetime --------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def run(self) -> None:
+        self._stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.settings.data_dir:
+            self.disk = MasterDisk(self.settings.data_dir)
+            self.state.restore(self.disk)
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        serving = False
+        try:
+            sock.bind(self.settings.bind)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self.settings.metrics_port is not None:
+                self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+            log.info("kvtier-master %s: serving on %s; metrics %s; data dir %s; lease %.3g s, heat half-life "
+                     "%.3g s, placement %s", os.getpid(), self.endpoint,
+                     f"http://{self.settings.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port
+                     else "off", self.settings.data_dir or "none (nothing persists)", self.settings.lease_s,
+                     self.settings.heat_half_life_s, self.settings.placement)
+            self._write_ready()
+            serving = True
+            timer = asyncio.create_task(self._timer())
+            try:
+                await self._receive(sock, self._stop)
+            finally:
+                timer.cancel()
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+            await self._shutdown(flush=serving)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        log.info("kvtier-master: %s received, shutting down", signal.Signals(sig).name)
+        self.stop()
+
+    async def _receive(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
+        raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket, for non-blocking drains
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                poll = asyncio.ensure_future(sock.poll(flags=zmq.POLLIN))
+                await asyncio.wait({poll, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set():
+                    poll.cancel()
+                    break
+                for _ in range(DRAIN_LIMIT):
+                    try:
+                        frames = raw.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) < 2:
+                        continue  # not a routed message
+                    frames[-1] = self.serve(frames[-1])
+                    try:
+                        raw.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:
+                        self._bad("send", logging.WARNING, "reply dropped: the client's queue is full")
+                await asyncio.sleep(0)  # let the timer run between bursts
+        finally:
+            stop_wait.cancel()
+
+    async def _timer(self) -> None:
+        interval = min(TICK_S, self.settings.lease_s / 5)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.state.tick()
+                self._persist_small()
+                due = self.settings.snapshot_interval_s > 0 and \
+                    time.monotonic() - self._last_snapshot >= self.settings.snapshot_interval_s
+                if due and not self._snapshot_running and self.disk is not None:
+                    self._snapshot_running = True
+                    self._last_snapshot = time.monotonic()
+                    fut = self._writer.submit(self._write_snapshot, *self.state.snapshot())
+                    fut.add_done_callback(lambda _f: setattr(self, "_snapshot_running", False))
+            except Exception:
+                log.exception("master housekeeping failed; retrying at the next tick")
+
+    def _persist_small(self) -> None:
+        """Queue node records and hints that changed for the writer thread."""
+        if self.disk is None:
+            return
+        for rec in self.state.dirty_records():
+            self._writer.submit(self._guarded, self.disk.save_node, rec)
+        if self.state.hints_dirty:
+            self.state.hints_dirty = False
+            self._writer.submit(self._guarded, self.disk.save_hints, self.state.hints.to_wire())
+
+    def _write_snapshot(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        if self.disk is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            n = self.disk.save_snapshot(arrays, meta)
+        except Exception:
+            log.exception("directory snapshot failed (the previous one stays); nodes would resync after a crash")
+            return
+        log.info("directory snapshot: %d keys, %.1f MiB in %.2f s", len(arrays["k0"]), n / 2**20,
+                 time.perf_counter() - t0)
+
+    @staticmethod
+    def _guarded(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("writing master state to disk failed")
+
+    async def _shutdown(self, flush: bool) -> None:
+        """Flush state (if the daemon got as far as serving: a failed start must not overwrite the last
+        snapshot with a partial one) and close the disk."""
+        loop = asyncio.get_running_loop()
+        if self.disk is not None:
+            if flush:
+                self._persist_small()
+                await loop.run_in_executor(self._writer, self._write_snapshot, *self.state.snapshot())
+            await loop.run_in_executor(self._writer, self.disk.close)
+        self._writer.shutdown(wait=True)
+        if flush:
+            log.info("kvtier-master %s: stopped (%d keys, %d nodes%s)", os.getpid(), len(self.state.directory),
+                     len(self.state.registry.nodes), ", state flushed to disk" if self.disk else "")
+
+    def _write_ready(self) -> None:
+        if not self.ready_file:
+            return
+        path = Path(self.ready_file)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"endpoint": self.endpoint, "metrics_port": self.metrics_port,
+                                   "pid": os.getpid()}))
+        tmp.replace(path)
