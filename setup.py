@@ -23,7 +23,7 @@ for name, folder in ROOTS.items():
 # launchers in native/cuda, and nothing that ties it to one Python or torch build.
 native_cpu = Extension(
     "kvtier._native_cpu",
-    sources=["native/cpu/memcopy.c"],
+    sources=["native/cpu/memcopy.c", "native/cpu/keytable.c"],
     extra_compile_args=["-O3", "-std=c11", "-fvisibility=hidden"],
     extra_link_args=["-lpthread"],
 )

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.master.directory import mask_locations
 from kvtier.master.nodes import Node, NodeRegistry
 
 DEFAULT_TIER_BW = {"hbm": 1e12, "dram": 20e9, "pool": 10e9, "ssd": 3e9}
@@ -71,86 +72,123 @@ class CostModel:
               req: CostRequest) -> list[dict[str, Any]]:
         """One plan per candidate. ``masks``: (n, words) live placements in prompt order; ``prefix_len``: the
         leading keys some live location holds; ``block_bytes``: per key."""
-        n = prefix_len
-        rate = req.prefill_tokens_per_s
-        bt = req.block_tokens
-        nc = len(candidates)
-        # Locations holding any prefix block, and the distinct holder sets of the prefix blocks.
-        bits = np.unpackbits(masks[:n].view(np.uint8), axis=1, bitorder="little")[:, : self.registry.location_count]
-        used = np.flatnonzero(bits.any(axis=0)) if n else np.zeros(0, np.int64)
-        bits = bits[:, used].astype(bool)
-        if n:
-            packed = np.packbits(bits, axis=1, bitorder="little")
-            sets, inverse = np.unique(packed.view(np.dtype((np.void, packed.shape[1]))).ravel(), return_inverse=True)
-            inverse = inverse.ravel()
-            set_bits = np.unpackbits(sets.view(np.uint8).reshape(len(sets), -1), axis=1,
-                                     bitorder="little")[:, : len(used)].astype(bool)
-        else:
-            inverse = np.zeros(0, np.int64)
-            set_bits = np.zeros((0, 0), bool)
-        owners = [self.registry.owner(int(loc)) for loc in used]
-        # Bandwidth of each used location as seen from each candidate: (C, U).
-        bw = np.zeros((nc, len(used)))
-        remote = np.zeros((nc, len(used)), bool)
-        for u, owner in enumerate(owners):
-            if owner is None:
-                continue
-            src = self.registry.nodes[owner[0]]
-            tier_bw = self._tier_bw(src, owner[1])
-            for c, cand in enumerate(candidates):
-                if cand == src.node_id:
-                    bw[c, u] = tier_bw
-                else:
-                    bw[c, u] = min(tier_bw, self._path_bw(src, cand))
-                    remote[c, u] = True
-        # Best source per (candidate, holder set), then per block.
-        eff = np.where(set_bits[None, :, :], bw[:, None, :], 0.0)  # (C, D, U)
-        best_set = eff.argmax(axis=2) if len(used) else np.zeros((nc, len(set_bits)), np.int64)
-        best_bw_set = np.take_along_axis(eff, best_set[:, :, None], axis=2)[:, :, 0] if len(used) else \
-            np.zeros((nc, len(set_bits)))
-        src = best_set[:, inverse]  # (C, n) index into ``used``
-        seconds = block_bytes[None, :n] / np.maximum(best_bw_set[:, inverse], 1.0)
-        is_remote = np.take_along_axis(remote, src, axis=1) if n else np.zeros((nc, 0), bool)
-        for c in range(nc):  # one RPC round for the remote fetches, at the first remote block
-            if n and is_remote[c].any():
-                first = int(np.argmax(is_remote[c]))
-                srcs = {owners[u][0] for u in np.unique(src[c][is_remote[c]]).tolist() if owners[u]}
-                seconds[c, first] += max(self._latency(self.registry.nodes[s]) for s in srcs)
-        load_cum = np.concatenate([np.zeros((nc, 1)), np.cumsum(seconds, axis=1)], axis=1)  # (C, n + 1)
-        m = np.arange(n + 1)
-        total = load_cum + (req.prompt_tokens - m * bt)[None, :] / rate
-        choice = total.argmin(axis=1)
-        held = bits.sum(axis=0)  # prefix blocks per used location
+        n, bt, rate, nc = prefix_len, req.block_tokens, req.prefill_tokens_per_s, len(candidates)
+        hs = _HolderSets(masks[:n])
+        owners = [self.registry.owner(loc) for loc in hs.used]
+        nodes = [self.registry.nodes[o[0]] if o else None for o in owners]
+        nu, nd = len(hs.used), len(hs.count)
+        # Per candidate and location (C, U): local or remote, and the bandwidth of reading a block from it.
+        local = np.array([[o is not None and o[0] == c for o in owners] for c in candidates], bool).reshape(nc, nu)
+        bw = np.zeros((nc, nu))
+        latency = np.zeros(nu)
+        for u, (o, node) in enumerate(zip(owners, nodes)):
+            if o is None or node is None:
+                continue  # not owned any more (cannot happen for live bits; priced as unreachable)
+            tier_bw = self._tier_bw(node, o[1])
+            latency[u] = self._latency(node)
+            for c, name in enumerate(candidates):
+                bw[c, u] = tier_bw if local[c, u] else min(tier_bw, self._path_bw(node, name))
+        # Each holder set's best source per candidate (C, D).
+        eff = np.where(hs.sets[None, :, :], bw[:, None, :], 0.0)
+        best = eff.argmax(axis=2) if nu else np.zeros((nc, nd), np.int64)
+        inv_bw = 1.0 / np.maximum(eff.max(axis=2) if nu else np.ones((nc, nd)), 1.0)
+        rows = np.arange(nc)[:, None]
+        remote_set = ~local[rows, best] if nu else np.zeros((nc, nd), bool)
+        # Loading the first m blocks costs sum_d bytes_d(m) / bw[c, d], plus one RPC round (remote fetches run
+        # in parallel: the slowest source) once a remote block is in. Within a run of blocks of one holder set
+        # the cost grows linearly, so the best cut is at a run boundary: only those cuts are priced.
+        cuts = hs.boundaries
+        bytes_at = _running(hs, np.add.reduceat(block_bytes[:n].astype(np.float64), hs.starts) if n else [])
+        load = bytes_at @ inv_bw.T  # (B, C)
+        used_src = np.zeros((nc, max(nu, 1)), bool)
+        used_src[rows, best] = True
+        rpc = np.where(used_src[:, :nu] & ~local, latency[None, :], 0.0).max(axis=1) if nu else np.zeros(nc)
+        first_remote = np.where(remote_set, hs.first[None, :], n).min(axis=1) if nd else np.full(nc, n)
+        load += (cuts[:, None] > first_remote[None, :]) * rpc[None, :]
+        total = load + ((req.prompt_tokens - cuts * bt) / rate)[:, None]
+        choice = total.argmin(axis=0)  # (C,) index into cuts
+        k = cuts[choice]
+        # Blocks loaded per source in each chosen plan.
+        per_set = _running(hs, hs.run_len)[choice].astype(np.int64)  # (C, D)
+        per_source = np.zeros((nc, max(nu, 1)), np.int64)
+        np.add.at(per_source, (np.broadcast_to(rows, best.shape), best), per_set)
+        held_per_loc = (hs.count @ hs.sets).tolist() if nu else []
+        held_here = ((hs.sets[None, :, :] & local[:, None, :]).any(axis=2) * hs.count[None, :]).sum(axis=1)
+        cols = np.arange(nc)
+        load_all, plan_load, plan_total = load[-1].tolist(), load[choice, cols].tolist(), total[choice, cols].tolist()
+        local_l, per_source_l, k_l, held_here_l = local.tolist(), per_source.tolist(), k.tolist(), held_here.tolist()
         out = []
-        for c, cand in enumerate(candidates):
-            k = int(choice[c])
-            # What the worker holds (whatever the plan loads from): prefix tokens per local tier.
-            mine = np.flatnonzero(~remote[c]) if len(used) else np.zeros(0, np.int64)
-            local = {owners[u][1]: int(held[u]) * bt for u in mine.tolist() if owners[u] and held[u]}
-            held_here = int(bits[:, mine].any(axis=1).sum()) if mine.size else 0
-            # Where the cheapest plan loads each of its k blocks from.
-            chosen = np.bincount(src[c][:k], minlength=len(used)) if k else np.zeros(len(used), np.int64)
+        for c, name in enumerate(candidates):
+            local_tokens: dict[str, int] = {}
             sources: dict[str, int] = {}
-            for u in np.flatnonzero(chosen).tolist():
-                owner = owners[u]
-                if owner is not None:
-                    name = f"{owner[0]}/{owner[1]}" if remote[c, u] else f"local/{owner[1]}"
-                    sources[name] = sources.get(name, 0) + int(chosen[u])
+            for u, (owner, is_local) in enumerate(zip(owners, local_l[c])):
+                if owner is None:
+                    continue
+                if is_local and held_per_loc[u]:
+                    local_tokens[owner[1]] = local_tokens.get(owner[1], 0) + int(held_per_loc[u]) * bt
+                if per_source_l[c][u]:
+                    label = f"local/{owner[1]}" if is_local else f"{owner[0]}/{owner[1]}"
+                    sources[label] = sources.get(label, 0) + per_source_l[c][u]
+            kc = k_l[c]
             out.append({
-                "worker": cand,
+                "worker": name,
                 "prefix_tokens": n * bt,
-                "local_tokens": local,
-                "remote_tokens": (n - held_here) * bt,
-                "load_s": float(load_cum[c, n]),
+                "local_tokens": local_tokens,
+                "remote_tokens": (n - int(held_here_l[c])) * bt,
+                "load_s": load_all[c] if n else 0.0,
                 "recompute_s": n * bt / rate,
                 "plan": {
-                    "load_blocks": k,
-                    "load_tokens": k * bt,
-                    "recompute_tokens": req.prompt_tokens - k * bt,
-                    "load_s": float(load_cum[c, k]),
-                    "recompute_s": (req.prompt_tokens - k * bt) / rate,
-                    "total_s": float(total[c, k]),
+                    "load_blocks": kc,
+                    "load_tokens": kc * bt,
+                    "recompute_tokens": req.prompt_tokens - kc * bt,
+                    "load_s": plan_load[c],
+                    "recompute_s": (req.prompt_tokens - kc * bt) / rate,
+                    "total_s": plan_total[c],
                     "sources": sources,
                 },
             })
         return out
+
+
+class _HolderSets:
+    """The distinct placement masks among a prompt's prefix blocks, and the runs of consecutive blocks with
+    the same mask. A prompt's blocks fall in a handful of such sets and runs, so the per-candidate work runs on
+    (C, D, U) and (runs, C) arrays instead of (C, n, U).
+
+    ``sets`` (D, U) bool over ``used`` (the locations holding any block); ``first``/``count`` (D,) each set's
+    first block and block count; ``starts``/``run_len``/``run_set`` (R,) the runs; ``boundaries`` (R + 1,)
+    the cuts between runs, 0 and n included."""
+
+    def __init__(self, masks: np.ndarray) -> None:
+        n, words = masks.shape
+        if n == 0:
+            self.used: list[int] = []
+            self.sets = np.zeros((0, 0), bool)
+            self.first = self.count = self.starts = self.run_len = self.run_set = np.zeros(0, np.int64)
+            self.boundaries = np.zeros(1, np.int64)
+            return
+        change = np.flatnonzero((masks[1:] != masks[:-1]).any(axis=1)) + 1
+        self.starts = np.concatenate([[0], change]).astype(np.int64)
+        self.boundaries = np.concatenate([self.starts, [n]]).astype(np.int64)
+        self.run_len = np.diff(self.boundaries)
+        run_masks = masks[self.starts]
+        if words == 1:
+            uniq, first_run, run_set = np.unique(run_masks[:, 0], return_index=True, return_inverse=True)
+            uniq = uniq[:, None]
+        else:
+            rows = np.ascontiguousarray(run_masks).view(np.dtype((np.void, 8 * words))).ravel()
+            uniq, first_run, run_set = np.unique(rows, return_index=True, return_inverse=True)
+            uniq = uniq.view(np.uint64).reshape(len(uniq), words)
+        self.run_set = run_set.ravel()
+        self.first = self.starts[first_run]
+        self.count = np.bincount(self.run_set, weights=self.run_len, minlength=len(uniq)).astype(np.int64)
+        self.used = mask_locations(np.bitwise_or.reduce(uniq, axis=0))
+        used = np.array(self.used, np.int64)
+        self.sets = ((uniq[:, used // 64] >> (used % 64).astype(np.uint64)) & np.uint64(1)).astype(bool)
+
+
+def _running(hs: _HolderSets, per_run: np.ndarray | list[float]) -> np.ndarray:
+    """(R + 1, D): the sum of ``per_run`` over the runs of each set before each boundary."""
+    steps = np.zeros((len(hs.starts) + 1, len(hs.count)))
+    steps[np.arange(1, len(hs.starts) + 1), hs.run_set] = per_run
+    return np.cumsum(steps, axis=0)

@@ -135,19 +135,21 @@ class Directory:
     def masks(self, keys: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slots, masks): each key's slot (-1 if unknown) and its placements ANDed with ``live``."""
         slots = self.table.find(keys)
-        found = slots >= 0
-        m = np.zeros((len(keys), self.words), np.uint64)
-        if found.any():
-            m[found] = self.table.column("mask")[slots[found]] & live
+        missing = slots < 0
+        m = self.table.column("mask").take(np.where(missing, 0, slots), axis=0)
+        m &= live
+        if missing.any():
+            m[missing] = 0
         return slots, m
 
     @staticmethod
-    def prefix_counts(m: np.ndarray) -> PrefixCounts:
-        """Leading keys held per location, from masks as returned by ``masks`` (in prompt order)."""
+    def prefix_counts(m: np.ndarray, held: np.ndarray | None = None) -> PrefixCounts:
+        """Leading keys held per location, from masks as returned by ``masks`` (in prompt order); ``held``:
+        ``m.any(axis=1)`` if the caller has it already."""
         n = len(m)
         if n == 0:
             return PrefixCounts({}, 0)
-        held = m.any(axis=1)
+        held = m.any(axis=1) if held is None else held
         any_len = n if held.all() else int(np.argmin(held))
         if any_len == 0:
             return PrefixCounts({}, 0)
@@ -173,14 +175,14 @@ class Directory:
     # ---- heat ------------------------------------------------------------------------------------------
 
     def touch(self, slots: np.ndarray, now: float) -> None:
-        """One access of each slot at ``now`` (duplicates count once)."""
-        slots = slots[slots >= 0]
+        """One access of each slot at ``now`` (slots >= 0; duplicates count once)."""
         if slots.size == 0:
             return
         if self.clock.needs_renormalize(now):
             self.clock.renormalize(self.table.column("score"), now)
-        self.table.column("score")[slots] += np.float32(self.clock.weight(now))
-        self.table.column("count")[slots] += np.uint32(1)
+        score, count = self.table.column("score"), self.table.column("count")
+        score[slots] = score.take(slots) + np.float32(self.clock.weight(now))
+        count[slots] = count.take(slots) + np.uint32(1)
         self.table.column("last")[slots] = int(now)
 
     def heat(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

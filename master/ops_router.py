@@ -36,9 +36,10 @@ def lookup(st: MasterState, body: Body) -> dict[str, Any]:
     keys = keys_field(body, "keys", st.settings.max_batch_keys)
     touch = field(body, "touch", bool, True)
     slots, masks = st.directory.masks(keys, st.live_mask())
-    counts = st.directory.prefix_counts(masks)
+    held = masks.any(axis=1)
+    counts = st.directory.prefix_counts(masks, held)
     if touch:
-        st.directory.touch(slots[masks.any(axis=1)], st.wall())
+        st.directory.touch(slots[held], st.wall())
     prefix = []
     for loc, n in sorted(counts.by_location.items(), key=lambda kv: -kv[1]):
         owner = st.registry.owner(loc)

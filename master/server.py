@@ -2,9 +2,9 @@
 
     client DEALER --[payload]--> ROUTER --[identity, payload]--> serve() --> [identity, reply] --> client
 
-The loop waits for the socket to become readable, then drains every queued request (up to a bound, so the
-timer still runs) and answers each before waiting again: a burst of lookups costs one wakeup, not one per
-request. Ops are synchronous numpy work on the loop; nothing else touches the state, so nothing locks.
+The loop watches the socket's file descriptor and, when zmq signals, drains every queued request (up to a
+bound, so the timer still runs) and answers each before waiting again: a burst of lookups costs one wakeup,
+not one per request, and no future is created per request. Ops are synchronous numpy work on the loop; nothing else touches the state, so nothing locks.
 Disk writes (node records, hints, snapshots) run on one writer thread, so a large snapshot never stalls
 answers. A bad request gets an error reply naming the problem; a bug in an op gets ERR_INTERNAL and a
 logged traceback, and the loop goes on.
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from kvtier import wire
 from kvtier.master import ops_node, ops_router
@@ -122,7 +121,7 @@ class MasterServer:
         if self.settings.data_dir:
             self.disk = MasterDisk(self.settings.data_dir)
             self.state.restore(self.disk)
-        ctx = zmq.asyncio.Context()
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
@@ -141,51 +140,48 @@ class MasterServer:
                      self.settings.heat_half_life_s, self.settings.placement)
             self._write_ready()
             serving = True
-            timer = asyncio.create_task(self._timer())
+            # zmq signals readiness on its FD edge-triggered: on each wakeup, drain until zmq says nothing is
+            # left (``_drain``); the timer drains too, as a safety net against a missed edge.
+            loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+            timer = asyncio.create_task(self._timer(sock))
             try:
-                await self._receive(sock, self._stop)
+                self._drain(sock)
+                await self._stop.wait()
             finally:
+                loop.remove_reader(sock.getsockopt(zmq.FD))
                 timer.cancel()
         finally:
             sock.close(linger=0)
             ctx.term()
             await self._shutdown(flush=serving)
 
+    def _drain(self, sock: zmq.Socket[Any]) -> None:
+        """Answer every queued request (up to DRAIN_LIMIT, then yield to the loop and come back)."""
+        for _ in range(DRAIN_LIMIT):
+            if self._stop is not None and self._stop.is_set():
+                return
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            if len(frames) < 2:
+                continue  # not a routed message
+            frames[-1] = self.serve(frames[-1])
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self._bad("send", logging.WARNING, "reply dropped: the client's queue is full")
+        asyncio.get_running_loop().call_soon(self._drain, sock)
+
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("kvtier-master: %s received, shutting down", signal.Signals(sig).name)
         self.stop()
 
-    async def _receive(self, sock: zmq.asyncio.Socket, stop: asyncio.Event) -> None:
-        raw = zmq.Socket.shadow(sock.underlying)  # sync view of the same socket, for non-blocking drains
-        stop_wait = asyncio.ensure_future(stop.wait())
-        try:
-            while not stop.is_set():
-                poll = asyncio.ensure_future(sock.poll(flags=zmq.POLLIN))
-                await asyncio.wait({poll, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if stop.is_set():
-                    poll.cancel()
-                    break
-                for _ in range(DRAIN_LIMIT):
-                    try:
-                        frames = raw.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) < 2:
-                        continue  # not a routed message
-                    frames[-1] = self.serve(frames[-1])
-                    try:
-                        raw.send_multipart(frames, zmq.NOBLOCK)
-                    except zmq.Again:
-                        self._bad("send", logging.WARNING, "reply dropped: the client's queue is full")
-                await asyncio.sleep(0)  # let the timer run between bursts
-        finally:
-            stop_wait.cancel()
-
-    async def _timer(self) -> None:
+    async def _timer(self, sock: zmq.Socket[Any]) -> None:
         interval = min(TICK_S, self.settings.lease_s / 5)
         while True:
             await asyncio.sleep(interval)
             try:
+                self._drain(sock)
                 self.state.tick()
                 self._persist_small()
                 due = self.settings.snapshot_interval_s > 0 and \

@@ -155,11 +155,20 @@ def test_cost_plan_is_the_argmin_over_prefix_cuts(held, rate, bt):
                              "model": {"block_tokens": bt, "prefill_tokens_per_s": rate}})
     prefix = next((i for i, h in enumerate(held) if not h), len(held))
     assert r["prefix_blocks"] == prefix
+    d = CostDefaults()
+    local_s, remote_s = MiB / d.tier_bw["dram"], MiB / min(d.tier_bw["dram"], d.path_bw)
     for p in r["plans"]:
-        total = len(keys) * bt / rate
-        assert p["plan"]["total_s"] <= total + 1e-9
-        assert p["plan"]["load_tokens"] <= prefix * bt
-        assert sum(p["local_tokens"].values()) + p["remote_tokens"] == prefix * bt
+        me = p["worker"]
+        assert p["local_tokens"] == ({"dram": sum(me in h for h in held[:prefix]) * bt}
+                                     if any(me in h for h in held[:prefix]) else {})
+        assert p["remote_tokens"] == sum(me not in h for h in held[:prefix]) * bt
+        # Brute force over every cut: load the first m blocks (local if held here, else remote, plus one RPC
+        # once a remote block is in), recompute the rest. The plan must be that minimum.
+        best = min(sum(local_s if me in h else remote_s for h in held[:m])
+                   + (d.rpc_latency_s if any(me not in h for h in held[:m]) else 0.0)
+                   + (len(keys) - m) * bt / rate for m in range(prefix + 1))
+        assert p["plan"]["total_s"] == pytest.approx(best, rel=1e-9, abs=1e-12)
+        assert p["plan"]["load_tokens"] + p["plan"]["recompute_tokens"] == len(keys) * bt
 
 
 def test_route_put_policies(st_):
