@@ -1,0 +1,27 @@
+"""``kvtier bench master`` end to end at a small size: real daemon, real client processes, the JSON schema the
+issue asks for, and figures that are consistent with each other."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_master_writes_the_promised_json(tmp_path):
+    out = tmp_path / "master.json"
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "master", "--keys", "40000", "--clients", "1,2",
+                        "--seconds", "0.5", "--rounds", "1", "--candidates", "4", "--memory", "20000",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [row["clients"] for row in res["lookup"]] == [1, 2]
+    for row in res["lookup"]:
+        assert {"clients", "keys_per_s", "p50_ms", "p99_ms"} <= set(row)
+        assert row["keys_per_s"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["ratio"] == pytest.approx(row["keys_per_s"] / row["baseline_keys_per_s"], abs=1e-3)
+    assert 0 < res["cost"]["p50_ms"] <= res["cost"]["p99_ms"]
+    assert set(res["bytes_per_entry"]) == {"20000"} and 16 < res["bytes_per_entry"]["20000"] < 1000
+    assert res["setup"]["keys"] == 40000
+    assert "M keys/s" in r.stdout and "ratio" in r.stdout
