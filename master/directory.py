@@ -2,9 +2,9 @@
 
 A *location* is one tier of one node incarnation, numbered 0, 1, 2, ... by the node registry. A key's
 placements are one bit per location in a per-slot mask of ``words`` uint64 words (64 locations per word; the
-mask widens when a cluster needs more). Per entry the master pays 16 B of key, 8 B per mask word, 4 B each of
-block bytes, heat score, access count and last access (unix seconds), and 1 B of slot state: 57 B per slot
-with one word, about 80-120 B per key at the table's 0.35-0.7 load. See kvtier.master.table for the layout.
+mask widens when a cluster needs more). Per slot the master pays 16 B of key, 8 B per mask word, 4 B each of
+block bytes, heat score, access count and last access (unix seconds), and 1 B of slot state: 41 B with one
+word, 60-120 B per key at the table's 0.35-0.7 load. See kvtier.master.table for the layout.
 
 Dead placements vanish from answers at once without touching the table: callers AND masks with the live
 mask of the registry. ``retire`` queues a dead location's bits for clearing; ``sweep`` clears them a chunk at
@@ -16,6 +16,7 @@ Runs in the master's event loop; not thread-safe. Keys are (n, 2) uint64 arrays 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,7 @@ class PrefixCounts:
     any: int
 
 
-def _mask_maker(words: int):  # noqa: ANN202 - a tiny factory
+def _mask_maker(words: int) -> Callable[[int], np.ndarray]:
     return lambda cap: np.zeros((cap, words), np.uint64)
 
 

@@ -121,6 +121,8 @@ class NodeRegistry:
     def _retire(self, node: Node) -> list[int]:
         """Take the node's locations away (their bits are swept by the directory, then ``release``d)."""
         locs = list(node.locations.values())
+        for loc in locs:
+            self._owner[loc] = None
         node.locations = {}
         self._live_dirty = True
         return locs

@@ -17,7 +17,6 @@ Runs in the master's event loop; policies are called with state they must not ke
 from __future__ import annotations
 
 import heapq
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,8 +25,7 @@ import numpy as np
 import xxhash
 
 from kvtier.master.nodes import Node
-
-_REGISTRY: dict[str, type] = {}
+from kvtier.registry import ClassRegistry
 
 
 @dataclass
@@ -49,32 +47,21 @@ class PlacementPolicy(Protocol):
         """Per block, (node id, tier) or None where no live node has room. Must not change ``nodes``."""
 
 
-def register_placement(name: str) -> Callable[[type], type]:
-    def add(cls: type) -> type:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"placement policy {name!r} is already registered to {_REGISTRY[name].__qualname__}")
-        _REGISTRY[name] = cls
-        return cls
+_PLACEMENTS = ClassRegistry("placement policy")
 
-    return add
+
+def register_placement(name: str) -> Callable[[type], type]:
+    """Class decorator: make a placement policy available under ``name``."""
+    return _PLACEMENTS.register(name)
 
 
 def known_placements() -> list[str]:
-    return sorted(_REGISTRY)
+    return _PLACEMENTS.names()
 
 
 def make_placement(spec: str) -> PlacementPolicy:
     """A policy by registered name or import path ('package.module:Class')."""
-    if spec in _REGISTRY:
-        return _REGISTRY[spec]()
-    if ":" in spec or "." in spec:
-        module_name, _, attr = spec.replace(":", ".").rpartition(".")
-        try:
-            return getattr(importlib.import_module(module_name), attr)()
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load placement policy {spec!r}: {e}") from None
-    raise ValueError(f"unknown placement policy {spec!r}; known: {', '.join(known_placements())} "
-                     "(or an import path 'package.module:Class')")
+    return _PLACEMENTS.get(spec)()
 
 
 class _Room:

@@ -1,12 +1,14 @@
 """KeyTable: an open-addressing hash table of 16-byte keys held in numpy columns, with batch operations only.
 
 Why not a dict: a Python dict of 10M ``bytes`` keys costs ~150 B per key before any value is attached, and
-every lookup of a 2,000-key prompt would be 2,000 interpreter round trips. Here a key is two uint64 words in
-one (capacity, 2) array, a slot's state is one byte, and every operation takes a whole batch and runs as a
-handful of vectorized numpy passes (one per probe round; rounds shrink fast at load <= 0.7).
+every lookup of a 2,000-key prompt would be 2,000 interpreter round trips. Here a key is two uint64 words
+(columns ``k0``, ``k1``), a slot's state is one byte, and every operation takes a whole batch. Probing is
+linear; the probe loops run in native code (native/cpu/keytable.c, one pass per batch) when kvtier's native
+CPU library is built, else as vectorized numpy rounds (one pass per probe round). Both give the same answers.
 
 The table also owns the per-slot *columns* of its users (placement masks, heat, ...): a rehash moves every
-column with its key, so a slot index is a stable handle between two calls that change the table's size.
+column with its key, so a slot index is a stable handle until the next call that may rehash (insert,
+reserve, delete); ``generation`` counts rehashes.
 
 Runs inside the master's event loop; not thread-safe (one owner). Keys given to and returned from it are
 (n, 2) uint64 arrays (a 16-byte key read as two little-endian words), never copied per key.
@@ -102,7 +104,7 @@ class KeyTable:
     def add_column(self, name: str, make: Callable[[int], np.ndarray]) -> np.ndarray:
         """Attach a per-slot column; ``make(capacity)`` builds it zero-filled. Returns the current array.
 
-        Callers must re-read ``column(name)`` after any call that may grow the table (insert, compact).
+        Callers must re-read ``column(name)`` after any call that may rehash (insert, reserve, delete).
         """
         arr = make(self.capacity)
         if arr.shape[0] != self.capacity:

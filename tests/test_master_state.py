@@ -91,9 +91,15 @@ def test_lease_expiry_drops_placements_at_once_and_unknown_node_must_reregister(
     # Re-registering starts a new sync generation; the old bits are swept, never answered.
     join(st_, "a", holdings={"ssd": b"".join(KEYS[:3])})
     assert lookup(st_) == (8, {("b", "dram"): 8, ("a", "ssd"): 3})
+    assert st_.registry.location_count == 6  # a's first two locations are retired, not reused yet
     for _ in range(3):
         st_.tick()
     assert not st_.directory.sweeping
+    # Swept locations are numbered again: a third generation of "a" reuses them instead of growing the masks.
+    ops_node.inventory(st_, {"node": "a", "incarnation": "i-a", "seq": 0, "part": 0, "last": True,
+                             "tiers": {"dram": b"".join(KEYS[:2])}, "block_bytes": {"dram": MiB}})
+    assert st_.registry.location_count == 6
+    assert lookup(st_) == (8, {("b", "dram"): 8, ("a", "dram"): 2})
 
 
 def test_reregister_with_same_incarnation_and_seq_keeps_placements(st_):
