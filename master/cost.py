@@ -79,15 +79,16 @@ class CostModel:
         nu, nd = len(hs.used), len(hs.count)
         # Per candidate and location (C, U): local or remote, and the bandwidth of reading a block from it.
         local = np.array([[o is not None and o[0] == c for o in owners] for c in candidates], bool).reshape(nc, nu)
-        bw = np.zeros((nc, nu))
-        latency = np.zeros(nu)
-        for u, (o, node) in enumerate(zip(owners, nodes)):
-            if o is None or node is None:
-                continue  # not owned any more (cannot happen for live bits; priced as unreachable)
-            tier_bw = self._tier_bw(node, o[1])
-            latency[u] = self._latency(node)
-            for c, name in enumerate(candidates):
-                bw[c, u] = tier_bw if local[c, u] else min(tier_bw, self._path_bw(node, name))
+        # (Live bits always have an owner; an unowned one would be priced as unreachable: bandwidth 0.)
+        tier_bw = np.array([self._tier_bw(nd_, o[1]) if o and nd_ else 0.0 for o, nd_ in zip(owners, nodes)])
+        latency = np.array([self._latency(nd_) if nd_ else 0.0 for nd_ in nodes])
+        path = np.full((nc, nu), self.defaults.path_bw)
+        if any(n_.path_bw for n_ in self.registry.nodes.values()):  # measured paths: look each pair up
+            for u, nd_ in enumerate(nodes):
+                for c, name in enumerate(candidates):
+                    if nd_ is not None and not local[c, u]:
+                        path[c, u] = self._path_bw(nd_, name)
+        bw = np.where(local, tier_bw[None, :], np.minimum(tier_bw[None, :], path))
         # Each holder set's best source per candidate (C, D).
         eff = np.where(hs.sets[None, :, :], bw[:, None, :], 0.0)
         best = eff.argmax(axis=2) if nu else np.zeros((nc, nd), np.int64)
@@ -167,19 +168,26 @@ class _HolderSets:
             self.first = self.count = self.starts = self.run_len = self.run_set = np.zeros(0, np.int64)
             self.boundaries = np.zeros(1, np.int64)
             return
-        change = np.flatnonzero((masks[1:] != masks[:-1]).any(axis=1)) + 1
+        differs = masks[1:, 0] != masks[:-1, 0]
+        for w in range(1, words):
+            differs |= masks[1:, w] != masks[:-1, w]
+        change = np.flatnonzero(differs) + 1
         self.starts = np.concatenate([[0], change]).astype(np.int64)
         self.boundaries = np.concatenate([self.starts, [n]]).astype(np.int64)
         self.run_len = np.diff(self.boundaries)
         run_masks = masks[self.starts]
-        if words == 1:
-            uniq, first_run, run_set = np.unique(run_masks[:, 0], return_index=True, return_inverse=True)
-            uniq = uniq[:, None]
-        else:
-            rows = np.ascontiguousarray(run_masks).view(np.dtype((np.void, 8 * words))).ravel()
-            uniq, first_run, run_set = np.unique(rows, return_index=True, return_inverse=True)
-            uniq = uniq.view(np.uint64).reshape(len(uniq), words)
-        self.run_set = run_set.ravel()
+        # Number the distinct masks in order of first appearance (runs are few: a dict beats np.unique here).
+        index: dict[tuple[int, ...], int] = {}
+        run_set, first_run = [], []
+        for r, row in enumerate(run_masks.tolist()):
+            key = tuple(row)
+            d = index.get(key)
+            if d is None:
+                d = index[key] = len(index)
+                first_run.append(r)
+            run_set.append(d)
+        uniq = np.array(list(index), np.uint64).reshape(len(index), words)
+        self.run_set = np.array(run_set, np.int64)
         self.first = self.starts[first_run]
         self.count = np.bincount(self.run_set, weights=self.run_len, minlength=len(uniq)).astype(np.int64)
         self.used = mask_locations(np.bitwise_or.reduce(uniq, axis=0))

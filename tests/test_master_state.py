@@ -146,6 +146,16 @@ def test_cost_prefers_local_dram_and_plans_a_cheapest_split(st_):
     assert a["plan"]["total_s"] < b["plan"]["total_s"]
     # c reads b's ssd over a 2 GB/s path: the ssd's 1 GB/s is the bottleneck either way, so b and c tie.
     assert c["plan"]["total_s"] == pytest.approx(b["plan"]["total_s"])
+    # Measured signals replace the defaults: b measured 8 GB/s from a, a's dram reads at 6 GB/s, a's RPCs
+    # take 3 ms.
+    ops_node.heartbeat(st_, {"node": "b", "incarnation": "i-b", "seq": 0, "path_bw": {"a": 8e9}})
+    ops_node.heartbeat(st_, {"node": "a", "incarnation": "i-a", "seq": 0, "bw": {"dram": 6e9},
+                             "rpc_latency_s": 3e-3})
+    r = ops_router.cost(st_, {"keys": BLOB, "candidates": ["b", "c"],
+                              "model": {"block_tokens": 16, "prefill_tokens_per_s": 2000.0}})
+    b2, c2 = r["plans"]
+    assert b2["load_s"] == pytest.approx(40 * MiB / 6e9 + 3e-3 + 20 * MiB / 1e9)
+    assert c2["load_s"] == pytest.approx(40 * MiB / 2e9 + 20 * MiB / 1e9 + 3e-3)
 
 
 @given(held=st.lists(st.sampled_from(["a", "b", "ab", ""]), min_size=1, max_size=40),
