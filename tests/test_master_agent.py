@@ -100,6 +100,36 @@ def test_master_restarted_without_state_gets_everything_again(tmp_path):
             agent.close(), s.close()
 
 
+def test_dram_and_ssd_placements_follow_demotion(tmp_path):
+    """A store with the SSD tier under a 4-block DRAM: evictions demote blocks to SSD; the master sees each
+    block in the tier that holds it, and both tiers' capacities."""
+    store = TieredStore.from_config({"dram_capacity": 4 * BB, "ssd_path": str(tmp_path / "ssd"),
+                                     "ssd_capacity": 64 * BB, "ssd_segment_bytes": 8 * BB, "ssd_promote": False,
+                                     "ssd_staging_bytes": 0}, BB)
+    with MasterProcess(tmp_path) as mp:
+        agent = NodeAgent.for_store(store, mp.endpoint, "tiered").start()
+        try:
+            for i in range(0, 12, 2):  # a put never evicts its own batch: small puts, so older ones demote
+                store.put(KEYS[i : i + 2], blocks_for(KEYS[i : i + 2], BB))
+            store.flush()
+            assert agent.wait_synced()
+            dram, ssd = _truth_in(store, "dram", KEYS[:12]), _truth_in(store, "ssd", KEYS[:12])
+            assert len(dram) == 4 and len(ssd) == 8
+            with MasterClient(mp.endpoint) as m:
+                for k in KEYS[:12]:
+                    want = {t: 1 for t, held in (("dram", dram), ("ssd", ssd)) if k in held}
+                    assert m.lookup([k], touch=False).for_node("tiered") == want
+                tiers = {t["name"]: t["capacity"] for t in m.nodes()[0]["tiers"]}
+                assert tiers == {"dram": 4 * BB, "ssd": 64 * BB}
+        finally:
+            agent.close(), store.close()
+
+
+def _truth_in(store, tier, keys):
+    t = next(t for t in store.tiers if t.name == tier)
+    return [k for k, h in zip(keys, t.contains(keys)) if h]
+
+
 @pytest.mark.slow
 def test_crash_loop_converges_to_the_truth(tmp_path):
     """kill -9 the master over and over while two nodes churn; once the churn stops, the master's view of each
