@@ -4,16 +4,20 @@ A router that wants to ask "who holds this prompt's prefix" must name the blocks
 stored them did. Connectors fold the engine's own block hashes into kvtier keys (``Namespace.keys``), so a
 router does ``ns.keys(hasher.hashes(token_ids))`` with the hasher of that engine and gets the same keys.
 
-* vLLM (v1, ``--prefix-caching-hash-algo sha256``, the default): block i's hash is
+* vLLM 0.33 (v1, ``--prefix-caching-hash-algo sha256``, the default): block i's hash is
   ``sha256(pickle.dumps((parent, tuple(tokens_i), extra_keys), HIGHEST_PROTOCOL))`` with parent = the
   previous block's hash, and for block 0 ``NONE_HASH = sha256(pickle.dumps(seed))`` where seed is
   $PYTHONHASHSEED if set, else "vllm-none-hash" (vllm/v1/core/kv_cache_utils.py: hash_block_tokens,
-  init_none_hash, get_request_block_hasher; vllm/utils/hashing.py: sha256). ``extra_keys`` is None for a
-  plain text request; with a LoRA adapter it is (lora_name,) on every block, and a ``cache_salt`` is
-  appended on block 0 only. Only full blocks get a hash.
-* SGLang (HiCache storage): page i's key is ``sha256(bytes.fromhex(prior) || uint32-LE tokens_i).hexdigest()``
-  with no prior for the first page (python/sglang/srt/mem_cache/hicache_storage.py: get_hash_str). Only
-  full pages get a key.
+  init_none_hash, get_request_block_hasher, generate_block_hash_extra_keys; vllm/utils/hashing.py: sha256).
+  ``extra_keys`` is None for a plain text request; with a LoRA adapter ("lora", name, path) is on every
+  block, and ("cache_salt", salt) is appended on block 0 only. Only full blocks get a hash. (Checked against
+  the real vllm 0.33.0 functions, Request included; older vLLM used bare names and salts.)
+* SGLang 0.5.23 (HiCache storage): page i's key is ``sha256(prior || uint32-LE tokens_i).hexdigest()``, prior
+  the previous page's digest; a page with a token id >= 2^32 hashes ``prior || 0xff || uint64-LE tokens``
+  instead. The first page's prior is empty, or, for a request with an ``extra_key`` or ``cache_salt``, the
+  namespace seed sha256("sglang-cache-namespace-v1" || per part: 0x00 if absent, else 0x01 || u64-LE length
+  || utf-8). (python/sglang/srt/mem_cache/utils.py: get_hash_str, storage_namespace_seed,
+  get_storage_hash_str; cpp_utils/hash_binding.cpp: hash_page.) Only full pages get a key.
 
 Token ids must be Python ints for vLLM's hash (pickle encodes numpy ints differently): hashers convert.
 Pure functions; thread-safe.
@@ -60,23 +64,24 @@ def vllm_none_hash(seed: str | None = None) -> bytes:
 
 
 class VllmBlockHasher:
-    """vLLM v1's default (sha256) request block hasher for text prompts, optionally with a LoRA adapter
-    and a cache salt. ``seed`` must equal the engine's PYTHONHASHSEED if it sets one."""
+    """vLLM 0.33's default (sha256) request block hasher for text prompts, optionally with a LoRA adapter
+    (its name and path, as the engine's LoRARequest has them) and a cache salt. ``seed`` must equal the
+    engine's PYTHONHASHSEED if it sets one."""
 
     def __init__(self, block_size: int, *, seed: str | None = None, lora_name: str | None = None,
-                 cache_salt: str | None = None) -> None:
+                 lora_path: str = "", cache_salt: str | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block size must be > 0, got {block_size}")
         self.block_size = block_size
         self.none_hash = vllm_none_hash(seed)
-        self.lora_name = lora_name
+        self.lora = ("lora", lora_name, lora_path) if lora_name else None
         self.cache_salt = cache_salt
 
     def _extra_keys(self, first: bool) -> tuple[Any, ...] | None:
         # generate_block_hash_extra_keys: lora keys + (mm keys) + cache salt (block 0) + (prompt embeds)
-        extra: list[Any] = [self.lora_name] if self.lora_name else []
+        extra: list[Any] = [self.lora] if self.lora else []
         if first and self.cache_salt:
-            extra.append(self.cache_salt)
+            extra.append(("cache_salt", self.cache_salt))
         return tuple(extra) if extra else None
 
     def hashes(self, token_ids: Sequence[int] | np.ndarray, parent: bytes | None = None) -> list[bytes]:
@@ -93,24 +98,45 @@ class VllmBlockHasher:
 
 
 class SglangPageHasher:
-    """SGLang's HiCache page keys (hex sha256, chained over uint32-LE token ids)."""
+    """SGLang's HiCache page keys (hex sha256, chained), for requests with an optional ``extra_key`` and
+    ``cache_salt`` as the engine's request has them."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, *, extra_key: str | None = None, cache_salt: str | None = None) -> None:
         if page_size <= 0:
             raise ValueError(f"page size must be > 0, got {page_size}")
         self.block_size = page_size
+        self.seed = sglang_namespace_seed(extra_key, cache_salt)
 
     def hashes(self, token_ids: Sequence[int] | np.ndarray, prior_hash: str | None = None) -> list[str]:
         """Keys of the full pages; ``prior_hash`` continues a chain (the key of the page before token 0)."""
         ids = _full_blocks(token_ids, self.block_size)
-        if any(t < 0 or t >= 1 << 32 for t in ids):
-            raise ValueError("SGLang hashes token ids as uint32: every id must be in [0, 2^32)")
-        raw = np.asarray(ids, dtype="<u4").tobytes()
-        step = self.block_size * 4
-        prev = bytes.fromhex(prior_hash) if prior_hash else b""
+        if any(t < 0 or t >= 1 << 63 for t in ids):
+            raise ValueError("SGLang hashes token ids as non-negative int64 values")
+        prior = prior_hash if prior_hash is not None else self.seed
+        prev = bytes.fromhex(prior) if prior else b""
+        bs = self.block_size
         out = []
-        for i in range(0, len(raw), step):
-            digest = hashlib.sha256(prev + raw[i : i + step]).digest()
+        for i in range(0, len(ids), bs):
+            page = ids[i : i + bs]
+            if max(page) < 1 << 32:
+                data = np.asarray(page, dtype="<u4").tobytes()
+            else:  # "wide" pages: a 0xff tag (an odd length keeps them apart from uint32 pages), then uint64s
+                data = b"\xff" + np.asarray(page, dtype="<u8").tobytes()
+            digest = hashlib.sha256(prev + data).digest()
             out.append(digest.hex())
             prev = digest
         return out
+
+
+def sglang_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """The prior of a request's first page when it has an extra key or a cache salt (else None)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+        else:
+            encoded = part.encode("utf-8")
+            digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()

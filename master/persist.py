@@ -129,7 +129,8 @@ class MasterDisk:
                 if any(p is None for p in parts):
                     log.warning("directory snapshot is missing chunks of %r; ignoring it (nodes resync)", name)
                     return None
-                arrays[name] = np.frombuffer(b"".join(parts), dtype=np.dtype(dtype)).reshape(shape).copy()
+                # Read-only views of one joined buffer: Directory.restore copies into its own columns.
+                arrays[name] = np.frombuffer(b"".join(parts), dtype=np.dtype(dtype)).reshape(shape)
         return arrays, manifest["meta"]
 
     def close(self) -> None:

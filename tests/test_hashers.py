@@ -39,10 +39,12 @@ def test_vllm_known_answers():
         "9da1c53089c000ad1a79a77c143b68dda00e2a85315bc1f690bbd03ba4a195dd",
         "1c9b6c0620e875631f1c5395ed56f2243aa113f88fc842f04fbb0654074b8d43",
     ]
-    salted = VllmBlockHasher(4, seed="vllm-none-hash", lora_name="sql-lora", cache_salt="tenant-a")
+    # Checked once against vllm 0.33.0's own Request + get_request_block_hasher (see the test at the end).
+    salted = VllmBlockHasher(4, seed="vllm-none-hash", lora_name="sql-lora", lora_path="/adapters/sql",
+                             cache_salt="tenant-a")
     assert [x.hex() for x in salted.hashes(list(range(8)))] == [
-        "80c57659e529483308a1a2430035289e2124b7c1f5066a40a459a98f0036f4c4",
-        "18c523523ea4f9a751c91949751c69b81e1923a069825142d1faefd09371cf07",
+        "0435da4bd542e3ef8e9630d05dbbe503ecb90d0086b64885f23205ace8a56d43",
+        "acdf0a66cd49e9fdd4ee915568e92f5cfb8926356747ed472c3d89a83250977b",
     ]
 
 
@@ -54,14 +56,15 @@ def test_vllm_seed_follows_pythonhashseed(monkeypatch):
 
 
 def test_vllm_extra_keys_lora_every_block_salt_first_block_only():
-    plain, lora = VllmBlockHasher(2, seed="x"), VllmBlockHasher(2, seed="x", lora_name="a")
+    plain, lora = VllmBlockHasher(2, seed="x"), VllmBlockHasher(2, seed="x", lora_name="a", lora_path="/p")
     salt = VllmBlockHasher(2, seed="x", cache_salt="t")
     tokens = [5, 6, 7, 8]
     p = plain.hashes(tokens)
-    assert lora.hashes(tokens)[0] == vllm_sha256((plain.none_hash, (5, 6), ("a",)))
-    assert lora.hashes(tokens)[1] == vllm_sha256((lora.hashes(tokens)[0], (7, 8), ("a",)))
+    lk = ("lora", "a", "/p")
+    assert lora.hashes(tokens)[0] == vllm_sha256((plain.none_hash, (5, 6), (lk,)))
+    assert lora.hashes(tokens)[1] == vllm_sha256((lora.hashes(tokens)[0], (7, 8), (lk,)))
     s = salt.hashes(tokens)
-    assert s[0] == vllm_sha256((plain.none_hash, (5, 6), ("t",)))
+    assert s[0] == vllm_sha256((plain.none_hash, (5, 6), (("cache_salt", "t"),)))
     assert s[1] == vllm_sha256((s[0], (7, 8), None)) and s[0] != p[0]
 
 
@@ -86,8 +89,20 @@ def test_sglang_page_key_is_chained_sha256_of_uint32_le_tokens():
     assert keys == [first, hashlib.sha256(bytes.fromhex(first) + struct.pack("<2I", 3, 4)).hexdigest()]
     assert SglangPageHasher(4).hashes([2**32 - 1, 0, 7, 65536]) == \
         ["ddb0e92fcbb97e96d5f9571ebbaa3aa410c5a39bfa5e5ee2504adc7ec5b7f9ba"]
-    with pytest.raises(ValueError, match="uint32"):
+    with pytest.raises(ValueError, match="non-negative int64"):
         h.hashes([-1, 0])
+
+
+def test_sglang_wide_pages_and_namespace_seed():
+    # A token id past uint32 switches that page to the tagged uint64 encoding; the chain continues.
+    keys = SglangPageHasher(2).hashes([1, 2**40, 3, 4])
+    wide = hashlib.sha256(b"\xff" + struct.pack("<2Q", 1, 2**40)).digest()
+    assert keys == [wide.hex(), hashlib.sha256(wide + struct.pack("<2I", 3, 4)).hexdigest()]
+    # An extra key or a cache salt seeds the chain with the request namespace.
+    seed = hashlib.sha256(b"sglang-cache-namespace-v1" + b"\x00" + b"\x01" + struct.pack("<Q", 4) + b"salt")
+    salted = SglangPageHasher(2, cache_salt="salt").hashes([1, 2])
+    assert salted == [hashlib.sha256(seed.digest() + struct.pack("<2I", 1, 2)).hexdigest()]
+    assert SglangPageHasher(2, extra_key="salt").hashes([1, 2]) != salted  # which part it is matters
 
 
 def test_router_keys_fold_engine_hashes_like_connectors():
@@ -101,24 +116,31 @@ def test_router_keys_fold_engine_hashes_like_connectors():
 def test_matches_vllm_when_installed(monkeypatch):
     kcu = pytest.importorskip("vllm.v1.core.kv_cache_utils", reason="vllm is not installed here (the vLLM "
                               "connector issue installs it in CI)")
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
+    from vllm.v1.request import Request
 
-    monkeypatch.setenv("PYTHONHASHSEED", "kvtier-test")
-    kcu.init_none_hash(sha256)
-    tokens = list(range(100, 164))
-    ours = VllmBlockHasher(16).hashes(tokens)
-    prev, theirs = None, []
-    for i in range(0, 64, 16):
-        prev = kcu.hash_block_tokens(sha256, prev, tokens[i : i + 16], None)
-        theirs.append(bytes(prev))
-    assert ours == theirs
+    tokens = list(range(100, 100 + 16 * 5 + 3))
+    for seed in (None, "0"):
+        if seed is None:
+            monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+        else:
+            monkeypatch.setenv("PYTHONHASHSEED", seed)
+        kcu.init_none_hash(sha256)
+        hasher = kcu.get_request_block_hasher(16, sha256)
+        for lora, salt in ((None, None), (LoRARequest("sql-lora", 1, "/adapters/sql"), "tenant-a")):
+            req = Request(request_id="r", prompt_token_ids=tokens, sampling_params=SamplingParams(max_tokens=1),
+                          pooling_params=None, block_hasher=hasher, cache_salt=salt, lora_request=lora)
+            ours = VllmBlockHasher(16, lora_name=lora and lora.lora_name, lora_path=lora.lora_path if lora else "",
+                                   cache_salt=salt).hashes(tokens)
+            assert [bytes(b) for b in req.block_hashes] == ours, (seed, lora, salt)
 
 
 def test_matches_sglang_when_installed():
-    storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang is not installed here")
-    tokens = list(range(7, 7 + 64 * 3))
-    prev, theirs = None, []
-    for i in range(0, len(tokens), 64):
-        prev = storage.get_hash_str(tokens[i : i + 64], prior_hash=prev)
-        theirs.append(prev)
-    assert SglangPageHasher(64).hashes(tokens) == theirs
+    utils = pytest.importorskip("sglang.srt.mem_cache.utils", reason="sglang is not installed here")
+    tokens = list(range(7, 7 + 64 * 3)) + [2**33] * 64
+    assert SglangPageHasher(64).hashes(tokens) == utils.get_hash_str(tokens, None, page_size=64)
+    seed = utils.storage_namespace_seed("lora-7", "tenant")
+    assert SglangPageHasher(64, extra_key="lora-7", cache_salt="tenant").hashes(tokens) == \
+        utils.get_hash_str(tokens, seed, page_size=64)

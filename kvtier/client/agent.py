@@ -22,7 +22,9 @@ What it does, all on its own thread with its own socket (the store's threads onl
   master pins, unpins them when the master drops them).
 
 The agent keeps a set of the keys each tier holds (from the events) to build inventories; with ``verify``
-each inventory is checked against the tiers themselves, so a reordered event cannot make it lie.
+each inventory is checked against the tiers themselves, so a reordered event cannot make it lie. That set
+costs ~100 B per key held; attach the agent before the store holds blocks (or pass them as ``initial``).
+``max_batch_keys`` and ``inventory_part_keys`` must not exceed the master's --max-batch-keys.
 ``on_event`` and ``record_transfer`` are thread-safe; everything else is for the thread that owns the agent.
 """
 
@@ -195,11 +197,13 @@ class NodeAgent:
                              e.message)
                     self.registered = False
                     continue
-                except MasterError as e:
+                except Exception as e:  # the master unreachable or refusing, or a bug: never kill the thread
                     self.counters["errors"] += 1
                     if self.last_error != str(e):
-                        log.warning("node %s: master %s: %s; retrying", self.node_id, self.master, e)
+                        log.warning("node %s: master %s: %s; retrying", self.node_id, self.master, e,
+                                    exc_info=not isinstance(e, MasterError))
                     self.last_error = str(e)
+                    self.need_inventory = self.need_inventory or not isinstance(e, MasterError)
                     self._stop.wait(backoff)
                     backoff = min(backoff * 2, max(0.5, self._heartbeat_interval() / 2))
                     continue
