@@ -27,8 +27,7 @@ import zmq.asyncio
 
 from kvtier import wire
 from kvtier.client import api
-from kvtier.client.api import (Call, CostResult, Hints, HeatResult, KeysLike, LookupResult, NodeReply,
-                               TopResult)
+from kvtier.client.api import Call, CostResult, HeatResult, Hints, KeysLike, LookupResult, TopResult
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 2.0
@@ -253,5 +252,4 @@ class AsyncMasterClient:
         return await self.call(api.hints(since))
 
 
-__all__ = ["AsyncMasterClient", "MasterClient", "MasterError", "MasterTimeout", "MasterUnknownNode",
-           "NodeReply"]
+__all__ = ["AsyncMasterClient", "MasterClient", "MasterError", "MasterTimeout", "MasterUnknownNode"]
