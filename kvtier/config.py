@@ -78,6 +78,30 @@ class Config:
                                                     "0 writes offloads synchronously on the caller's thread")
     ssd_io_threads: int = _field(4, "threads doing the SSD tier's preadv/pwritev")
 
+    # Modes: where the store's DRAM lives (README "Modes"). The remote/node pool is kvtier-pool.
+    mode: str = _field("embedded", "embedded: private DRAM (+SSD) in this process; standalone: the node pool "
+                                   "(kvtier-pool on this host, shared by its engine processes) is the store's "
+                                   "DRAM; distributed: private DRAM (+SSD) with remote pools below",
+                       ("embedded", "standalone", "distributed"))
+    pool: str = _field("", "pool endpoint(s), comma-separated: standalone: the node pool's ipc:///path; "
+                           "distributed without a master: each pool's tcp://host:port")
+    master: str = _field("", "distributed: kvtier-master endpoint; it places blocks in pools and says which "
+                             "pool holds what (then 'pool' is not needed)")
+    node_id: str = _field("", "this engine's name with the master (default host-pid)")
+    pool_transport: str = _field("auto", "how blocks move to and from pools: auto (shm for ipc://, rdma when "
+                                         "both ends have a device, else tcp), tcp, rdma, shm",
+                                 ("auto", "tcp", "rdma", "shm"))
+    pool_timeout_ms: int = _field(500, "a pool silent this long turns the call's blocks into misses (the "
+                                       "engine recomputes) and is skipped for a back-off")
+    pool_connections: int = _field(4, "parallel connections per pool for big batches")
+    pool_offload: str = _field("write_through", "when blocks go from private DRAM to the pool: write_through "
+                                                "(every put: other nodes see them at once), on_evict, second_hit",
+                               ("write_through", "on_evict", "second_hit"))
+    pool_staging_bytes: int = _bytes_field("256MiB", "host memory for blocks queued for the pool "
+                                                     "(write-behind); 0 sends on the caller's thread")
+    standalone_dram_capacity: int = _bytes_field(0, "standalone: a private DRAM tier above the node pool "
+                                                    "(0: none, the node pool is the top tier)")
+
     # Namespace (used by connectors and the CLI when they make keys).
     model: str = _field("", "model id folded into every key's namespace")
 
@@ -162,6 +186,27 @@ class Config:
             raise ConfigError(f"ssd_segment_bytes must be > 0, got {self.ssd_segment_bytes}")
         if not 1 <= self.ssd_io_threads <= 64:
             raise ConfigError(f"ssd_io_threads must be in 1..64, got {self.ssd_io_threads}")
+        self._validate_mode()
+
+    def _validate_mode(self) -> None:
+        if not 1 <= self.pool_timeout_ms <= 60_000:
+            raise ConfigError(f"pool_timeout_ms must be in 1..60000, got {self.pool_timeout_ms}")
+        if not 1 <= self.pool_connections <= 64:
+            raise ConfigError(f"pool_connections must be in 1..64, got {self.pool_connections}")
+        pools = [e.strip() for e in self.pool.split(",") if e.strip()]
+        bad = [e for e in pools if not e.startswith(("tcp://", "ipc://"))]
+        if bad:
+            raise ConfigError(f"pool: {bad[0]!r} is not a tcp://host:port or ipc:///path endpoint")
+        if self.mode == "embedded" and (pools or self.master):
+            raise ConfigError("pool/master are set but mode is 'embedded' (set mode to standalone or distributed)")
+        if self.mode == "standalone":
+            if len(pools) != 1:
+                raise ConfigError("mode 'standalone' needs exactly one 'pool' endpoint: the node pool, e.g. "
+                                  "ipc:///run/kvtier/pool.sock")
+            if self.ssd_path:
+                raise ConfigError("mode 'standalone' keeps no SSD tier in the engine (ssd_path is set)")
+        if self.mode == "distributed" and not (pools or self.master):
+            raise ConfigError("mode 'distributed' needs 'master' (kvtier-master) or 'pool' (a list of pools)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

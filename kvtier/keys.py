@@ -106,6 +106,24 @@ def _encode_hash(h: bytes | int | str) -> bytes:
     raise TypeError(f"an engine block hash must be bytes, int or str, got {type(h).__name__}")
 
 
+def rendezvous_order(keys: np.ndarray, names: Sequence[str]) -> np.ndarray:
+    """Highest-random-weight ranking of ``names`` for each key: row i lists name indices, best first.
+
+    ``keys``: (n, 2) uint64 (a key blob viewed as two words). Stable across processes and machines, so
+    clients and the master agree without talking; a name joining or leaving moves only its share of keys.
+    """
+    salts = np.array([xxhash.xxh3_64_intdigest(name.encode()) for name in names], np.uint64)
+    scores = _splitmix64(keys[:, 0][:, None] ^ keys[:, 1][:, None] ^ salts[None, :])
+    return np.argsort(scores, axis=1, kind="stable")[:, ::-1]
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def check_keys(keys: Sequence[bytes]) -> None:
     """Raise ValueError naming the first key that is not KEY_BYTES bytes."""
     for i, k in enumerate(keys):

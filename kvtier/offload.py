@@ -1,4 +1,4 @@
-"""Offload and promotion between a store's top tier (host DRAM) and the tier under it (the SSD).
+"""Offload and promotion between a store's top tier (host DRAM) and each tier under it (the SSD, the remote pool).
 
 Runs inside TieredStore, in the caller's process, on the threads of the store calls that trigger it; it holds
 no bytes itself: the lower tier's ``put_later`` copies what is offloaded into its own staging memory before it
@@ -40,10 +40,11 @@ class Offloader:
     the top tier's lock and never waits; the other hooks run on the store caller's thread."""
 
     def __init__(self, top: Tier, lower: Tier, policy: str = "on_evict", *, promote: bool = True,
-                 emit: Emit | None = None, seen_capacity: int = 1 << 16) -> None:
+                 emit: Emit | None = None, seen_capacity: int = 1 << 16, index: int = 1) -> None:
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"unknown offload policy {policy!r}; known: {', '.join(OFFLOAD_POLICIES)}")
         self.top, self.lower, self.policy, self.promote = top, lower, policy, promote
+        self.index = index  # the lower tier's position in the store (the ``served`` value after_get sees)
         self._emit = emit or (lambda kind, tier, keys: None)
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # key -> sightings (second_hit), LRU-bounded
         self._seen_capacity = seen_capacity
@@ -72,12 +73,13 @@ class Offloader:
             self._offload([keys[i] for i in wanted], [views[i] for i in wanted], wait=False)
 
     def after_get(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
-        """``served[i]`` is the index of the tier that served key i (-1: a miss); ``rows`` hold the bytes."""
+        """``served[i]`` is the index of the tier that served key i (-1: a miss); ``rows`` hold the bytes.
+        Promotes what this offloader's lower tier served."""
         if self.policy == "second_hit":
             self._see([k for k, t in zip(keys, served) if t >= 0])
         if not self.promote:
             return
-        below = [i for i, t in enumerate(served) if t > 0]
+        below = [i for i, t in enumerate(served) if t == self.index]
         if not below:
             return
         up = [keys[i] for i in below]

@@ -72,7 +72,7 @@ class TieredStore:
     """The embedded store. Build with ``TieredStore.from_config(config, layout)`` or from tier objects."""
 
     def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = (),
-                 offload: str = "on_evict", promote: bool = True) -> None:
+                 offload: str | Sequence[str] = "on_evict", promote: bool = True) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         sizes = {t.block_bytes for t in tiers}
@@ -91,25 +91,41 @@ class TieredStore:
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
-        # Between the top tier and the one under it: what goes down when, and what comes back up (offload.py).
-        self._offload = Offloader(self.tiers[0], self.tiers[1], offload, promote=promote, emit=self._emit,
-                                  seen_capacity=4 * self.tiers[0].stats().capacity_bytes // self.block_bytes
-                                  ) if len(self.tiers) > 1 else None
+        # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py).
+        # ``offload`` is one policy for every lower tier, or one per lower tier in order.
+        policies = [offload] * (len(self.tiers) - 1) if isinstance(offload, str) else list(offload)
+        if len(policies) != len(self.tiers) - 1:
+            raise ValueError(f"{len(self.tiers) - 1} lower tiers but {len(policies)} offload policies")
+        seen = 4 * self.tiers[0].stats().capacity_bytes // self.block_bytes
+        self._offloads = [Offloader(self.tiers[0], lower, policy, promote=promote, emit=self._emit,
+                                    seen_capacity=seen, index=i)
+                          for i, (lower, policy) in enumerate(zip(self.tiers[1:], policies), 1)]
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
 
     @classmethod
     def from_config(cls, config: Config | Mapping[str, Any] | str | None, layout: BlockLayout | int) -> TieredStore:
-        """Build the tiers a Config describes for blocks of ``layout`` (or a plain block size in bytes)."""
-        from kvtier.tiers.dram import DramTier
+        """Build the tiers a Config describes for blocks of ``layout`` (or a plain block size in bytes).
 
+        ``mode`` embedded: DRAM (+SSD); standalone: the node pool through shared memory (under an optional
+        small private DRAM); distributed: DRAM, then remote pools, then the SSD if any."""
         cfg = Config.load(config)
         block_bytes = layout if isinstance(layout, int) else layout.nbytes
         dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
-        dram = DramTier(cfg.dram_capacity, block_bytes, policy=cfg.eviction, shm_path=cfg.dram_shm_path or None,
-                        pin_memory=cfg.dram_pin_memory, prefault=cfg.dram_prefault,
-                        copy_threads=cfg.copy_threads, dtypes=dtypes)
-        tiers: list[Tier] = [dram]
+        tiers: list[Tier] = []
+        offload: list[str] = []
+        dram_capacity = cfg.standalone_dram_capacity if cfg.mode == "standalone" else cfg.dram_capacity
+        if dram_capacity:
+            from kvtier.tiers.dram import DramTier
+
+            tiers.append(DramTier(dram_capacity, block_bytes, policy=cfg.eviction,
+                                  shm_path=cfg.dram_shm_path or None, pin_memory=cfg.dram_pin_memory,
+                                  prefault=cfg.dram_prefault, copy_threads=cfg.copy_threads, dtypes=dtypes))
+        if cfg.mode != "embedded":
+            from kvtier.tiers.pool import PoolTier
+
+            tiers.append(PoolTier.from_config(cfg, block_bytes, dtypes))
+            offload.append(cfg.pool_offload)
         if cfg.ssd_path:
             from kvtier.tiers.ssd import DiskTier
 
@@ -118,7 +134,10 @@ class TieredStore:
                                   policy=cfg.ssd_eviction, direct_io=cfg.ssd_direct_io, fsync=cfg.ssd_fsync,
                                   io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
                                   fingerprint=fingerprint, dtypes=dtypes))
-        return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=cfg.ssd_offload, promote=cfg.ssd_promote)
+            offload.append(cfg.ssd_offload)
+        if not dram_capacity:
+            offload = offload[1:]  # the pool is the top tier: nothing above it offloads into it
+        return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=offload, promote=cfg.ssd_promote)
 
     # ---- writes ----------------------------------------------------------------------------------------
 
@@ -156,8 +175,10 @@ class TieredStore:
                       len(keys), self.tiers[0].name)
         self._count(put_stored=result.stored, put_skipped=result.skipped, put_rejected=len(result.rejected))
         self._emit("stored", self.tiers[0].name, new_keys)
-        if self._offload is not None and new_keys:
-            self._offload.after_put(new_keys, _subset(rows, [i for i, ok in zip(fresh, stored) if ok]))
+        if self._offloads and new_keys:
+            stored_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if ok])
+            for offload in self._offloads:
+                offload.after_put(new_keys, stored_rows)
         return result
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -195,8 +216,8 @@ class TieredStore:
                 served[i] = t if f else -1
         hits = sum(hit)
         self._count(get_hits=hits, get_misses=len(keys) - hits)
-        if self._offload is not None:
-            self._offload.after_get(keys, served, rows)
+        for offload in self._offloads:
+            offload.after_get(keys, served, rows)
         return hit
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -264,10 +285,11 @@ class TieredStore:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the blocks queued for lower tiers (write-behind) are written; False on timeout."""
-        return True if self._offload is None else self._offload.flush(timeout)
+        return all([offload.flush(timeout) for offload in self._offloads])
 
     def stats(self) -> dict[str, Any]:
-        extra = {"offload": self._offload.stats()} if self._offload is not None else {}
+        extra = {"offload": self._offloads[0].stats(),  # the tier right under the top one
+                 "offloads": {o.lower.name: o.stats() for o in self._offloads}} if self._offloads else {}
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
                 **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}, **extra}
 
@@ -293,10 +315,10 @@ class TieredStore:
         return self._executor.submit(fn, *args)
 
     def _evict_listener(self, tier_name: str) -> Callable[[Sequence[bytes], Sequence[Any]], None]:
-        offload = self._offload if self._offload is not None and tier_name == self.tiers[0].name else None
+        offloads = self._offloads if tier_name == self.tiers[0].name else []
 
         def on_evict(keys: Sequence[bytes], views: Sequence[Any]) -> None:
-            if offload is not None:
+            for offload in offloads:
                 offload.on_top_evict(keys, views)  # copies what goes down before the slots are reused
             self._emit("removed", tier_name, list(keys))
 

@@ -39,11 +39,13 @@ PIN = "pin"
 UNPIN = "unpin"
 PRIORITY = "priority"
 HINTS = "hints"
+LOCATE = "locate"
 # Nodes (kvtier.client.NodeAgent).
 REGISTER = "register"
 HEARTBEAT = "heartbeat"
 EVENTS = "events"
 INVENTORY = "inventory"
+GOODBYE = "goodbye"
 
 # Event kinds inside an EVENTS message.
 ADD, REMOVE = 0, 1
@@ -116,11 +118,11 @@ def decode_request(frame: bytes | memoryview) -> tuple[int, str, dict[str, Any]]
     return req_id, op, body
 
 
-def decode_reply(frame: bytes | memoryview) -> tuple[int, bool, dict[str, Any]]:
-    """(req_id, ok, body) of a reply, or WireError ERR_BAD_MESSAGE."""
+def decode_reply(frame: bytes | memoryview, peer: str = "the master") -> tuple[int, bool, dict[str, Any]]:
+    """(req_id, ok, body) of a reply, or WireError ERR_BAD_MESSAGE (ERR_BAD_VERSION naming ``peer``)."""
     version, req_id, ok, body = _unpack(frame, "reply")
     if version != VERSION:
-        raise WireError(ERR_BAD_VERSION, f"the master speaks protocol version {version!r}, "
+        raise WireError(ERR_BAD_VERSION, f"{peer} speaks protocol version {version!r}, "
                                          f"this client version {VERSION}")
     if not _is_uint(req_id) or not isinstance(ok, bool) or not isinstance(body, dict):
         raise WireError(ERR_BAD_MESSAGE, "reply must be [version, req_id:uint, ok:bool, body:map]")

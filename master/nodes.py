@@ -213,6 +213,15 @@ class NodeRegistry:
         self._changed()
         return retired
 
+    def leave(self, node: Node) -> list[int]:
+        """The node said goodbye: dead now; returns its retired locations."""
+        log.info("node %s said goodbye; dropping its placements", node.node_id)
+        node.state = DEAD
+        node.applied_seq = None
+        retired = self._retire(node)
+        self._changed()
+        return retired
+
     def heard_from(self, node: Node, now: float) -> None:
         node.last_seen = now
         deadline = now + self.lease_s

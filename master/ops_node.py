@@ -214,6 +214,14 @@ def inventory(st: MasterState, body: Body) -> dict[str, Any]:
     return {"applied_seq": node.applied_seq, "next_part": None if last else part + 1}
 
 
+def goodbye(st: MasterState, body: Body) -> dict[str, Any]:
+    """The node is leaving (a clean shutdown): its placements go now, not when its lease runs out."""
+    node = _known_node(st, body)
+    st.retire(st.registry.leave(node))
+    return {"resync": False, "applied_seq": None}
+
+
 OPS: dict[str, Callable[[MasterState, Body], dict[str, Any]]] = {
     wire.REGISTER: register, wire.HEARTBEAT: heartbeat, wire.EVENTS: events, wire.INVENTORY: inventory,
+    wire.GOODBYE: goodbye,
 }

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.master.cost import CostRequest
+from kvtier.master.directory import WORD_BITS, location_words
 from kvtier.master.placement import PlacementError, PlacementRequest
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, WireError, field, float_field, int_field, keys_field
@@ -86,12 +87,13 @@ def route_put(st: MasterState, body: Body) -> dict[str, Any]:
         raise WireError(ERR_BAD_REQUEST, f"'keys' has {len(keys)} keys for {len(sizes)} sizes")
     requester = field(body, "requester", str, default=None)
     spec = field(body, "policy", str, default=None)
+    labels = _labels(body)
     try:
         policy = st.placement(spec)
     except ValueError as e:
         raise WireError(ERR_BAD_REQUEST, str(e)) from None
     st.expire_leases()
-    nodes = st.registry.live_nodes()
+    nodes = [n for n in st.registry.live_nodes() if _has_labels(n.labels, labels)]
     try:
         targets = policy.place(PlacementRequest(np.asarray(sizes, np.int64), keys, requester), nodes)
     except PlacementError as e:
@@ -101,6 +103,46 @@ def route_put(st: MasterState, body: Body) -> dict[str, Any]:
             st.registry.nodes[target[0]].tiers[target[1]].promised += size
     return {"targets": [list(t) if t is not None else None for t in targets],
             "placed": sum(t is not None for t in targets)}
+
+
+def locate(st: MasterState, body: Body) -> dict[str, Any]:
+    """Per key, one live (node, tier) holding it (the lowest-numbered location), among the nodes whose labels
+    include ``labels``: ``holders`` lists [node, tier, address], ``where`` indexes it per key (-1: held by none)."""
+    keys = keys_field(body, "keys", st.settings.max_batch_keys)
+    labels = _labels(body)
+    live = st.live_mask()
+    if labels:
+        live = live & location_words([loc for n in st.registry.live_nodes() if _has_labels(n.labels, labels)
+                                      for loc in n.locations.values()], len(live))
+    _, masks = st.directory.masks(keys, live)
+    nonzero = masks != 0
+    held = nonzero.any(axis=1)
+    word = nonzero.argmax(axis=1)
+    bits = masks[np.arange(len(masks)), word]
+    lowest = bits & (~bits + np.uint64(1))  # the lowest set bit of each key's first non-empty word
+    locs = np.where(held, word * WORD_BITS + np.log2(np.maximum(lowest, 1).astype(np.float64)).astype(np.int64), -1)
+    holders: list[list[str]] = []
+    index: dict[int, int] = {}
+    where = []
+    for loc in locs.tolist():
+        if loc >= 0 and loc not in index:
+            owner = st.registry.owner(loc)
+            index[loc] = -1 if owner is None else len(holders)
+            if owner is not None:
+                holders.append([owner[0], owner[1], st.registry.nodes[owner[0]].address])
+        where.append(index[loc] if loc >= 0 else -1)
+    return {"holders": holders, "where": where}
+
+
+def _labels(body: Body) -> dict[str, str]:
+    labels = field(body, "labels", dict, default={})
+    if len(labels) > 64 or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise WireError(ERR_BAD_REQUEST, "field 'labels': expected a map of at most 64 strings to strings")
+    return labels
+
+
+def _has_labels(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())
 
 
 def heat(st: MasterState, body: Body) -> dict[str, Any]:
@@ -164,5 +206,5 @@ def hints(st: MasterState, body: Body) -> dict[str, Any]:
 OPS: dict[str, Callable[[MasterState, Body], dict[str, Any]]] = {
     wire.PING: ping, wire.LOOKUP: lookup, wire.COST: cost, wire.ROUTE_PUT: route_put, wire.HEAT: heat,
     wire.TOP: top, wire.NODES: nodes, wire.PIN: pin, wire.UNPIN: unpin, wire.PRIORITY: priority,
-    wire.HINTS: hints,
+    wire.HINTS: hints, wire.LOCATE: locate,
 }

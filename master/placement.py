@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import xxhash
 
+from kvtier.keys import rendezvous_order
 from kvtier.master.nodes import Node
 from kvtier.registry import ClassRegistry
 
@@ -141,9 +141,7 @@ class Rendezvous:
             raise PlacementError("placement policy 'rendezvous' needs the blocks' keys (send 'keys')")
         if not nodes:
             return [None] * len(req.sizes)
-        salts = np.array([xxhash.xxh3_64_intdigest(n.node_id.encode()) for n in nodes], np.uint64)
-        scores = _splitmix64(req.keys[:, 0][:, None] ^ req.keys[:, 1][:, None] ^ salts[None, :])
-        ranking = np.argsort(scores, axis=1, kind="stable")[:, ::-1]  # highest weight first
+        ranking = rendezvous_order(req.keys, [n.node_id for n in nodes])  # highest weight first
         room = _Room(nodes)
         out: list[tuple[str, str] | None] = []
         for size, order in zip(req.sizes.tolist(), ranking.tolist()):
@@ -156,9 +154,3 @@ class Rendezvous:
             out.append(target)
         return out
 
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))

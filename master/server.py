@@ -32,6 +32,7 @@ from kvtier.master import ops_node, ops_router
 from kvtier.master.metrics import MasterMetrics
 from kvtier.master.persist import MasterDisk
 from kvtier.master.service import MasterSettings, MasterState
+from kvtier.ratelog import RateLimitedLog
 from kvtier.wire import WireError
 
 log = logging.getLogger("kvtier.master")
@@ -41,25 +42,6 @@ DRAIN_LIMIT = 256  # requests answered per wakeup before the timer gets a turn
 TICK_S = 0.1
 # Ops whose keys count toward kvtier_master_request_keys.
 _KEYED = {wire.LOOKUP, wire.COST, wire.HEAT, wire.PIN, wire.UNPIN, wire.PRIORITY}
-
-
-class _RateLimitedLog:
-    """At most one line per ``interval`` per kind; counts what it held back (a fuzzer must not flood logs)."""
-
-    def __init__(self, interval: float = 1.0) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def __call__(self, kind: str, level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -1e9) < self.interval:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return
-        held = self._held.pop(kind, 0)
-        self._last[kind] = now
-        suffix = f" (+{held} more like it in the last {self.interval:.0f} s)" if held else ""
-        log.log(level, msg + suffix, *args, exc_info=exc_info)
 
 
 class MasterServer:
@@ -77,7 +59,7 @@ class MasterServer:
         self._stop: asyncio.Event | None = None
         self._last_snapshot = time.monotonic()
         self._snapshot_running = False
-        self._bad = _RateLimitedLog()
+        self._bad = RateLimitedLog(log)
 
     # ---- requests --------------------------------------------------------------------------------------
 

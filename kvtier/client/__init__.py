@@ -9,11 +9,11 @@ Engine-compatible hashers (token ids -> the engine's own block hashes) are in kv
 """
 
 from kvtier.client.agent import NodeAgent, StorePins
-from kvtier.client.api import CostResult, Hints, HeatResult, LookupResult, Plan, PrefixHit, TopResult
+from kvtier.client.api import CostResult, Hints, HeatResult, LocateResult, LookupResult, Plan, PrefixHit, TopResult
 from kvtier.client.master import AsyncMasterClient, MasterClient, MasterError, MasterTimeout, MasterUnknownNode
 from kvtier.client.router import Router
 
 __all__ = [
-    "AsyncMasterClient", "CostResult", "HeatResult", "Hints", "LookupResult", "MasterClient", "MasterError",
+    "AsyncMasterClient", "CostResult", "HeatResult", "Hints", "LocateResult", "LookupResult", "MasterClient", "MasterError",
     "MasterTimeout", "MasterUnknownNode", "NodeAgent", "Plan", "PrefixHit", "Router", "StorePins", "TopResult",
 ]

@@ -21,9 +21,12 @@ What it does, all on its own thread with its own socket (the store's threads onl
 * fetches hints when their version changes and passes them to ``on_hints`` (for a store: pins the keys the
   master pins, unpins them when the master drops them).
 
-The agent keeps a set of the keys each tier holds (from the events) to build inventories; with ``verify``
-each inventory is checked against the tiers themselves, so a reordered event cannot make it lie. That set
-costs ~100 B per key held; attach the agent before the store holds blocks (or pass them as ``initial``).
+Inventories come from ``list_keys`` (tier name -> the keys it holds now) where the node can list its tiers
+(kvtier-pool does: its DRAM tier has ``keys()``). Otherwise the agent keeps a set of the keys each tier holds
+(from the events); with ``verify`` each inventory is checked against the tiers themselves, so a reordered
+event cannot make it lie. That set costs ~100 B per key held; attach the agent before the store holds blocks
+(or pass them as ``initial``). ``close`` says goodbye, so the master drops the node's placements at once
+instead of when its lease runs out.
 ``max_batch_keys`` and ``inventory_part_keys`` must not exceed the master's --max-batch-keys.
 ``on_event`` and ``record_transfer`` are thread-safe; everything else is for the thread that owns the agent.
 """
@@ -56,6 +59,7 @@ class NodeAgent:
                  verify: Callable[[str, list[bytes]], list[bool]] | None = None,
                  on_hints: Callable[[Hints], None] | None = None,
                  initial: Mapping[str, Iterable[bytes]] | None = None,
+                 list_keys: Callable[[str], list[bytes]] | None = None,
                  heartbeat_s: float | None = None, batch_interval_s: float = 0.01, max_batch_keys: int = 65536,
                  inventory_part_keys: int = 262144, timeout_s: float = 2.0, ewma_alpha: float = 0.2) -> None:
         if not tiers:
@@ -68,6 +72,7 @@ class NodeAgent:
         self.labels = dict(labels or {})
         self.incarnation = uuid.uuid4().hex
         self._used, self._verify, self._on_hints = used, verify, on_hints
+        self._list_keys = list_keys
         self._heartbeat_s = heartbeat_s
         self.batch_interval_s = batch_interval_s
         self.max_batch_keys = max_batch_keys
@@ -75,9 +80,11 @@ class NodeAgent:
         self.timeout_s = timeout_s
         self.alpha = ewma_alpha
         names = {name for name, _ in self.tiers}
-        self._mirror: dict[str, set[bytes]] = {name: set() for name in names}
-        for tier, keys in (initial or {}).items():
+        # No mirror where the tiers can list their keys: the agent then holds only what is queued.
+        self._mirror: dict[str, set[bytes]] = {name: set() for name in names} if list_keys is None else {}
+        for tier, keys in (initial or {}).items() if list_keys is None else ():
             self._mirror[tier].update(keys)
+        self._names = names
         self._pending: list[tuple[int, str, list[bytes]]] = []
         self._pending_keys = 0
         self._cond = threading.Condition()
@@ -100,12 +107,14 @@ class NodeAgent:
     @classmethod
     def for_store(cls, store: Any, master: str, node_id: str, **kw: Any) -> NodeAgent:
         """An agent for a TieredStore: its tiers, their used bytes, inventory checks against the tiers, and
-        master pins applied as store pins. Attaches to the store's events; call ``start()`` next."""
-        by_name = {t.name: t for t in store.tiers}
+        master pins applied as store pins. Attaches to the store's events; call ``start()`` next. Remote tiers
+        (a PoolTier: blocks in kvtier-pool daemons, which report them themselves) are not the node's own."""
+        local = [t for t in store.tiers if not getattr(t, "remote", False)]
+        by_name = {t.name: t for t in local}
         pins = StorePins(store)
-        agent = cls(master, node_id, [(t.name, t.stats().capacity_bytes) for t in store.tiers],
+        agent = cls(master, node_id, [(t.name, t.stats().capacity_bytes) for t in local],
                     block_bytes=store.block_bytes,
-                    used=lambda: {t.name: t.stats().used_bytes for t in store.tiers},
+                    used=lambda: {t.name: t.stats().used_bytes for t in local},
                     verify=lambda tier, keys: by_name[tier].contains(keys),
                     on_hints=kw.pop("on_hints", pins.apply), **kw)
         store.add_listener(agent.on_event)
@@ -117,10 +126,12 @@ class NodeAgent:
         """A TieredStore listener: ``event`` is a StoreEvent(kind "stored"/"removed", tier, keys)."""
         kind = wire.ADD if event.kind == "stored" else wire.REMOVE
         with self._cond:
+            if event.tier not in self._names:
+                return  # a tier the node did not register
             mirror = self._mirror.get(event.tier)
             if mirror is None:
-                return  # a tier the node did not register
-            if kind == wire.ADD:
+                pass  # inventories come from list_keys
+            elif kind == wire.ADD:
                 mirror.update(event.keys)
             else:
                 mirror.difference_update(event.keys)
@@ -217,6 +228,7 @@ class NodeAgent:
                 if self._pending and not self._stop.is_set():
                     self._stop.wait(self.batch_interval_s)  # let a burst of events coalesce into one message
             self._final_flush(client)
+            self._goodbye(client)
         finally:
             client.close()
 
@@ -226,6 +238,16 @@ class NodeAgent:
                 self._flush_events(client)
             except MasterError as e:
                 log.info("node %s: last events not delivered at close (%s)", self.node_id, e)
+
+    def _goodbye(self, client: MasterClient) -> None:
+        if not self.registered:
+            return
+        try:
+            client.call(api.goodbye(self.node_id, self.incarnation), timeout_s=min(self.timeout_s, 1.0))
+            log.info("node %s: said goodbye to master %s", self.node_id, self.master)
+        except MasterError as e:  # the lease runs out instead
+            log.info("node %s: goodbye not delivered (%s); the master drops it when its lease expires",
+                     self.node_id, e)
 
     def _heartbeat_interval(self) -> float:
         if self._heartbeat_s is not None:
@@ -250,6 +272,10 @@ class NodeAgent:
             seq = self.seq
             self.need_inventory = False  # set again by any failure below or by an event overflow
         try:
+            if self._list_keys is not None:
+                # Listed after the queue was cleared, outside our lock (the tiers call on_event under theirs):
+                # events in between are both in the listing and queued, and replaying them after it is harmless.
+                snapshot = {tier: self._list_keys(tier) for tier in self._names}
             if self._verify is not None:
                 snapshot = {t: [k for k, held in zip(keys, self._verify(t, keys)) if held] if keys else []
                             for t, keys in snapshot.items()}

@@ -133,6 +133,18 @@ class Hints:
 
 
 @dataclass
+class LocateResult:
+    """Per key, one live (node, tier, address) holding it: ``holders[where[i]]``, or None where ``where[i]`` is -1."""
+
+    holders: list[tuple[str, str, str]]
+    where: list[int]
+
+    def holder(self, i: int) -> tuple[str, str, str] | None:
+        w = self.where[i]
+        return self.holders[w] if w >= 0 else None
+
+
+@dataclass
 class NodeReply:
     """The master's answer to register / heartbeat / events / inventory."""
 
@@ -184,11 +196,23 @@ def cost(keys: KeysLike, candidates: Sequence[str], block_tokens: int, prefill_t
 
 
 def route_put(sizes: Sequence[int], requester: str | None = None, keys: KeysLike | None = None,
-              policy: str | None = None) -> Call[list[tuple[str, str] | None]]:
+              policy: str | None = None, labels: Mapping[str, str] | None = None
+              ) -> Call[list[tuple[str, str] | None]]:
+    """``labels``: place only on nodes registered with these labels (e.g. {"role": "pool"})."""
     body: dict[str, Any] = {"sizes": [int(s) for s in sizes], "requester": requester, "policy": policy}
     if keys is not None:
         body["keys"] = _keys(keys)
+    if labels:
+        body["labels"] = dict(labels)
     return Call(wire.ROUTE_PUT, body, lambda b: [tuple(t) if t else None for t in b["targets"]])  # type: ignore[misc]
+
+
+def locate(keys: KeysLike, labels: Mapping[str, str] | None = None) -> Call[LocateResult]:
+    """Where each key is held (one live holder per key), among nodes with ``labels`` if given."""
+    body: dict[str, Any] = {"keys": _keys(keys)}
+    if labels:
+        body["labels"] = dict(labels)
+    return Call(wire.LOCATE, body, lambda b: LocateResult([tuple(h) for h in b["holders"]], b["where"]))  # type: ignore[misc]
 
 
 def heat(keys: KeysLike) -> Call[HeatResult]:
@@ -250,3 +274,8 @@ def inventory(node: str, incarnation: str, seq: int, part: int, last: bool, tier
                                  "tiers": {t: _keys(k) for t, k in tiers.items()},
                                  "block_bytes": {t: int(b) for t, b in block_bytes.items()}},
                 NodeReply.from_wire)
+
+
+def goodbye(node: str, incarnation: str) -> Call[NodeReply]:
+    """The node is leaving: the master drops its placements now rather than when its lease runs out."""
+    return Call(wire.GOODBYE, {"node": node, "incarnation": incarnation}, NodeReply.from_wire)

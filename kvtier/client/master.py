@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from kvtier import wire
 from kvtier.client import api
-from kvtier.client.api import Call, CostResult, HeatResult, Hints, KeysLike, LookupResult, TopResult
+from kvtier.client.api import Call, CostResult, HeatResult, Hints, KeysLike, LocateResult, LookupResult, TopResult
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 2.0
@@ -130,8 +130,12 @@ class MasterClient:
         return self.call(api.cost(keys, candidates, block_tokens, prefill_tokens_per_s, prompt_tokens, touch))
 
     def route_put(self, sizes: Sequence[int], requester: str | None = None, keys: KeysLike | None = None,
-                  policy: str | None = None) -> list[tuple[str, str] | None]:
-        return self.call(api.route_put(sizes, requester, keys, policy))
+                  policy: str | None = None, labels: Mapping[str, str] | None = None
+                  ) -> list[tuple[str, str] | None]:
+        return self.call(api.route_put(sizes, requester, keys, policy, labels))
+
+    def locate(self, keys: KeysLike, labels: Mapping[str, str] | None = None) -> LocateResult:
+        return self.call(api.locate(keys, labels))
 
     def heat(self, keys: KeysLike) -> HeatResult:
         return self.call(api.heat(keys))
@@ -226,8 +230,12 @@ class AsyncMasterClient:
         return await self.call(api.cost(keys, candidates, block_tokens, prefill_tokens_per_s, prompt_tokens, touch))
 
     async def route_put(self, sizes: Sequence[int], requester: str | None = None, keys: KeysLike | None = None,
-                        policy: str | None = None) -> list[tuple[str, str] | None]:
-        return await self.call(api.route_put(sizes, requester, keys, policy))
+                        policy: str | None = None, labels: Mapping[str, str] | None = None
+                        ) -> list[tuple[str, str] | None]:
+        return await self.call(api.route_put(sizes, requester, keys, policy, labels))
+
+    async def locate(self, keys: KeysLike, labels: Mapping[str, str] | None = None) -> LocateResult:
+        return await self.call(api.locate(keys, labels))
 
     async def heat(self, keys: KeysLike) -> HeatResult:
         return await self.call(api.heat(keys))

@@ -235,6 +235,11 @@ class DramTier:
             base, bb = int(self._base), self.block_bytes
             yield [None if a is None else self._rows[(a - base) // bb] for a in addresses]
 
+    def keys(self) -> list[bytes]:
+        """Every key held now (a snapshot: an inventory for the master, without mirroring keys elsewhere)."""
+        with self._lock:
+            return list(self._slot_of)
+
     @property
     def buffer(self) -> HostBuffer:
         return self._buffer

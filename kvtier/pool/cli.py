@@ -1,0 +1,86 @@
+"""``kvtier-pool``: serve a node's DRAM to other nodes (tcp://) and to engine processes on this host (ipc://).
+
+    kvtier-pool --master tcp://127.0.0.1:7300 --bind tcp://127.0.0.1:7400 --capacity 8GiB
+    kvtier-pool --bind ipc:///run/kvtier/pool.sock --capacity 64GiB          # standalone node pool
+    kvtier-pool --bind tcp://0.0.0.0:7400 --bind ipc:///run/kvtier/pool.sock --advertise tcp://node-3:7400
+
+Errors at start-up (address in use, bad option, no room in /dev/shm) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import zmq
+
+from kvtier.pool.server import PoolServer
+from kvtier.pool.state import PoolSettings
+from kvtier.units import parse_bytes
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = PoolSettings()
+    p = argparse.ArgumentParser(prog="kvtier-pool", description="kvtier node pool: a DRAM region serving KV "
+                                "blocks to engines on this host (shared memory) and to other nodes (tcp, rdma)")
+    p.add_argument("--bind", action="append", help=f"endpoint to serve on, repeatable: tcp://host:port (other "
+                   f"nodes; tcp://host:* picks a free port) and/or ipc:///path (engine processes on this host, "
+                   f"which then map the pool's DRAM; standalone mode). Default {d.bind[0]}")
+    p.add_argument("--capacity", type=parse_bytes, default=d.capacity, help="bytes of DRAM to serve (default 8GiB)")
+    p.add_argument("--block-bytes", type=parse_bytes, default=0, help="block size; default: the first client's")
+    p.add_argument("--master", default="", help="kvtier-master endpoint to register with (placements, events, "
+                   "heartbeats); without it clients list this pool in their 'pool' setting")
+    p.add_argument("--node-id", default="", help="name with the master (default pool-<host>-<hash of address>)")
+    p.add_argument("--advertise", default="", help="endpoint other nodes reach this pool at (default: the tcp "
+                   "endpoint bound, with the host name for a wildcard address)")
+    p.add_argument("--label", action="append", type=_label, default=[], help="key=value label for the master, "
+                   "repeatable (role=pool is always set)")
+    p.add_argument("--workers", type=int, default=d.workers, help=f"request threads (default {d.workers})")
+    p.add_argument("--shm-dir", default=d.shm_dir, help=f"where the shared DRAM file lives when an ipc endpoint "
+                   f"is bound (default {d.shm_dir})")
+    p.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a shared-memory or RDMA client may "
+                   f"hold reserved or acquired blocks before they are taken back (default {d.lease_s})")
+    p.add_argument("--eviction", default=d.eviction, help=f"eviction policy (default {d.eviction})")
+    p.add_argument("--max-keys", type=int, default=d.max_keys, help=f"most keys per request (default {d.max_keys})")
+    p.add_argument("--copy-threads", type=int, default=d.copy_threads, help="threads per batched copy")
+    p.add_argument("--prefault", action="store_true", help="touch all of the DRAM at start (no page faults later)")
+    p.add_argument("--rdma", default=d.rdma, help="auto (use an RDMA device when there is one), off, or a device "
+                   "name such as mlx5_0")
+    p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
+    p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.workers < 1 or args.max_keys < 1 or args.copy_threads < 1:
+            raise ValueError("--workers, --max-keys and --copy-threads must be >= 1")
+        if args.capacity <= 0 or args.lease_s <= 0:
+            raise ValueError("--capacity and --lease-s must be > 0")
+        settings = PoolSettings(
+            bind=tuple(args.bind or PoolSettings().bind), capacity=args.capacity, block_bytes=args.block_bytes,
+            node_id=args.node_id, master=args.master, advertise=args.advertise, workers=args.workers,
+            shm_dir=args.shm_dir, lease_s=args.lease_s, eviction=args.eviction, max_keys=args.max_keys,
+            copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, heartbeat_s=args.heartbeat_s,
+            labels=dict(args.label),
+        )
+        PoolServer(settings, ready_file=args.ready_file).run()
+    except (ValueError, OSError, zmq.ZMQError) as e:
+        print(f"kvtier-pool: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The ops a kvtier-pool serves (kvtier/pool/protocol.py documents each): hello, contains, remove, put, get,
+reserve/commit and acquire/release (one-sided clients), stats, rdma_connect.
+
+Each takes the PoolState, the decoded request body and the request's data frames, and returns a Reply, or
+raises WireError naming what is wrong. Bytes are copied once: a put from the received frames into reserved
+slots (one native batched copy), a get not at all here (the reply's frames point into the slots, which stay
+acquired until zmq has sent them; ``Reply.hold`` is what the server releases then).
+
+Called on the pool's worker threads, several at once; the tier and the lease table are thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier import wire
+from kvtier.hostcopy import copy_rows
+from kvtier.pool import protocol as P
+from kvtier.pool.state import PoolState
+from kvtier.transport import frames as F
+from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError
+
+Body = dict[str, Any]
+
+
+@dataclass
+class Reply:
+    """A reply body, its data frames (zero-copy views), and what to release once zmq has sent them."""
+
+    body: dict[str, Any]
+    data: list[Any] = field(default_factory=list)
+    hold: AbstractContextManager[Any] | None = None
+
+
+def hello(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    block_bytes = wire.int_field(body, "block_bytes", 0, 1 << 34, default=0)
+    tier = st.ensure_tier(block_bytes or None)
+    transports: dict[str, Any] = {"tcp": {}}
+    if st.shm_path is not None and tier is not None:
+        transports["shm"] = {"path": str(st.shm_path), "nbytes": tier.capacity_bytes}
+    if st.rdma is not None:
+        transports["rdma"] = st.rdma.describe()
+    return Reply({"node": st.node_id, "block_bytes": tier.block_bytes if tier else 0,
+                  "capacity": tier.capacity_bytes if tier else st.settings.capacity,
+                  "max_keys": st.settings.max_keys, "lease_s": st.settings.lease_s, "transports": transports})
+
+
+def contains(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    return Reply({"held": P.bitmap(tier.contains(st.keys(body)))})
+
+
+def remove(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    keys = st.keys(body)
+    held = [k for k, h in zip(keys, tier.contains(keys)) if h]
+    removed = tier.remove(keys)
+    st.emit("removed", held)
+    return Reply({"removed": removed})
+
+
+def put(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    keys = st.keys(body)
+    bb = tier.block_bytes
+    check_fits(len(keys), bb, tier.capacity_bytes)
+    got = sum(len(f) for f in data)
+    if got != len(keys) * bb:
+        raise WireError(ERR_BAD_REQUEST, f"put of {len(keys)} keys needs {len(keys) * bb} bytes of data "
+                                         f"({bb} per block), got {got} bytes in {len(data)} frames")
+    try:
+        src = F.rows_in(data, bb)
+    except ValueError as e:
+        raise WireError(ERR_BAD_REQUEST, str(e)) from None
+    res = tier.reserve(keys)
+    try:
+        if res.slots:
+            copy_rows(res.addresses, src[res.index], bb, st.settings.copy_threads)
+    except BaseException:
+        tier.commit(res, success=False)
+        raise
+    tier.commit(res)
+    st.emit("stored", res.keys)
+    st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * bb)
+    return Reply({"held": P.bitmap(res.held)})
+
+
+def get(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    keys = st.keys(body)
+    hold = tier.acquire(keys)
+    addresses = hold.__enter__()
+    try:
+        hit = [a is not None for a in addresses]
+        rows = np.fromiter((a for a in addresses if a is not None), dtype=np.uint64)
+        frames = F.views(rows, tier.block_bytes)
+    except BaseException:
+        hold.__exit__(None, None, None)
+        raise
+    st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * tier.block_bytes)
+    return Reply({"hit": P.bitmap(hit)}, frames, hold)
+
+
+def reserve(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    keys = st.keys(body)
+    check_fits(len(keys), tier.block_bytes, tier.capacity_bytes)
+    res = tier.reserve(keys)
+    fresh = np.zeros(len(keys), dtype=bool)
+    fresh[res.index] = True
+    lease = st.leases.add(P.RESERVE, res, lambda: tier.commit(res, success=False)) if res.slots else 0
+    base = np.uint64(tier.buffer.ptr)
+    return Reply({"lease": lease, "held": P.bitmap(res.held), "fresh": P.bitmap(fresh),
+                  "offsets": P.offsets((res.addresses - base).astype(np.int64))})
+
+
+def commit(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    lease = wire.int_field(body, "lease", 0, 1 << 62)
+    ok = wire.field(body, "ok", bool, True)
+    res = st.leases.take(lease, P.RESERVE)
+    if res is None:
+        return Reply({"published": 0, "valid": lease == 0})
+    tier.commit(res, success=ok)
+    if ok:
+        st.emit("stored", res.keys)
+        st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * tier.block_bytes)
+    return Reply({"published": len(res.keys) if ok else 0, "valid": True})
+
+
+def acquire(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier_for(body)
+    keys = st.keys(body)
+    hold = tier.acquire(keys)
+    addresses = hold.__enter__()
+    base = tier.buffer.ptr
+    offs = [-1 if a is None else a - base for a in addresses]
+    hits = sum(o >= 0 for o in offs)
+    lease = st.leases.add(P.ACQUIRE, hold, lambda: hold.__exit__(None, None, None)) if hits else 0
+    if not hits:
+        hold.__exit__(None, None, None)
+    st.count(get_hits=hits, get_misses=len(keys) - hits, get_bytes=hits * tier.block_bytes)
+    return Reply({"lease": lease, "offsets": P.offsets(offs)})
+
+
+def release(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    lease = wire.int_field(body, "lease", 0, 1 << 62)
+    hold = st.leases.take(lease, P.ACQUIRE)
+    if hold is not None:
+        hold.__exit__(None, None, None)
+    return Reply({"valid": hold is not None or lease == 0})
+
+
+def stats(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    return Reply(st.stats())
+
+
+def rdma_connect(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    if st.rdma is None:
+        raise WireError(ERR_BAD_REQUEST, "this pool serves no RDMA (no device, or started with --rdma off)")
+    return Reply(st.rdma.connect(body))
+
+
+def check_fits(n: int, block_bytes: int, capacity: int) -> None:
+    """ERR_TOO_LARGE naming the sizes when ``n`` blocks cannot fit the pool at all."""
+    why = P.too_large(n, block_bytes, capacity)
+    if why:
+        raise WireError(ERR_TOO_LARGE, why)
+
+
+OPS: dict[str, Callable[[PoolState, Body, list[Any]], Reply]] = {
+    P.HELLO: hello, P.CONTAINS: contains, P.REMOVE: remove, P.PUT: put, P.GET: get, P.RESERVE: reserve,
+    P.COMMIT: commit, P.ACQUIRE: acquire, P.RELEASE: release, P.STATS: stats, P.RDMA_CONNECT: rdma_connect,
+}
+NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
+

@@ -1,0 +1,92 @@
+"""The pool's wire protocol: kvtier.wire's envelope and codec, with block bytes riding as extra zmq frames.
+
+    request: [envelope, *data]     envelope = wire.encode_request(req_id, op, body)
+    reply:   [envelope, *data]     envelope = wire.encode_reply(req_id, ok, body)
+
+Keys travel as one n*16-byte blob (``keys``), per-key flags as a packed bitmap (``np.packbits``, key i is bit i
+in big-endian bit order), per-key offsets as little-endian int64 blobs. Every reply body carries ``epoch``, the
+pool's incarnation (a fresh random number per start), so a client notices a restarted pool at its next call.
+
+Ops (request body -> reply body):
+
+  hello     {block_bytes}        -> {node, epoch, block_bytes, capacity, max_keys, lease_s, transports}
+            Sizes the pool on first contact when it was started without --block-bytes; a client whose blocks
+            have another size is refused (ERR_BAD_REQUEST naming both sizes). ``transports`` maps each data
+            path the pool offers to what a client needs for it: {"tcp": {}, "shm": {"path", "nbytes"},
+            "rdma": {...}}.
+  contains  {keys}               -> {held: bitmap}
+  remove    {keys}               -> {removed: int}
+  put       {keys} + data        -> {held: bitmap}        data: the n blocks' bytes in key order, cut into
+                                                          frames anywhere on block boundaries
+  get       {keys}               -> {hit: bitmap} + data  data: the hits' bytes in key order, same framing rule
+  reserve   {keys}               -> {lease, held: bitmap, offsets}   one-sided writes (shm, rdma): ``offsets``
+            are the byte offsets in the pool's buffer of the reserved keys (held, but not held before), in key
+            order; the client fills them, then
+  commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back)
+  acquire   {keys}               -> {lease, offsets}     one-sided reads: offset per key, -1 for a miss; the
+            blocks stay put until
+  release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
+            have been reused: the client must count those blocks as misses)
+  stats     {}                   -> {tier, leases, counters}
+  rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
+
+Leases expire after the pool's ``lease_s``; ``release`` and ``commit`` carry ``noreply`` True when the client
+does not wait for the answer. Errors use kvtier.wire's codes; a put over the pool's capacity is ERR_TOO_LARGE
+naming the sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier import wire
+from kvtier.units import format_bytes
+
+HELLO = "hello"
+CONTAINS = "contains"
+REMOVE = "remove"
+PUT = "put"
+GET = "get"
+RESERVE = "reserve"
+COMMIT = "commit"
+ACQUIRE = "acquire"
+RELEASE = "release"
+STATS = "stats"
+RDMA_CONNECT = "rdma_connect"
+
+# Pools register with the master under these labels; clients place and look up blocks among them only.
+POOL_LABELS = {"role": "pool"}
+
+ERR_WRONG_SIZE = wire.ERR_BAD_REQUEST  # a client whose blocks differ in size from the pool's
+ERR_NOT_READY = "not_ready"  # a data op before any hello sized the pool
+
+
+def bitmap(flags: Sequence[bool] | np.ndarray) -> bytes:
+    return np.packbits(np.asarray(flags, dtype=bool)).tobytes()
+
+
+def unbitmap(blob: bytes, n: int) -> list[bool]:
+    """The first ``n`` flags of a bitmap; WireError when it is too short."""
+    if len(blob) * 8 < n:
+        raise wire.WireError(wire.ERR_BAD_MESSAGE, f"bitmap of {len(blob)} bytes for {n} keys")
+    return np.unpackbits(np.frombuffer(blob, np.uint8), count=n).astype(bool).tolist()
+
+
+def offsets(values: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<i8").tobytes()
+
+
+def unoffsets(blob: bytes, n: int) -> np.ndarray:
+    if len(blob) != 8 * n:
+        raise wire.WireError(wire.ERR_BAD_MESSAGE, f"{len(blob)} bytes of offsets for {n} entries")
+    return np.frombuffer(blob, "<i8")
+
+
+def too_large(n: int, block_bytes: int, capacity: int) -> str | None:
+    """Why ``n`` blocks can never fit a pool of ``capacity`` bytes (naming the sizes), or None if they can."""
+    if n * block_bytes <= capacity:
+        return None
+    return (f"a put of {n} blocks x {format_bytes(block_bytes)} = {format_bytes(n * block_bytes)} exceeds the "
+            f"pool's capacity of {format_bytes(capacity)}")

@@ -1,0 +1,231 @@
+"""PoolState: what one kvtier-pool process owns: its DRAM tier, the one-sided leases, counters, its node agent.
+
+The DRAM tier is created once: at start when ``--block-bytes`` is given, else at the first client's hello
+(a pool holds blocks of one size; a client with another size is refused, naming both). When the pool serves
+an ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir``
+that clients map once; the file name carries the pool's epoch, so a restarted pool never reuses the file
+an old mapping still points into (stale files of earlier runs of the same endpoint are removed at start).
+
+Thread-safe: the pool's worker threads share it; the tier and the lease table lock for themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import socket
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier import wire
+from kvtier.keys import KEY_BYTES
+from kvtier.pins import PinTable
+from kvtier.pool.leases import LeaseTable
+from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, POOL_LABELS
+from kvtier.tiers.dram import DramTier
+from kvtier.units import format_bytes
+from kvtier.wire import WireError
+
+log = logging.getLogger("kvtier.pool")
+
+TIER = "dram"  # the name the pool's tier is registered under with the master
+
+
+@dataclass
+class PoolSettings:
+    """The daemon's knobs (``kvtier-pool --help`` documents each)."""
+
+    bind: tuple[str, ...] = ("tcp://127.0.0.1:7400",)
+    capacity: int = 8 << 30
+    block_bytes: int = 0  # 0: set by the first client's hello
+    node_id: str = ""
+    master: str = ""
+    advertise: str = ""
+    workers: int = 2
+    shm_dir: str = "/dev/shm"
+    lease_s: float = 30.0
+    eviction: str = "lru"
+    max_keys: int = 1 << 16
+    max_frame_bytes: int = 256 << 20
+    copy_threads: int = 1
+    prefault: bool = False
+    rdma: str = "auto"
+    heartbeat_s: float | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ipc(self) -> str | None:
+        return next((e for e in self.bind if e.startswith("ipc://")), None)
+
+
+class PoolState:
+    """The pool's state; ``serve_*`` ops in kvtier/pool/ops.py read and change it."""
+
+    def __init__(self, settings: PoolSettings) -> None:
+        self.settings = settings
+        self.epoch = secrets.randbits(62)
+        self.leases = LeaseTable(settings.lease_s)
+        self.tier: DramTier | None = None
+        self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
+        self.rdma: Any = None  # kvtier.transport.rdma.RdmaServer when a device is there
+        self.endpoints: list[str] = []  # what the server bound (ports resolved)
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self.shm_path: Path | None = None
+        if settings.ipc:
+            self.shm_path = _shm_file(Path(settings.shm_dir), settings.ipc, self.epoch)
+
+    def start(self, endpoints: list[str]) -> None:
+        """The server is bound to ``endpoints``: create the tier now if its block size is known."""
+        self.endpoints = endpoints
+        if self.settings.block_bytes:
+            self.ensure_tier(self.settings.block_bytes)
+
+    @property
+    def node_id(self) -> str:
+        return self.settings.node_id or f"pool-{socket.gethostname()}-{_short(self.advertised)}"
+
+    @property
+    def advertised(self) -> str:
+        """The endpoint peers reach this pool at (what the master hands out)."""
+        if self.settings.advertise:
+            return self.settings.advertise
+        tcp = [e for e in self.endpoints if e.startswith("tcp://")]
+        if not tcp:
+            return self.endpoints[0] if self.endpoints else ""
+        host_port = tcp[0][len("tcp://"):]
+        host, _, port = host_port.rpartition(":")
+        if host in ("0.0.0.0", "*", "[::]", "::"):
+            host = socket.gethostname()
+        return f"tcp://{host}:{port}"
+
+    # ---- the tier --------------------------------------------------------------------------------------
+
+    def ensure_tier(self, block_bytes: int | None) -> DramTier | None:
+        """The tier, created for ``block_bytes`` if there is none yet; WireError if the sizes differ."""
+        with self._lock:
+            if self.tier is not None:
+                if block_bytes and block_bytes != self.tier.block_bytes:
+                    raise WireError(ERR_WRONG_SIZE, f"this pool holds blocks of {self.tier.block_bytes} bytes, "
+                                                    f"the client's are {block_bytes} bytes (run one pool per "
+                                                    "block layout)")
+                return self.tier
+            if not block_bytes:
+                return None
+            s = self.settings
+            if block_bytes > s.capacity:
+                raise WireError(ERR_WRONG_SIZE, f"a block of {format_bytes(block_bytes)} does not fit the pool's "
+                                                f"capacity of {format_bytes(s.capacity)}")
+            if self.shm_path is not None:
+                self.shm_path.parent.mkdir(parents=True, exist_ok=True)
+            tier = DramTier(s.capacity, block_bytes, policy=s.eviction,
+                            shm_path=str(self.shm_path) if self.shm_path else None, pin_memory="false",
+                            prefault=s.prefault, copy_threads=s.copy_threads)
+            tier.attach(PinTable(), lambda keys, _views: self.emit("removed", list(keys)))
+            self.tier = tier
+            log.info("pool %s: DRAM of %s in blocks of %d B (%d blocks), %s", self.node_id,
+                     format_bytes(tier.capacity_bytes), block_bytes, tier.capacity_bytes // block_bytes,
+                     f"shared at {self.shm_path}" if self.shm_path else "private memory")
+        self._start_rdma(tier)
+        self._start_agent(tier)
+        return tier
+
+    def tier_for(self, body: dict[str, Any]) -> DramTier:
+        """The tier for a data op. Requests carry the client's ``block_bytes``, so a pool restarted without
+        --block-bytes sizes itself from whichever request comes first (and refuses a size it does not hold)."""
+        tier = self.ensure_tier(wire.int_field(body, "block_bytes", 0, 1 << 34, default=0) or None)
+        if tier is None:
+            raise WireError(ERR_NOT_READY, "the pool does not know its block size yet (start it with "
+                                           "--block-bytes, or send block_bytes)")
+        return tier
+
+    def keys(self, body: dict[str, Any]) -> list[bytes]:
+        blob = wire.keys_field(body, "keys", self.settings.max_keys)
+        raw = blob.tobytes()
+        return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+
+    # ---- events, counters ------------------------------------------------------------------------------
+
+    def emit(self, kind: str, keys: list[bytes]) -> None:
+        """Tell the master (through the node agent) that the tier gained or lost keys."""
+        agent = self.agent
+        if agent is not None and keys:
+            from kvtier.store import StoreEvent
+
+            agent.on_event(StoreEvent(kind, TIER, keys))
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            self.counters.update(deltas)
+
+    def record_read(self, nbytes: int, seconds: float) -> None:
+        """A served get: feeds the bandwidth the master's cost model prices this node's tier at."""
+        if self.agent is not None:
+            self.agent.record_transfer(nbytes, seconds, tier=TIER)
+
+    def stats(self) -> dict[str, Any]:
+        tier = self.tier
+        with self._lock:
+            counters = dict(self.counters)
+        return {"node": self.node_id, "epoch": self.epoch, "tier": tier.stats().__dict__ if tier else None,
+                "leases": len(self.leases), "leases_expired": self.leases.expired, "counters": counters}
+
+    # ---- lifetime --------------------------------------------------------------------------------------
+
+    def _start_agent(self, tier: DramTier) -> None:
+        if not self.settings.master:
+            return
+        from kvtier.client import NodeAgent
+
+        self.agent = NodeAgent(
+            self.settings.master, self.node_id, [(TIER, tier.capacity_bytes)], block_bytes=tier.block_bytes,
+            address=self.advertised, labels={**self.settings.labels, **POOL_LABELS},
+            used=lambda: {TIER: tier.stats().used_bytes}, list_keys=lambda _tier: tier.keys(),
+            heartbeat_s=self.settings.heartbeat_s).start()
+        log.info("pool %s: reporting to master %s as %s", self.node_id, self.settings.master, self.advertised)
+
+    def _start_rdma(self, tier: DramTier) -> None:
+        if self.settings.rdma == "off":
+            return
+        from kvtier.transport import rdma
+
+        reason = rdma.unavailable_reason(None if self.settings.rdma == "auto" else self.settings.rdma)
+        if reason:
+            level = logging.INFO if self.settings.rdma == "auto" else logging.ERROR
+            log.log(level, "pool %s: no RDMA (%s); serving tcp%s", self.node_id, reason,
+                    " and shared memory" if self.shm_path else "")
+            return
+        self.rdma = rdma.RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
+                                    None if self.settings.rdma == "auto" else self.settings.rdma)
+
+    def close(self) -> None:
+        """Give back every lease, stop the agent (it says goodbye to the master), free the DRAM."""
+        self.leases.expire_all()
+        if self.agent is not None:
+            self.agent.close()
+        if self.rdma is not None:
+            self.rdma.close()
+        if self.tier is not None:
+            self.tier.close()
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)  # clients' mappings stay valid until they re-map
+
+
+def _short(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def _shm_file(shm_dir: Path, ipc: str, epoch: int) -> Path:
+    """``kvtier-pool-<endpoint hash>-<epoch>.shm``; files of earlier runs on the same endpoint are removed."""
+    prefix = f"kvtier-pool-{_short(ipc)}-"
+    for stale in shm_dir.glob(prefix + "*.shm"):
+        try:
+            stale.unlink()
+            log.info("removed %s, left by an earlier run of the pool on %s", stale, ipc)
+        except OSError as e:
+            log.warning("cannot remove %s, left by an earlier run of the pool on %s: %s", stale, ipc, e)
+    return shm_dir / f"{prefix}{epoch:016x}.shm"

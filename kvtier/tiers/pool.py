@@ -1,0 +1,301 @@
+"""PoolTier: the client side of kvtier-pool, a tier of a TieredStore (remote DRAM, or this host's node pool).
+
+Runs in the engine process. Where blocks go and where they are found is the route's business
+(kvtier/tiers/pool_route.py: a static list of pools, or kvtier-master); moving them is the transport's
+(kvtier/transport: zmq TCP frames, RDMA, or the pool's shared-memory file for a pool on this host).
+
+Never a hang, never wrong bytes: every pool call has a timeout (``timeout_s``, default 0.5 s, measured as time
+without progress); a pool that misses it, refuses, or speaks another protocol version turns that call's
+keys into misses (get), False (put, contains) and is skipped for a back-off (0.5 s doubling to 10 s; a
+version mismatch: 60 s, logged as an error) instead of being waited on again. The engine then recomputes.
+Calls to several pools run in parallel.
+
+Write-behind: ``put_later`` (what the store's offloader calls on a DRAM eviction or a write-through) stages
+blocks and sends them from a background thread (kvtier/tiers/pool_writer.py); staged blocks are readable
+until sent. Pins of the store are not enforced in remote pools (they evict by their own policy); the pool's
+evictions are not reported back to the store (the master hears them from the pool).
+
+Thread-safe; buffers as in the Tier protocol (copied before put returns, ``out`` written before get returns).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import zmq
+
+from kvtier.blocks import block_rows
+from kvtier.pins import PinTable
+from kvtier.ratelog import RateLimitedLog
+from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
+from kvtier.tiers.pool_writer import PoolWriter
+from kvtier.transport.base import PoolConnection, PoolError, PoolProtocolError, PoolUnavailable
+from kvtier.transport.connection import connect
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BACKOFF_S = (0.5, 10.0)  # first and longest back-off after a pool fails
+PROTOCOL_BACKOFF_S = 60.0
+
+
+class _Pool:
+    """One pool endpoint: its connection (made on first use) and its health."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.conn: PoolConnection | None = None
+        self.down_until = 0.0
+        self.backoff = BACKOFF_S[0]
+        self.last_error = ""
+        self.lock = threading.Lock()
+
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+
+class PoolTier:
+    """Blocks in one or more kvtier-pools. ``transport``: auto, tcp, rdma or shm (kvtier.transport.connect)."""
+
+    name = "pool"
+    remote = True  # a NodeAgent for the engine does not report this tier as the engine's own
+
+    def __init__(self, block_bytes: int, route: PoolRoute, *, transport: str = "auto", timeout_s: float = 0.5,
+                 connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = ()) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        self.block_bytes = block_bytes
+        self.route = route
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self.connections = connections
+        self._dtypes = tuple(dtypes)
+        self._ctx = zmq.Context(io_threads=max(1, min(4, connections)))
+        self._pools: dict[str, _Pool] = {}
+        self._lock = threading.Lock()
+        self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
+        self._writer = PoolWriter(self._put, block_bytes, staging_bytes) if staging_bytes else None
+        self._stats = TierStats(self.name, 0, 0, 0)
+        self._bad = RateLimitedLog(log, 10.0)
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, block_bytes: int, dtypes: Sequence[str] = ()) -> PoolTier:
+        """The pool tier a Config describes: kvtier-master's placements when ``master`` is set, else the pools
+        listed in ``pool``."""
+        endpoints = [e.strip() for e in cfg.pool.split(",") if e.strip()]
+        route: PoolRoute = (MasterRoute(cfg.master, cfg.node_id or default_node_id(), cfg.pool_timeout_ms / 1000)
+                            if cfg.master else PeerRoute(endpoints))
+        return cls(block_bytes, route, transport=cfg.pool_transport, timeout_s=cfg.pool_timeout_ms / 1000,
+                   connections=cfg.pool_connections, staging_bytes=cfg.pool_staging_bytes, dtypes=dtypes)
+
+    # ---- Tier protocol ---------------------------------------------------------------------------------
+
+    def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
+        pass  # remote pools evict by their own policy; the master hears their evictions from them
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        held = self._writer.held(keys) if self._writer is not None else [False] * len(keys)
+        todo = [i for i, h in enumerate(held) if not h]
+        if not todo:
+            return held
+        where = self._locate([keys[i] for i in todo])
+        if self.route.authoritative:
+            for i, e in zip(todo, where):
+                held[i] = e is not None and self._pool(e).up()
+            return held
+        found = self._per_pool([keys[i] for i in todo], where, lambda conn, ks, _idx: conn.contains(ks), "contains")
+        for i, h in zip(todo, found):
+            held[i] = bool(h)
+        return held
+
+    def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
+        rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
+        return self._put(list(keys), rows.ptrs)
+
+    def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
+        rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
+        hit = self._writer.read(keys, rows.ptrs) if self._writer is not None else [False] * len(keys)
+        todo = [i for i, h in enumerate(hit) if not h]
+        if todo:
+            ptrs = rows.ptrs[todo]
+            got = self._per_pool([keys[i] for i in todo], self._locate([keys[i] for i in todo]),
+                                 lambda conn, ks, idx: conn.get(ks, ptrs[idx]), "get")
+            for i, h in zip(todo, got):
+                hit[i] = bool(h)
+        hits = sum(hit)
+        with self._lock:
+            s = self._stats
+            s.hits += hits
+            s.misses += len(keys) - hits
+            s.get_bytes += hits * self.block_bytes
+        return hit
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        keys = list(keys)
+        if self.route.authoritative:
+            targets = {e for e in self._locate(keys) if e is not None}
+        else:
+            targets = set(self.route.endpoints())  # a key may sit on another pool than its hash names
+        total = 0
+        for endpoint in sorted(targets):
+            try:
+                total += self._call(endpoint, lambda conn: conn.remove(keys))
+            except PoolError as e:
+                self._bad("remove:" + endpoint, logging.WARNING, "pool remove failed: %s", e)
+        return total
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            pools = list(self._pools.values())
+        s = self._stats
+        s.capacity_bytes = sum(p.conn.info.capacity for p in pools if p.conn is not None)
+        staged = self._writer.counts if self._writer is not None else {}
+        s.extra = {"pools": {p.endpoint: {"transport": p.conn.transport if p.conn else None, "up": p.up(),
+                                          "last_error": p.last_error} for p in pools},
+                   "write_behind": dict(staged)}
+        return s
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
+        self._fanout.shutdown(wait=True)
+        with self._lock:
+            pools = list(self._pools.values())
+        for p in pools:
+            if p.conn is not None:
+                p.conn.close()
+        self.route.close()
+        self._ctx.term()
+
+    # ---- write-behind (the store's offloader) ------------------------------------------------------------
+
+    def put_later(self, keys: Sequence[bytes], blocks: Any, *, wait: bool) -> Future[list[bytes]] | None:
+        """Stage blocks now and send them in the background; the Future gives the keys the pools now hold."""
+        rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
+        if self._writer is None:
+            done: Future[list[bytes]] = Future()
+            done.set_result([k for k, h in zip(keys, self._put(list(keys), rows.ptrs)) if h])
+            return done
+        return self._writer.submit(keys, rows.ptrs, wait=wait)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True if self._writer is None else self._writer.flush(timeout)
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _put(self, keys: list[bytes], ptrs: np.ndarray) -> list[bool]:
+        try:
+            where = self.route.place(keys, self.block_bytes, self._up)
+        except PoolError as e:
+            self._bad("place", logging.WARNING, "pool put of %d blocks not placed: %s", len(keys), e)
+            where = [None] * len(keys)
+        held = [bool(h) for h in self._per_pool(keys, where, lambda conn, ks, idx: conn.put(ks, ptrs[idx]), "put")]
+        stored = sum(held)
+        with self._lock:
+            self._stats.puts += stored
+            self._stats.put_bytes += stored * self.block_bytes
+            self._stats.rejected += len(keys) - stored
+        return held
+
+    def _locate(self, keys: list[bytes]) -> list[str | None]:
+        try:
+            return self.route.locate(keys, self._up)
+        except PoolError as e:
+            self._bad("locate", logging.WARNING, "pool lookup of %d keys failed (misses): %s", len(keys), e)
+            return [None] * len(keys)
+
+    def _per_pool(self, keys: list[bytes], where: Sequence[str | None],
+                  fn: Callable[[PoolConnection, list[bytes], list[int]], Sequence[Any]], what: str) -> list[Any]:
+        """Run ``fn(conn, keys of that pool, their indices)`` per pool, in parallel; None where a pool failed."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for i, e in enumerate(where):
+            if e is not None:
+                groups[e].append(i)
+        out: list[Any] = [None] * len(keys)
+
+        def one(endpoint: str, index: list[int]) -> None:
+            try:
+                got = self._call(endpoint, lambda conn: fn(conn, [keys[i] for i in index], index))
+            except PoolError as e:
+                self._bad(f"{what}:{endpoint}", logging.WARNING, "pool %s of %d blocks failed (%s): %s", what,
+                          len(index), "misses" if what != "put" else "not stored", e)
+                return
+            for i, r in zip(index, got):
+                out[i] = r
+
+        items = list(groups.items())
+        if len(items) == 1:
+            one(*items[0])
+        else:
+            for f in [self._fanout.submit(one, e, idx) for e, idx in items]:
+                f.result()
+        return out
+
+    def _call(self, endpoint: str, fn: Callable[[PoolConnection], T]) -> T:
+        pool = self._pool(endpoint)
+        if not pool.up():
+            raise PoolUnavailable(endpoint, f"skipped for {pool.down_until - time.monotonic():.1f} s more after: "
+                                            f"{pool.last_error}", "backoff")
+        with pool.lock:
+            if pool.conn is None:
+                if not pool.up():  # another thread's connect just failed
+                    raise PoolUnavailable(endpoint, pool.last_error, "backoff")
+                try:
+                    pool.conn = connect(endpoint, self.block_bytes, transport=self.transport,
+                                        timeout_s=self.timeout_s, lanes=self.connections, ctx=self._ctx)
+                except PoolUnavailable as e:
+                    self._failed(pool, e)
+                    raise
+                except PoolError as e:  # refused at hello (another block size, no shm, ...): a setup error
+                    self._failed(pool, PoolProtocolError(endpoint, e.message, e.code))
+                    raise
+        try:
+            result = fn(pool.conn)
+        except PoolError as e:
+            self._failed(pool, e)
+            raise
+        if pool.backoff != BACKOFF_S[0]:
+            log.info("pool %s is answering again", endpoint)
+            pool.backoff = BACKOFF_S[0]
+        return result
+
+    def _failed(self, pool: _Pool, e: PoolError) -> None:
+        if isinstance(e, PoolProtocolError):
+            pool.down_until = time.monotonic() + PROTOCOL_BACKOFF_S
+            log.error("pool %s cannot be used: %s; retrying in %.0f s", pool.endpoint, e.message, PROTOCOL_BACKOFF_S)
+        elif isinstance(e, PoolUnavailable):
+            pool.down_until = time.monotonic() + pool.backoff
+            if pool.backoff == BACKOFF_S[0]:
+                log.warning("pool %s unavailable (%s); its blocks are misses until it answers again",
+                            pool.endpoint, e.message)
+            pool.backoff = min(pool.backoff * 2, BACKOFF_S[1])
+        pool.last_error = e.message
+
+    def _pool(self, endpoint: str) -> _Pool:
+        with self._lock:
+            pool = self._pools.get(endpoint)
+            if pool is None:
+                pool = self._pools[endpoint] = _Pool(endpoint)
+            return pool
+
+    def _up(self, endpoint: str) -> bool:
+        return self._pool(endpoint).up()
+
+
+def default_node_id() -> str:
+    """This process's name with the master when the config gives none."""
+    return f"{socket.gethostname()}-{os.getpid()}"

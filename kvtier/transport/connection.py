@@ -1,0 +1,189 @@
+"""ConnectionBase (what every transport's connection shares: hello, contains, remove, stats, epochs) and
+``connect()``, which says hello to a pool and picks the data path.
+
+Transport choice (``transport="auto"``): an ipc:// endpoint means the pool runs on this host: shared memory
+(shm.py). A tcp:// endpoint: RDMA (rdma.py) when pyverbs imports, this host has an RDMA device and the pool
+offers RDMA; otherwise zmq frames over TCP (tcp.py). ``transport`` names one to insist on it; a path the pool
+or this host cannot do is an error naming why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import zmq
+
+from kvtier import wire
+from kvtier.pool import protocol as P
+from kvtier.transport.base import PoolConnection, PoolError, PoolInfo, PoolRefused
+from kvtier.transport.channel import Answer, Channel, Request
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = {"tcp": "kvtier.transport.tcp:TcpConnection", "shm": "kvtier.transport.shm:ShmConnection",
+              "rdma": "kvtier.transport.rdma:RdmaConnection"}
+MIN_BANDWIDTH = 100e6  # bytes/s: a batch moving slower than this is given up (timeout + bytes / this)
+
+
+class ConnectionBase:
+    """A connection to one pool over a Channel. Subclasses move the block bytes (put/get). Thread-safe."""
+
+    transport = "?"
+
+    def __init__(self, channel: Channel, info: PoolInfo, *, lanes: int = 4, ctx: zmq.Context[Any] | None = None
+                 ) -> None:
+        self.channel = channel
+        self.info = info
+        self.endpoint = channel.endpoint
+        self.block_bytes = info.block_bytes
+        self.lanes = lanes
+        self._ctx = ctx  # owned (terminated at close) when connect() made it
+
+    # ---- control ops -----------------------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        held = [False] * len(keys)
+
+        def requests() -> Iterator[Request]:
+            for a, b in self._chunks(len(keys), self.info.max_keys):
+                yield Request(P.CONTAINS, self._body(keys[a:b]),
+                              on_reply=lambda ans, a=a, b=b: held.__setitem__(slice(a, b),
+                                                                              P.unbitmap(ans.body["held"], b - a)))
+        self._batch(requests(), self._count(len(keys), self.info.max_keys), 0)
+        return held
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        removed = [0]
+
+        def requests() -> Iterator[Request]:
+            for a, b in self._chunks(len(keys), self.info.max_keys):
+                yield Request(P.REMOVE, self._body(keys[a:b]),
+                              on_reply=lambda ans: removed.__setitem__(0, removed[0] + int(ans.body["removed"])))
+        self._batch(requests(), self._count(len(keys), self.info.max_keys), 0)
+        return removed[0]
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(P.STATS, {}).body
+
+    def close(self) -> None:
+        self.channel.close()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ---- helpers for the transports --------------------------------------------------------------------
+
+    def _body(self, keys: Sequence[bytes], **extra: Any) -> dict[str, Any]:
+        # block_bytes rides along so a pool restarted without --block-bytes sizes itself from any request.
+        return {"keys": wire.pack_keys(keys), "block_bytes": self.block_bytes, **extra}
+
+    @staticmethod
+    def _chunks(n: int, per: int) -> Iterator[tuple[int, int]]:
+        per = max(1, per)
+        for a in range(0, n, per):
+            yield a, min(n, a + per)
+
+    @staticmethod
+    def _count(n: int, per: int) -> int:
+        return -(-n // max(1, per))
+
+    def _check_fits(self, n: int) -> None:
+        why = P.too_large(n, self.block_bytes, self.info.capacity)
+        if why:
+            raise PoolRefused(self.endpoint, why, wire.ERR_TOO_LARGE)
+
+    def _call(self, op: str, body: dict[str, Any]) -> Answer:
+        try:
+            return self.channel.call(op, body)
+        finally:
+            self._saw_epoch()
+
+    def _batch(self, requests: Iterator[Request], count: int, nbytes: int) -> None:
+        """Run ``count`` requests over up to ``lanes`` lanes; raise the first error any of them met."""
+        done: list[Request] = []
+
+        def track() -> Iterator[Request]:
+            for r in requests:
+                done.append(r)
+                yield r
+        try:
+            self.channel.batch(track(), max(1, min(self.lanes, count)),
+                               total_s=self.channel.timeout_s + nbytes / MIN_BANDWIDTH)
+        finally:
+            self._saw_epoch()
+        for r in done:
+            if r.error is not None:
+                raise r.error
+
+    def _saw_epoch(self) -> None:
+        epoch = self.channel.epoch
+        if epoch is not None and epoch != self.info.epoch:
+            self._new_epoch(epoch)
+
+    def _new_epoch(self, epoch: int) -> None:
+        """The pool restarted (a new epoch): everything it held is gone. Subclasses re-map what they mapped."""
+        log.warning("pool %s restarted (epoch %x -> %x): the blocks it held are gone", self.endpoint,
+                    self.info.epoch, epoch)
+        self.info.epoch = epoch
+
+
+def hello(channel: Channel, block_bytes: int) -> PoolInfo:
+    """Say hello (sizing a pool that does not know its block size yet); PoolRefused if the sizes differ."""
+    answer = channel.call(P.HELLO, {"block_bytes": block_bytes})
+    return PoolInfo.from_wire(channel.endpoint, {**answer.body, "epoch": answer.epoch})
+
+
+def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout_s: float = 0.5, lanes: int = 4,
+            ctx: zmq.Context[Any] | None = None) -> PoolConnection:
+    """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``. Raises PoolError (unreachable,
+    refused, another protocol version) or ValueError (an unknown transport)."""
+    if transport != "auto" and transport not in TRANSPORTS:
+        raise ValueError(f"unknown pool transport {transport!r}; known: auto, {', '.join(TRANSPORTS)}")
+    own = ctx is None
+    ctx = ctx if ctx is not None else zmq.Context(io_threads=max(1, min(4, lanes)))
+    channel = Channel(endpoint, ctx, max_lanes=2 * lanes, timeout_s=timeout_s)
+    try:
+        info = hello(channel, block_bytes)
+        kind = choose_transport(transport, endpoint, info)
+        module, _, name = TRANSPORTS[kind].partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        conn: PoolConnection = cls(channel, info, lanes=lanes, ctx=ctx if own else None)
+    except BaseException:
+        channel.close()
+        if own:
+            ctx.term()
+        raise
+    log.info("pool %s (%s): connected over %s; %d B blocks, capacity %d B", endpoint, info.node, kind,
+             info.block_bytes, info.capacity)
+    return conn
+
+
+def choose_transport(transport: str, endpoint: str, info: PoolInfo) -> str:
+    offered = info.transports
+    if transport == "auto":
+        if endpoint.startswith("ipc://"):
+            transport = "shm"
+        elif "rdma" in offered and _rdma_reason() is None:
+            transport = "rdma"
+        else:
+            transport = "tcp"
+    if transport == "shm" and "shm" not in offered:
+        raise PoolRefused(endpoint, "the pool offers no shared memory (it does so on an ipc:// endpoint it binds)",
+                          wire.ERR_BAD_REQUEST)
+    if transport == "rdma":
+        reason = _rdma_reason() or (None if "rdma" in offered else "the pool serves no RDMA")
+        if reason:
+            raise PoolError(endpoint, f"RDMA is not possible: {reason}", "no_rdma")
+    return transport
+
+
+def _rdma_reason() -> str | None:
+    from kvtier.transport import rdma
+
+    return rdma.unavailable_reason()
+
+
+__all__ = ["ConnectionBase", "connect", "hello"]

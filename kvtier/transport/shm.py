@@ -1,0 +1,111 @@
+"""ShmConnection: standalone mode. The pool's DRAM is a file this process maps once; a get is one copy.
+
+Engine processes on one host share one pool: control goes over zmq ipc, bytes never touch a socket. The
+lease protocol (reserve/commit, acquire/release) is OneSidedConnection's; the copies here are the caller's own
+batched native copies (kvtier.hostcopy), straight between the caller's rows and the pool's slots.
+
+Pool restarts: every reply carries the pool's epoch. A new epoch means a new pool with a new file; the next
+call says hello again and maps the new file. The old mapping stays valid (the file is unlinked, not
+truncated) until the calls still copying from it finish and drop it; blocks of the old pool are gone.
+
+Thread-safe; offsets from the pool are bounds-checked against the mapping before any copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvtier import wire
+from kvtier.hostcopy import copy_rows
+from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
+from kvtier.transport.connection import hello
+from kvtier.transport.onesided import OneSidedConnection
+
+log = logging.getLogger(__name__)
+
+
+class Mapping:
+    """The pool's DRAM file of one epoch, mapped shared into this process; unmapped when the last user drops it."""
+
+    def __init__(self, path: str, nbytes: int, epoch: int) -> None:
+        self.path, self.nbytes, self.epoch = path, nbytes, epoch
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
+                                        f"{nbytes}", wire.ERR_BAD_MESSAGE)
+            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._array = np.frombuffer(self._mm, dtype=np.uint8)
+        self.base = int(self._array.ctypes.data)
+
+    def rows(self, offsets: np.ndarray, block_bytes: int) -> np.ndarray:
+        """Addresses of blocks at ``offsets``; PoolProtocolError if one would fall outside the file."""
+        if len(offsets) and (int(offsets.min()) < 0 or int(offsets.max()) + block_bytes > self.nbytes):
+            raise PoolProtocolError(f"ipc ({self.path})", "the pool named an offset outside its shared file",
+                                    wire.ERR_BAD_MESSAGE)
+        return np.uint64(self.base) + offsets.astype(np.uint64)
+
+
+class ShmConnection(OneSidedConnection):
+    """Blocks through the pool's shared-memory file. See ConnectionBase and PoolConnection."""
+
+    transport = "shm"
+
+    def __init__(self, channel: Any, info: PoolInfo, **kw: Any) -> None:
+        super().__init__(channel, info, **kw)
+        self._lock = threading.Lock()
+        self._mapping = self._map(info)
+
+    def _write(self, offsets: np.ndarray, src: np.ndarray, epoch: int) -> None:
+        copy_rows(self._mapped(epoch).rows(offsets, self.block_bytes), src, self.block_bytes)
+
+    def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
+        copy_rows(dst, self._mapped(epoch).rows(offsets, self.block_bytes), self.block_bytes)
+
+    # ---- mapping ---------------------------------------------------------------------------------------
+
+    def _map(self, info: PoolInfo) -> Mapping:
+        shm = info.transports.get("shm") or {}
+        if not shm.get("path"):
+            raise PoolProtocolError(self.endpoint, "the pool named no shared file", wire.ERR_BAD_MESSAGE)
+        try:
+            mapping = Mapping(str(shm["path"]), int(shm["nbytes"]), info.epoch)
+        except OSError as e:
+            raise PoolUnavailable(self.endpoint, f"cannot map the pool's shared file {shm['path']}: {e.strerror} "
+                                                 "(is the pool on another host, or in another container?)",
+                                  "no_shm") from None
+        log.info("pool %s: mapped its DRAM %s (%d B, epoch %x)", self.endpoint, mapping.path, mapping.nbytes,
+                 info.epoch)
+        return mapping
+
+    def _mapped(self, epoch: int) -> Mapping:
+        """The mapping of ``epoch`` (re-mapping after a pool restart); PoolUnavailable if the pool moved on."""
+        mapping = self._mapping
+        if mapping.epoch == epoch:
+            return mapping
+        with self._lock:
+            if self._mapping.epoch != epoch:
+                info = hello(self.channel, self.block_bytes)
+                if info.epoch != epoch:
+                    raise PoolUnavailable(self.endpoint, "the pool restarted again during the call", "restarted")
+                self._mapping = self._map(info)
+                self.info = info
+            return self._mapping
+
+    def _new_epoch(self, epoch: int) -> None:
+        super()._new_epoch(epoch)
+        try:
+            self._mapped(epoch)
+        except (PoolUnavailable, PoolProtocolError) as e:
+            log.warning("pool %s: cannot map the restarted pool's memory yet (%s); retrying at the next call",
+                        self.endpoint, e.message)
+

@@ -1,0 +1,216 @@
+"""kvtier-pool as a real subprocess, through both transports a CPU host has (zmq TCP frames and the standalone
+shared-memory mapping): bytes round-trip exactly, misses are misses, bad input is refused with the sizes
+named, a dead or stopped pool is a PoolUnavailable within the timeout, never a hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from conftest import blocks_for
+from kvtier import wire
+from kvtier.pool import protocol as P
+from kvtier.transport.base import PoolProtocolError, PoolRefused, PoolUnavailable
+from kvtier.transport.channel import Channel
+from kvtier.transport.connection import connect
+from poolproc import PoolProcess
+
+BB = 64 << 10
+
+
+def rows_of(t: torch.Tensor) -> np.ndarray:
+    return np.uint64(t.data_ptr()) + np.arange(t.shape[0], dtype=np.uint64) * np.uint64(t.shape[1])
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    with PoolProcess(tmp_path_factory.mktemp("pool"), ipc=True, capacity="16MiB") as p:  # 256 blocks of 64 KiB
+        yield p
+        assert p.alive(), "the pool died during the tests"
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def conn(request, pool):
+    c = connect(pool.tcp if request.param == "tcp" else pool.ipc, BB, timeout_s=2.0)
+    assert c.transport == request.param
+    yield c
+    c.close()
+
+
+def test_round_trip_is_exact_and_misses_stay_untouched(conn, make_keys):
+    keys = make_keys(40, start=1000 if conn.transport == "tcp" else 2000)
+    src = blocks_for(keys, BB)
+    assert conn.put(keys, rows_of(src)) == [True] * 40
+    assert conn.contains(keys + make_keys(3, start=9000)) == [True] * 40 + [False] * 3
+    # Read back scattered: every other row of a bigger buffer, plus keys the pool never had.
+    asked = keys[::-1] + make_keys(5, start=9100)
+    out = torch.full((2 * len(asked), BB), 7, dtype=torch.uint8)
+    dst = rows_of(out)[::2].copy()
+    hit = conn.get(asked, dst)
+    assert hit == [True] * 40 + [False] * 5
+    assert torch.equal(out[0:80:2], src.flip(0))
+    assert (out[80::2] == 7).all() and (out[1::2] == 7).all(), "a miss or a gap row was written"
+    assert conn.remove(keys[:10]) == 10
+    assert conn.get(keys[:12], rows_of(out[:12])) == [False] * 10 + [True] * 2  # removed: a miss
+
+
+def test_a_big_batch_spans_requests_and_lanes(conn, make_keys):
+    keys = make_keys(200, start=3000 if conn.transport == "tcp" else 4000)  # 12.5 MiB
+    src = blocks_for(keys, BB)
+    assert all(conn.put(keys, rows_of(src)))
+    out = torch.empty_like(src)
+    assert all(conn.get(keys, rows_of(out)))
+    assert torch.equal(out, src)
+
+
+def test_evicted_keys_are_misses(conn, make_keys):
+    first = make_keys(200, start=10_000 if conn.transport == "tcp" else 20_000)
+    later = make_keys(200, start=11_000 if conn.transport == "tcp" else 21_000)
+    assert all(conn.put(first, rows_of(blocks_for(first, BB))))
+    assert all(conn.put(later, rows_of(blocks_for(later, BB))))  # 400 blocks into 256 slots: LRU evicts
+    out = torch.empty(200, BB, dtype=torch.uint8)
+    assert sum(conn.get(first, rows_of(out))) < 200
+    assert all(conn.get(later, rows_of(out)))
+    assert torch.equal(out, blocks_for(later, BB))
+
+
+def test_put_larger_than_the_pool_is_refused_naming_the_sizes(conn, make_keys):
+    keys = make_keys(300, start=30_000)
+    with pytest.raises(PoolRefused) as e:
+        conn.put(keys, rows_of(torch.zeros(300, BB, dtype=torch.uint8)))
+    assert e.value.code == wire.ERR_TOO_LARGE
+    assert "300 blocks x 64 KiB = 18.8 MiB exceeds the pool's capacity of 16 MiB" in str(e.value)
+
+
+def test_the_pool_refuses_a_put_over_its_capacity_too(pool, make_keys):
+    """The same refusal from the daemon itself, for a client that did not check (one raw request)."""
+    ch = Channel(pool.tcp, zmq.Context.instance(), timeout_s=2.0)
+    keys = make_keys(300, start=31_000)
+    with pytest.raises(PoolRefused, match=r"300 blocks x 64 KiB = 18.8 MiB exceeds the pool's capacity of 16 MiB"):
+        ch.call(P.PUT, {"keys": wire.pack_keys(keys), "block_bytes": BB}, [bytes(300 * BB)])
+    ch.close()
+
+
+def test_another_block_size_is_refused_naming_both(pool):
+    with pytest.raises(PoolRefused, match=r"holds blocks of 65536 bytes, the client's are 4096 bytes"):
+        connect(pool.tcp, 4096, timeout_s=2.0)
+
+
+def test_data_that_does_not_match_the_keys_is_refused(pool, make_keys):
+    ch = Channel(pool.tcp, zmq.Context.instance(), timeout_s=2.0)
+    keys = make_keys(2, start=32_000)
+    with pytest.raises(PoolRefused, match=r"put of 2 keys needs 131072 bytes of data \(65536 per block\), got 100"):
+        ch.call(P.PUT, {"keys": wire.pack_keys(keys), "block_bytes": BB}, [b"x" * 100])
+    with pytest.raises(PoolRefused, match="not a whole number of 65536-byte blocks"):
+        ch.call(P.PUT, {"keys": wire.pack_keys(keys), "block_bytes": BB}, [b"x" * 1000, b"x" * (2 * BB - 1000)])
+    assert ch.call(P.STATS, {}).body["node"]  # still serving
+    ch.close()
+
+
+def test_wrong_protocol_version_is_refused_and_logged_by_the_pool(pool):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pool.tcp)
+    sock.send(msgpack.packb([99, 5, P.HELLO, {}]))
+    assert sock.poll(5000)
+    rid, ok, body = wire.decode_reply(sock.recv(), peer="the pool")
+    sock.close()
+    assert not ok and rid == 5 and body["code"] == wire.ERR_BAD_VERSION
+    assert "protocol version 99 is not supported; this daemon speaks version 1" in body["message"]
+    deadline = time.monotonic() + 5
+    while "refused a client: protocol version 99" not in pool.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "refused a client: protocol version 99 is not supported" in pool.log()
+
+
+def test_a_pool_speaking_another_version_is_refused_by_the_client():
+    """A peer on another protocol version (a real zmq socket answering version 2): the client names it."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer():
+        if router.poll(5000):
+            ident, frame = router.recv_multipart()
+            req = msgpack.unpackb(frame)
+            router.send_multipart([ident, msgpack.packb([2, req[1], True, {"epoch": 1}])])
+    t = threading.Thread(target=answer)
+    t.start()
+    with pytest.raises(PoolProtocolError, match="speaks protocol version 2, this client version 1"):
+        connect(f"tcp://127.0.0.1:{port}", BB, timeout_s=3.0)
+    t.join()
+    router.close()
+    ctx.term()
+
+
+def test_nobody_listening_is_unavailable_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(PoolUnavailable, match="not connected within 0.3 s"):
+        connect("tcp://127.0.0.1:1", BB, timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_stopped_pool_is_unavailable_within_the_timeout_then_serves_again(tmp_path, make_keys):
+    with PoolProcess(tmp_path, capacity="4MiB") as p:
+        c = connect(p.tcp, BB, timeout_s=0.5)
+        keys = make_keys(8, start=40_000)
+        src = blocks_for(keys, BB)
+        assert all(c.put(keys, rows_of(src)))
+        p.pause()  # SIGSTOP: the TCP connection stays up, nothing answers
+        out = torch.zeros_like(src)
+        t0 = time.monotonic()
+        with pytest.raises(PoolUnavailable, match="no reply within 0.5 s"):
+            c.get(keys, rows_of(out))
+        assert time.monotonic() - t0 < 2.0
+        p.resume()
+        assert c.get(keys, rows_of(out)) == [True] * 8  # the stale request was dropped with its lane
+        assert torch.equal(out, src)
+        c.close()
+
+
+def test_concurrent_callers_each_get_their_own_bytes(conn, make_keys):
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            keys = make_keys(16, start=50_000 + 100 * w + (0 if conn.transport == "tcp" else 5000))
+            src = blocks_for(keys, BB)
+            for _ in range(5):
+                assert all(conn.put(keys, rows_of(src)))
+                out = torch.empty_like(src)
+                assert all(conn.get(keys, rows_of(out)))
+                assert torch.equal(out, src)
+        except Exception as e:  # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_expired_leases_are_taken_back_and_late_calls_learn_it(tmp_path, make_keys):
+    """A one-sided client that reserves and never commits (it died) loses its slots after the lease."""
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="1MiB", block_bytes=BB, lease_s=0.3) as p:
+        ch = Channel(p.ipc, zmq.Context.instance(), timeout_s=2.0)
+        keys = make_keys(16, start=60_000)  # the whole pool
+        res = ch.call(P.RESERVE, {"keys": wire.pack_keys(keys), "block_bytes": BB})
+        assert res.body["lease"] and P.unbitmap(res.body["fresh"], 16) == [True] * 16
+        busy = ch.call(P.RESERVE, {"keys": wire.pack_keys(make_keys(1, start=61_000)), "block_bytes": BB})
+        assert P.unbitmap(busy.body["held"], 1) == [False]  # every slot is being written: no room
+        time.sleep(0.6)
+        late = ch.call(P.COMMIT, {"lease": res.body["lease"], "ok": True, "block_bytes": BB})
+        assert late.body == {"published": 0, "valid": False, "epoch": p.info["epoch"]}
+        again = ch.call(P.RESERVE, {"keys": wire.pack_keys(make_keys(1, start=61_000)), "block_bytes": BB})
+        assert P.unbitmap(again.body["held"], 1) == [True]
+        assert "leases expired" in p.log()
+        ch.close()
