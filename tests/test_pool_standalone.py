@@ -1,0 +1,103 @@
+"""Standalone mode: engine processes on one host share one node pool through its shared-memory file, and keep
+working (re-mapping the new file) when the pool is killed and restarted, without restarting themselves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from poolproc import PoolProcess
+
+BB = 32 << 10
+CLIENT = str(Path(__file__).parent / "pool_client.py")
+
+
+class Client:
+    """tests/pool_client.py as a subprocess: an engine-like process with a TieredStore."""
+
+    def __init__(self, config: dict, log: Path) -> None:
+        self.log = open(log, "a")
+        self.proc = subprocess.Popen([sys.executable, CLIENT, json.dumps(config), str(BB)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        assert self.ask_raw() == {"ready": True}
+
+    def ask_raw(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"client exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.ask_raw()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+        self.log.close()
+
+
+def until(fn, timeout: float = 15.0, interval: float = 0.2):
+    """fn() until it returns something truthy (or the timeout passes; then its last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture
+def pool(tmp_path):
+    with PoolProcess(tmp_path, tcp=False, ipc=True, capacity="8MiB") as p:
+        yield p
+
+
+def test_processes_share_the_node_pool_and_survive_its_restart(pool, tmp_path):
+    config = {"mode": "standalone", "pool": pool.ipc, "pool_timeout_ms": 500}
+    a, b = Client(config, tmp_path / "a.log"), Client(config, tmp_path / "b.log")
+    try:
+        assert a.ask(op="put", start=0, count=50) == {"stored": 50, "skipped": 0, "rejected": 0}
+        assert b.ask(op="get", start=0, count=50) == {"hits": 50, "correct": 50}  # another process's blocks
+        assert b.ask(op="put", start=0, count=50)["skipped"] == 50  # held in the shared pool: no second copy
+        old_file = pool.info["shm_path"]
+        assert a.ask(op="maps")["maps"] == [old_file] == b.ask(op="maps")["maps"]
+
+        pool.kill()  # kill -9: no goodbye
+        assert a.ask(op="get", start=0, count=50)["hits"] == 0  # a miss within the timeout, not a hang
+        pool.start()
+        new_file = pool.info["shm_path"]
+        assert new_file != old_file and not Path(old_file).exists()
+
+        # The same processes, without a restart: they reconnect, map the new file and go on.
+        assert until(lambda: a.ask(op="put", start=100, count=20)["stored"] == 20)
+        assert until(lambda: b.ask(op="get", start=100, count=20) == {"hits": 20, "correct": 20})
+        assert until(lambda: a.ask(op="maps")["maps"] == [new_file])  # the old mapping is dropped
+        assert b.ask(op="get", start=0, count=50)["hits"] == 0  # the old pool's blocks died with it
+    finally:
+        a.close()
+        b.close()
+    assert "re-mapped" in (tmp_path / "a.log").read_text() or "mapped its DRAM" in (tmp_path / "a.log").read_text()
+
+
+def test_a_small_private_dram_sits_above_the_node_pool(pool, tmp_path):
+    config = {"mode": "standalone", "pool": pool.ipc, "standalone_dram_capacity": 4 * BB,
+              "pool_offload": "write_through"}
+    a, b = Client(config, tmp_path / "a.log"), Client(config, tmp_path / "b.log")
+    try:
+        assert a.ask(op="put", start=0, count=4)["stored"] == 4
+        assert a.ask(op="put", start=4, count=4)["stored"] == 4  # evicts 0..3 from the private DRAM
+        stats = a.ask(op="stats")
+        assert [*stats["tiers"]] == ["dram", "pool"]
+        assert stats["offloads"]["pool"]["written"] == 8  # write-through: the other processes see them
+        assert b.ask(op="get", start=0, count=8) == {"hits": 8, "correct": 8}
+        assert a.ask(op="get", start=0, count=4) == {"hits": 4, "correct": 4}  # back from the node pool
+    finally:
+        a.close()
+        b.close()

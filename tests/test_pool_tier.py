@@ -1,0 +1,137 @@
+"""PoolTier in a TieredStore (distributed mode without a master: a static list of pools): blocks spread over
+the pools by rendezvous hashing, another engine's store finds them, a dead or stopped pool is a miss within
+the timeout and is skipped afterwards, write-behind blocks are readable before they are sent."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import blocks_for
+from kvtier.config import ConfigError
+from kvtier.store import TieredStore
+from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.pool_route import PeerRoute
+from poolproc import PoolProcess
+
+BB = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pools")
+    with PoolProcess(tmp, name="p1", capacity="8MiB") as p1, PoolProcess(tmp, name="p2", capacity="8MiB") as p2:
+        yield p1, p2
+
+
+def store_for(pools, **extra) -> TieredStore:
+    config = {"mode": "distributed", "pool": ",".join(p.tcp for p in pools), "dram_capacity": 64 * BB,
+              "pool_timeout_ms": 500, **extra}
+    return TieredStore.from_config(config, BB)
+
+
+def pool_tier(store: TieredStore) -> PoolTier:
+    tier = store.tiers[1]
+    assert isinstance(tier, PoolTier)
+    return tier
+
+
+def test_write_through_spreads_blocks_over_the_pools_and_another_engine_finds_them(pools, make_keys):
+    keys = make_keys(40, start=0)
+    with store_for(pools) as a, store_for(pools) as b:
+        assert [t.name for t in a.tiers] == ["dram", "pool"]
+        assert a.put(keys, blocks_for(keys, BB)).stored == 40
+        assert a.flush(5.0)
+        per_pool = pool_tier(a).stats().extra["pools"]
+        assert set(per_pool) == {p.tcp for p in pools} and all(v["up"] for v in per_pool.values())
+        # Each key sits in exactly one pool (rendezvous), and both pools got some.
+        counts = [sum(held_in(p, keys)) for p in pools]
+        assert sum(counts) == 40 and min(counts) > 0
+        # Another engine: its DRAM is empty, its pool tier finds every block, bytes exact, promoted to DRAM.
+        assert b.lookup_prefix(keys).tiers == ["pool"] * 40
+        out = torch.empty(40, BB, dtype=torch.uint8)
+        assert b.get(keys, out) == [True] * 40
+        assert torch.equal(out, blocks_for(keys, BB))
+        assert b.stats()["offloads"]["pool"]["promoted"] == 40
+        assert b.lookup_prefix(keys).tiers == ["dram"] * 40
+
+
+def test_on_evict_sends_only_what_dram_drops(pools, make_keys):
+    keys = make_keys(100, start=1000)
+    with store_for(pools, pool_offload="on_evict") as s:
+        for i in range(0, 100, 20):
+            assert s.put(keys[i:i + 20], blocks_for(keys[i:i + 20], BB)).stored == 20
+        assert s.flush(5.0)
+        assert s.stats()["offloads"]["pool"]["written"] == 100 - 64  # only the evicted ones went down
+        out = torch.empty(100, BB, dtype=torch.uint8)
+        assert all(s.get(keys, out))
+        assert torch.equal(out, blocks_for(keys, BB))
+
+
+def test_a_dead_pool_is_a_miss_within_the_timeout_then_skipped(tmp_path, make_keys):
+    with PoolProcess(tmp_path, name="d1", capacity="4MiB") as p1, PoolProcess(tmp_path, name="d2", capacity="4MiB") as p2:
+        keys = make_keys(30, start=2000)
+        with store_for([p1, p2], dram_capacity=8 * BB) as writer:
+            for i in range(0, 30, 5):
+                writer.put(keys[i:i + 5], blocks_for(keys[i:i + 5], BB))
+            assert writer.flush(5.0)
+        on_p2 = held_in(p2, keys)
+        assert 0 < sum(on_p2) < 30
+        p2.pause()  # SIGSTOP: connected but silent, the worst case
+        with store_for([p1, p2]) as reader:
+            out = torch.empty(30, BB, dtype=torch.uint8)
+            t0 = time.monotonic()
+            hit = reader.get(keys, out)
+            first = time.monotonic() - t0
+            assert hit == [not x for x in on_p2]  # p1's blocks still come back; p2's are misses
+            assert first < 0.5 * 3 + 1.0  # connect + one timed-out call, never a hang
+            for i, h in enumerate(hit):
+                if h:
+                    assert torch.equal(out[i], blocks_for([keys[i]], BB)[0])
+            t0 = time.monotonic()
+            assert reader.get(keys, out) == hit
+            assert time.monotonic() - t0 < 0.3  # p2 is in its back-off: not waited on again
+            assert not pool_tier(reader).stats().extra["pools"][p2.tcp]["up"]
+        p2.resume()
+
+
+def test_write_behind_blocks_are_readable_before_they_are_sent(tmp_path, make_keys):
+    with PoolProcess(tmp_path, name="wb", capacity="4MiB") as p:
+        keys = make_keys(8, start=3000)
+        with store_for([p], pool_timeout_ms=3000) as s:
+            tier = pool_tier(s)
+            assert tier.contains(keys[:1]) == [False]  # connected
+            p.pause()
+            future = tier.put_later(keys, blocks_for(keys, BB), wait=False)  # returns at once
+            assert tier.contains(keys) == [True] * 8  # staged
+            out = torch.empty(8, BB, dtype=torch.uint8)
+            assert tier.get(keys, out) == [True] * 8
+            assert torch.equal(out, blocks_for(keys, BB))
+            p.resume()
+            assert sorted(future.result(10)) == sorted(keys)
+            assert tier.stats().extra["write_behind"]["sent"] == 8
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"mode": "standalone"}, "needs exactly one 'pool' endpoint"),
+    ({"mode": "standalone", "pool": "ipc:///x", "ssd_path": "/tmp/x"}, "keeps no SSD tier"),
+    ({"mode": "distributed"}, "needs 'master' (kvtier-master) or 'pool'"),
+    ({"pool": "tcp://a:1"}, "mode is 'embedded'"),
+    ({"mode": "distributed", "pool": "a:1"}, "'a:1' is not a tcp://host:port or ipc:///path endpoint"),
+    ({"mode": "distributed", "pool": "tcp://a:1", "pool_timeout_ms": 0}, "pool_timeout_ms must be in 1..60000"),
+    ({"mode": "clustered"}, "mode: 'clustered' is not one of embedded, standalone, distributed"),
+])
+def test_mode_settings_are_checked(config, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TieredStore.from_config(config, BB)
+
+
+def held_in(pool: PoolProcess, keys: list[bytes]) -> list[bool]:
+    """Which keys one pool holds, asked directly."""
+    tier = PoolTier(BB, PeerRoute([pool.tcp]), staging_bytes=0)
+    try:
+        return tier.contains(keys)
+    finally:
+        tier.close()
