@@ -1,4 +1,5 @@
-"""A real kvtier-pool subprocess for tests: start, wait until it serves, kill -9, SIGSTOP/SIGCONT, restart."""
+"""Real processes for pool tests: a kvtier-pool subprocess (start, wait until it serves, kill -9, SIGSTOP/SIGCONT,
+restart) and an engine-like client process holding a TieredStore (tests/pool_client.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+BB = 32 << 10  # the client processes' block size
+CLIENT = str(Path(__file__).parent / "pool_client.py")
 
 
 class PoolProcess:
@@ -96,3 +100,39 @@ class PoolProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.resume()
         self.kill()
+
+
+class Client:
+    """tests/pool_client.py as a subprocess: an engine-like process with a TieredStore."""
+
+    def __init__(self, config: dict, log: Path, prefix: tuple = ()) -> None:
+        self.log = open(log, "a")
+        self.proc = subprocess.Popen([*prefix, sys.executable, CLIENT, json.dumps(config), str(BB)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        assert self.ask_raw() == {"ready": True}
+
+    def ask_raw(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"client exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.ask_raw()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+        self.log.close()
+
+
+def until(fn, timeout: float = 15.0, interval: float = 0.2):
+    """fn() until it returns something truthy (or the timeout passes; then its last value)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

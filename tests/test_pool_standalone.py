@@ -3,54 +3,11 @@ working (re-mapping the new file) when the pool is killed and restarted, without
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from poolproc import PoolProcess
-
-BB = 32 << 10
-CLIENT = str(Path(__file__).parent / "pool_client.py")
-
-
-class Client:
-    """tests/pool_client.py as a subprocess: an engine-like process with a TieredStore."""
-
-    def __init__(self, config: dict, log: Path) -> None:
-        self.log = open(log, "a")
-        self.proc = subprocess.Popen([sys.executable, CLIENT, json.dumps(config), str(BB)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
-        assert self.ask_raw() == {"ready": True}
-
-    def ask_raw(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"client exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def ask(self, **cmd) -> dict:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.ask_raw()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(30)
-        self.log.close()
-
-
-def until(fn, timeout: float = 15.0, interval: float = 0.2):
-    """fn() until it returns something truthy (or the timeout passes; then its last value)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+from poolproc import BB, Client, PoolProcess, until
 
 
 @pytest.fixture
