@@ -3,7 +3,8 @@
 DRAM: the store's batched put and get into caller-owned buffers, against one ``np.copyto`` of the same bytes
 (a single-threaded memcpy at full memory bandwidth). Rounds interleave baseline, put and get so machine noise
 hits all three alike; the figures are medians over rounds, after one warm-up round that faults every page in.
-SSD: bench/ssd.py, against raw O_DIRECT I/O of the same bytes.
+SSD: bench/ssd.py, against raw O_DIRECT I/O of the same bytes. Pool: bench/pool.py, against a raw TCP socket
+between two processes and memcpy.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_json
+from kvtier.bench.pool import bench_pool
 from kvtier.bench.ssd import DEFAULT_SIZES as SSD_SIZES
 from kvtier.bench.ssd import bench_ssd
 from kvtier.keys import Namespace
@@ -59,6 +61,8 @@ def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1,
 TIER_BENCHES: dict[str, tuple[Callable[..., list[dict[str, Any]]], str, str]] = {
     "dram": (bench_dram, "np.copyto of the same bytes", DEFAULT_SIZES),
     "ssd": (bench_ssd, "raw O_DIRECT write+fdatasync / read of the same bytes", SSD_SIZES),
+    "pool": (bench_pool, "tcp rows: one raw TCP socket between two processes; shm rows: np.copyto; "
+                         "same bytes, same run", DEFAULT_SIZES),
 }
 
 
@@ -69,13 +73,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per size; medians are reported")
     p.add_argument("--copy-threads", type=int, default=1, help="threads per batched host copy")
     p.add_argument("--path", help="ssd: a directory on the disk to measure (default /var/tmp)")
+    p.add_argument("--connections", type=int, default=4, help="pool: parallel TCP connections per batch")
+    p.add_argument("--no-mooncake", dest="mooncake", action="store_false",
+                   help="pool: skip the Mooncake Store rows even where it is installed")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     fn, baseline, default_sizes = TIER_BENCHES[args.tier]
     sizes = [parse_bytes(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
-    rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads, path=args.path)
+    rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads, path=args.path,
+              connections=args.connections, mooncake=args.mooncake)
     print_rows(rows, f"kvtier bench tiers --tier {args.tier}", baseline)
     write_json(rows, args.json)
     return 0

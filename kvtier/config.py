@@ -88,9 +88,10 @@ class Config:
     master: str = _field("", "distributed: kvtier-master endpoint; it places blocks in pools and says which "
                              "pool holds what (then 'pool' is not needed)")
     node_id: str = _field("", "this engine's name with the master (default host-pid)")
-    pool_transport: str = _field("auto", "how blocks move to and from pools: auto (shm for ipc://, rdma when "
-                                         "both ends have a device, else tcp), tcp, rdma, shm",
-                                 ("auto", "tcp", "rdma", "shm"))
+    pool_transport: str = _field("auto", "how blocks move to and from pools: auto (shm for ipc://; for tcp:// "
+                                         "rdma when both ends have a device, else stream), stream (raw TCP "
+                                         "received in place), tcp (zmq frames), rdma, shm",
+                                 ("auto", "stream", "tcp", "rdma", "shm"))
     pool_timeout_ms: int = _field(500, "a pool silent this long turns the call's blocks into misses (the "
                                        "engine recomputes) and is skipped for a back-off")
     pool_connections: int = _field(4, "parallel connections per pool for big batches")

@@ -1,6 +1,6 @@
-"""kvtier-pool as a real subprocess, through both transports a CPU host has (zmq TCP frames and the standalone
-shared-memory mapping): bytes round-trip exactly, misses are misses, bad input is refused with the sizes
-named, a dead or stopped pool is a PoolUnavailable within the timeout, never a hang."""
+"""kvtier-pool as a real subprocess, through every transport a CPU host has (raw TCP data sockets, block bytes
+in zmq frames, the standalone shared-memory mapping): bytes round-trip exactly, misses are misses, bad input
+is refused with the sizes named, a dead or stopped pool is a PoolUnavailable within the timeout, never a hang."""
 
 from __future__ import annotations
 
@@ -35,16 +35,31 @@ def pool(tmp_path_factory):
         assert p.alive(), "the pool died during the tests"
 
 
-@pytest.fixture(params=["tcp", "shm"])
+TRANSPORTS = ["stream", "tcp", "shm"]
+
+
+@pytest.fixture(params=TRANSPORTS)
 def conn(request, pool):
-    c = connect(pool.tcp if request.param == "tcp" else pool.ipc, BB, timeout_s=2.0)
+    c = connect(pool.ipc if request.param == "shm" else pool.tcp, BB, transport=request.param, timeout_s=2.0)
     assert c.transport == request.param
     yield c
     c.close()
 
 
+def base(conn) -> int:
+    """Key numbers apart per transport: the three share one pool."""
+    return TRANSPORTS.index(conn.transport) * 100_000
+
+
+def test_auto_picks_the_data_port_for_tcp_and_shared_memory_for_ipc(pool):
+    for endpoint, expected in ((pool.tcp, "stream"), (pool.ipc, "shm")):
+        c = connect(endpoint, BB, timeout_s=2.0)
+        assert c.transport == expected
+        c.close()
+
+
 def test_round_trip_is_exact_and_misses_stay_untouched(conn, make_keys):
-    keys = make_keys(40, start=1000 if conn.transport == "tcp" else 2000)
+    keys = make_keys(40, start=base(conn) + 1000)
     src = blocks_for(keys, BB)
     assert conn.put(keys, rows_of(src)) == [True] * 40
     assert conn.contains(keys + make_keys(3, start=9000)) == [True] * 40 + [False] * 3
@@ -61,7 +76,7 @@ def test_round_trip_is_exact_and_misses_stay_untouched(conn, make_keys):
 
 
 def test_a_big_batch_spans_requests_and_lanes(conn, make_keys):
-    keys = make_keys(200, start=3000 if conn.transport == "tcp" else 4000)  # 12.5 MiB
+    keys = make_keys(200, start=base(conn) + 3000)  # 12.5 MiB
     src = blocks_for(keys, BB)
     assert all(conn.put(keys, rows_of(src)))
     out = torch.empty_like(src)
@@ -70,8 +85,8 @@ def test_a_big_batch_spans_requests_and_lanes(conn, make_keys):
 
 
 def test_evicted_keys_are_misses(conn, make_keys):
-    first = make_keys(200, start=10_000 if conn.transport == "tcp" else 20_000)
-    later = make_keys(200, start=11_000 if conn.transport == "tcp" else 21_000)
+    first = make_keys(200, start=base(conn) + 10_000)
+    later = make_keys(200, start=base(conn) + 11_000)
     assert all(conn.put(first, rows_of(blocks_for(first, BB))))
     assert all(conn.put(later, rows_of(blocks_for(later, BB))))  # 400 blocks into 256 slots: LRU evicts
     out = torch.empty(200, BB, dtype=torch.uint8)
@@ -158,20 +173,22 @@ def test_nobody_listening_is_unavailable_within_the_timeout():
     assert time.monotonic() - t0 < 2.0
 
 
-def test_a_stopped_pool_is_unavailable_within_the_timeout_then_serves_again(tmp_path, make_keys):
+@pytest.mark.parametrize("transport, message", [("stream", "no progress within 0.5 s"),
+                                                ("tcp", "no reply within 0.5 s")])
+def test_a_stopped_pool_is_unavailable_within_the_timeout_then_serves_again(tmp_path, make_keys, transport, message):
     with PoolProcess(tmp_path, capacity="4MiB") as p:
-        c = connect(p.tcp, BB, timeout_s=0.5)
+        c = connect(p.tcp, BB, transport=transport, timeout_s=0.5)
         keys = make_keys(8, start=40_000)
         src = blocks_for(keys, BB)
         assert all(c.put(keys, rows_of(src)))
-        p.pause()  # SIGSTOP: the TCP connection stays up, nothing answers
+        p.pause()  # SIGSTOP: the TCP connections stay up, nothing answers
         out = torch.zeros_like(src)
         t0 = time.monotonic()
-        with pytest.raises(PoolUnavailable, match="no reply within 0.5 s"):
+        with pytest.raises(PoolUnavailable, match=message):
             c.get(keys, rows_of(out))
         assert time.monotonic() - t0 < 2.0
         p.resume()
-        assert c.get(keys, rows_of(out)) == [True] * 8  # the stale request was dropped with its lane
+        assert c.get(keys, rows_of(out)) == [True] * 8  # the stale request was dropped with its connection
         assert torch.equal(out, src)
         c.close()
 
@@ -181,7 +198,7 @@ def test_concurrent_callers_each_get_their_own_bytes(conn, make_keys):
 
     def worker(w: int) -> None:
         try:
-            keys = make_keys(16, start=50_000 + 100 * w + (0 if conn.transport == "tcp" else 5000))
+            keys = make_keys(16, start=base(conn) + 50_000 + 100 * w)
             src = blocks_for(keys, BB)
             for _ in range(5):
                 assert all(conn.put(keys, rows_of(src)))

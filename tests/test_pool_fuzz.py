@@ -65,7 +65,7 @@ requests = st.one_of(
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool-fuzz")
     with PoolProcess(tmp, capacity="1MiB", block_bytes=BB, args=("--max-keys", str(MAX_KEYS))) as p:
-        conn = connect(p.tcp, BB, timeout_s=5.0)
+        conn = connect(p.tcp, BB, transport="stream", timeout_s=5.0)
         src = blocks_for(PROBE, BB)
         assert all(conn.put(PROBE, np.uint64(src.data_ptr()) + np.arange(8, dtype=np.uint64) * np.uint64(BB)))
         ctx = zmq.Context()
@@ -77,7 +77,7 @@ def daemon(tmp_path_factory):
         ctx.term()
         conn.close()
         assert p.alive(), "the pool died during the fuzz"
-        assert "internal error" not in p.log()
+        assert "internal error" not in p.log(), p.log()[-3000:]
 
 
 @given(request=requests, delimiter=st.booleans())
@@ -89,7 +89,8 @@ def test_pool_survives_bad_requests_and_keeps_serving(daemon, request, delimiter
     sock.send_multipart(([b""] if delimiter else []) + [envelope, *data])
     if sock.poll(3000):  # releases and commits marked noreply get no answer
         frames = sock.recv_multipart()
-        rid, ok, body = wire.decode_reply(frames[1] if delimiter else frames[0], peer="the pool")
+        envelope = next(f for f in frames if f)  # after the empty delimiter frame(s) the pool routed back
+        rid, ok, body = wire.decode_reply(envelope, peer="the pool")
         if not ok:
             assert body["code"] in KNOWN_CODES, f"{body} for {envelope[:80]!r}"
             assert isinstance(body["message"], str) and body["message"]
@@ -105,3 +106,40 @@ def test_oversized_batch_names_the_limit(daemon):
     rid, ok, body = wire.decode_reply(sock.recv_multipart()[-1], peer="the pool")
     assert not ok and body["code"] == wire.ERR_TOO_LARGE
     assert f"{MAX_KEYS + 1} keys in one batch, the limit is {MAX_KEYS}" in body["message"]
+
+
+stream_requests = st.one_of(
+    st.binary(max_size=300),  # not even a length prefix and envelope
+    st.tuples(st.sampled_from([P.PUT, P.GET, P.STATS, "nope"]), bodies, st.binary(max_size=200))
+    .map(lambda m: _framed(wire.encode_request(5, m[0], m[1])) + m[2]),
+    st.tuples(st.sampled_from([P.PUT, P.GET]), st.integers(0, MAX_KEYS + 2), st.integers(0, 3 * BB))
+    .map(lambda m: _framed(wire.encode_request(6, m[0], {"keys": b"s" * 16 * m[1], "block_bytes": BB}))
+         + bytes(m[2])),
+    st.integers(2**24, 2**32 - 1).map(lambda n: n.to_bytes(4, "little")),  # an absurd envelope length
+)
+
+
+def _framed(envelope: bytes) -> bytes:
+    return len(envelope).to_bytes(4, "little") + envelope
+
+
+@given(payload=stream_requests)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+def test_data_port_survives_garbage(daemon, payload):
+    """Garbage on the raw data port: an error reply or a closed connection, and the pool goes on serving."""
+    import socket
+
+    p, sock, conn, src = daemon
+    port = conn.info.transports["stream"]["port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(payload)
+        raw.shutdown(socket.SHUT_WR)
+        try:
+            while raw.recv(1 << 16):
+                pass
+        except OSError:
+            pass  # reset by the pool: it gave up on this stream
+    out = np.zeros((8, BB), np.uint8)
+    assert conn.get(PROBE, np.uint64(out.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(BB)) == [True] * 8
+    assert (out == src.numpy()).all()

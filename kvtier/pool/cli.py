@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefault", action="store_true", help="touch all of the DRAM at start (no page faults later)")
     p.add_argument("--rdma", default=d.rdma, help="auto (use an RDMA device when there is one), off, or a device "
                    "name such as mlx5_0")
+    p.add_argument("--stream", default=d.stream, help="the raw TCP data port clients move block bytes over "
+                   "(received straight into place): auto (the tcp bind's host, a free port), off, or host:port")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             bind=tuple(args.bind or PoolSettings().bind), capacity=args.capacity, block_bytes=args.block_bytes,
             node_id=args.node_id, master=args.master, advertise=args.advertise, workers=args.workers,
             shm_dir=args.shm_dir, lease_s=args.lease_s, eviction=args.eviction, max_keys=args.max_keys,
-            copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, heartbeat_s=args.heartbeat_s,
+            copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
+            heartbeat_s=args.heartbeat_s,
             labels=dict(args.label),
         )
         PoolServer(settings, ready_file=args.ready_file).run()

@@ -2,9 +2,10 @@
 reserve/commit and acquire/release (one-sided clients), stats, rdma_connect.
 
 Each takes the PoolState, the decoded request body and the request's data frames, and returns a Reply, or
-raises WireError naming what is wrong. Bytes are copied once: a put from the received frames into reserved
-slots (one native batched copy), a get not at all here (the reply's frames point into the slots, which stay
-acquired until zmq has sent them; ``Reply.hold`` is what the server releases then).
+raises WireError naming what is wrong. A put copies once, from the received frames into reserved slots (one
+native batched copy). A get's reply frames point into the slots, which stay acquired until zmq has sent them
+(``Reply.release`` runs then), unless the hits are scattered small blocks: those are gathered into staging
+buffers first (kvtier.transport.frames), one copy that costs less than a zmq message per block.
 
 Called on the pool's worker threads, several at once; the tier and the lease table are thread-safe.
 """
@@ -12,7 +13,6 @@ Called on the pool's worker threads, several at once; the tier and the lease tab
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,17 +30,20 @@ Body = dict[str, Any]
 
 @dataclass
 class Reply:
-    """A reply body, its data frames (zero-copy views), and what to release once zmq has sent them."""
+    """A reply body, its data frames, and what to call once zmq has sent them (release the slots or the
+    staging buffers the frames point into)."""
 
     body: dict[str, Any]
     data: list[Any] = field(default_factory=list)
-    hold: AbstractContextManager[Any] | None = None
+    release: Callable[[], None] | None = None
 
 
 def hello(st: PoolState, body: Body, data: list[Any]) -> Reply:
     block_bytes = wire.int_field(body, "block_bytes", 0, 1 << 34, default=0)
     tier = st.ensure_tier(block_bytes or None)
     transports: dict[str, Any] = {"tcp": {}}
+    if st.stream_port:
+        transports["stream"] = {"port": st.stream_port}
     if st.shm_path is not None and tier is not None:
         transports["shm"] = {"path": str(st.shm_path), "nbytes": tier.capacity_bytes}
     if st.rdma is not None:
@@ -98,12 +101,15 @@ def get(st: PoolState, body: Body, data: list[Any]) -> Reply:
     try:
         hit = [a is not None for a in addresses]
         rows = np.fromiter((a for a in addresses if a is not None), dtype=np.uint64)
-        frames = F.views(rows, tier.block_bytes)
+        frames, used = F.frames_for(rows, tier.block_bytes, st.staging, st.settings.copy_threads)
     except BaseException:
         hold.__exit__(None, None, None)
         raise
     st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * tier.block_bytes)
-    return Reply({"hit": P.bitmap(hit)}, frames, hold)
+    if used:  # gathered into staging buffers: the slots may go now, the buffers once zmq has sent them
+        hold.__exit__(None, None, None)
+        return Reply({"hit": P.bitmap(hit)}, frames, lambda: st.staging.give(used))
+    return Reply({"hit": P.bitmap(hit)}, frames, lambda: hold.__exit__(None, None, None))
 
 
 def reserve(st: PoolState, body: Body, data: list[Any]) -> Reply:

@@ -4,6 +4,8 @@
                                                                                         |
     client DEALER <--[envelope, *data]-- ROUTER <----------proxy-------- inproc <-------+
 
+    client socket <--[length, envelope] + bytes--> data port (kvtier/pool/stream.py, a thread per connection)
+
 Workers decode a request, run its op (kvtier/pool/ops.py) and send the reply. Several workers copy at once
 (the batched copies release the GIL); zmq's I/O threads move bytes to and from the sockets meanwhile. A get's
 reply frames point into the pool's slots (zero-copy send); the worker keeps those blocks acquired until
@@ -53,6 +55,7 @@ class PoolServer:
         self._stop = threading.Event()
         self._bad = RateLimitedLog(log)
         self._ctx = zmq.Context(io_threads=max(1, min(4, settings.workers)))
+        self._stream: Any = None  # kvtier.pool.stream.StreamServer
 
     # ---- requests --------------------------------------------------------------------------------------
 
@@ -102,10 +105,13 @@ class PoolServer:
                     Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
                 frontend.bind(endpoint)
                 endpoints.append(frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+            stream = self._start_stream(endpoints)
             self.state.start(endpoints)
         except BaseException:
             frontend.close(linger=0)
             self._ctx.term()
+            if self._stream is not None:
+                self._stream.close()
             self.state.close()
             raise
         backend = self._ctx.socket(zmq.DEALER)
@@ -123,8 +129,9 @@ class PoolServer:
         for w in workers:
             w.start()
         tier = self.state.tier
-        log.info("kvtier-pool %s (%s): serving on %s; capacity %s%s; %d workers; lease %.3g s; master %s",
-                 os.getpid(), self.state.node_id, ", ".join(endpoints), format_bytes(s.capacity),
+        log.info("kvtier-pool %s (%s): serving on %s%s; capacity %s%s; %d workers; lease %.3g s; master %s",
+                 os.getpid(), self.state.node_id, ", ".join(endpoints),
+                 f" (data port {stream})" if stream else "", format_bytes(s.capacity),
                  f" in blocks of {tier.block_bytes} B" if tier else " (block size set by the first client)",
                  s.workers, s.lease_s, s.master or "none (clients list this pool themselves)")
         self._write_ready(endpoints)
@@ -139,9 +146,28 @@ class PoolServer:
             proxy.join(5.0)
             control.close(linger=0)
             self._ctx.term()
+            if self._stream is not None:
+                self._stream.close()
             stats = self.state.stats()
             self.state.close()
             log.info("kvtier-pool %s: stopped (%s)", os.getpid(), json.dumps(stats["counters"], sort_keys=True))
+
+    def _start_stream(self, endpoints: list[str]) -> int:
+        """Open the raw TCP data port next to the first tcp endpoint (unless --stream off); its port or 0."""
+        spec = self.settings.stream
+        tcp = [e for e in endpoints if e.startswith("tcp://")]
+        if spec == "off" or (spec == "auto" and not tcp):
+            return 0
+        if spec == "auto":
+            host, port = tcp[0][len("tcp://"):].rpartition(":")[0].strip("[]"), 0
+        else:
+            host, _, p = spec.rpartition(":")
+            port = int(p)
+        from kvtier.pool.stream import StreamServer
+
+        self._stream = StreamServer(self.state, host, port, timeout_s=self.settings.lease_s)
+        self.state.stream_port = self._stream.start()
+        return self.state.stream_port
 
     def _proxy(self, frontend: zmq.Socket[Any], backend: zmq.Socket[Any]) -> None:
         ctl = self._ctx.socket(zmq.PAIR)
@@ -184,19 +210,19 @@ class PoolServer:
         envelope, reply, wanted = self.serve(frames[route], frames[route + 1:])
         # Routing frames were received (zmq.Frame, untracked): re-sent as bytes so the reply can be tracked.
         out = [*(f.bytes for f in frames[:route]), envelope, *(reply.data if reply is not None else [])]
-        hold = reply.hold if reply is not None else None
+        release = reply.release if reply is not None else None
         if not wanted:
             return
         try:
-            tracker = sock.send_multipart(out, zmq.NOBLOCK, copy=False, track=hold is not None)
+            tracker = sock.send_multipart(out, zmq.NOBLOCK, copy=False, track=release is not None)
         except zmq.Again:
             self._bad("send", logging.WARNING, "reply dropped: the proxy's queue is full")
             tracker = None
-        if hold is not None:
+        if release is not None:
             if tracker is None:
-                hold.__exit__(None, None, None)
+                release()
             else:
-                sending.append(_Sending(tracker, hold, t0, sum(len(d) for d in out[route + 1:])))
+                sending.append(_Sending(tracker, release, t0, sum(len(d) for d in out[route + 1:])))
 
     def _on_signal(self, sig: int, _frame: Any) -> None:
         log.info("kvtier-pool: %s received, shutting down", signal.Signals(sig).name)
@@ -214,16 +240,16 @@ class PoolServer:
 
 
 class _Sending:
-    """A zero-copy reply zmq is still sending: the blocks it holds, and when its request came in."""
+    """A zero-copy reply zmq is still sending: what to release when it is sent, and when its request came in."""
 
-    __slots__ = ("tracker", "hold", "t0", "nbytes")
+    __slots__ = ("tracker", "release", "t0", "nbytes")
     MEASURE_BYTES = 1 << 20  # smaller replies are all latency: they say nothing about bandwidth
 
-    def __init__(self, tracker: zmq.MessageTracker, hold: Any, t0: float, nbytes: int) -> None:
-        self.tracker, self.hold, self.t0, self.nbytes = tracker, hold, t0, nbytes
+    def __init__(self, tracker: zmq.MessageTracker, release: Any, t0: float, nbytes: int) -> None:
+        self.tracker, self.release, self.t0, self.nbytes = tracker, release, t0, nbytes
 
     def finish(self, state: PoolState, wait_s: float = 0.0) -> bool:
-        """Release the blocks if zmq is done with them (waiting up to ``wait_s``); True when released."""
+        """Release what the reply holds if zmq is done with it (waiting up to ``wait_s``); True when released."""
         if not self.tracker.done:
             try:
                 self.tracker.wait(wait_s) if wait_s else None
@@ -231,7 +257,7 @@ class _Sending:
                 pass
             if not self.tracker.done and not wait_s:
                 return False
-        self.hold.__exit__(None, None, None)
+        self.release()
         if self.nbytes >= self.MEASURE_BYTES:
             state.record_read(self.nbytes, time.perf_counter() - self.t0)
         return True

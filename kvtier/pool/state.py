@@ -27,6 +27,7 @@ from kvtier.pins import PinTable
 from kvtier.pool.leases import LeaseTable
 from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, POOL_LABELS
 from kvtier.tiers.dram import DramTier
+from kvtier.transport.frames import Staging
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
 
@@ -54,6 +55,7 @@ class PoolSettings:
     copy_threads: int = 1
     prefault: bool = False
     rdma: str = "auto"
+    stream: str = "auto"  # the raw TCP data port: auto (the tcp bind's host, a free port), off, or host:port
     heartbeat_s: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -73,7 +75,9 @@ class PoolState:
         self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
         self.rdma: Any = None  # kvtier.transport.rdma.RdmaServer when a device is there
         self.endpoints: list[str] = []  # what the server bound (ports resolved)
+        self.stream_port = 0  # the raw TCP data port (kvtier/pool/stream.py), 0: none
         self.counters: Counter[str] = Counter()
+        self.staging = Staging(keep=4 * settings.workers)  # for gets of scattered small blocks
         self._lock = threading.Lock()
         self.shm_path: Path | None = None
         if settings.ipc:

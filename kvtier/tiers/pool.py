@@ -31,7 +31,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
-import zmq
 
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
@@ -80,7 +79,6 @@ class PoolTier:
         self.timeout_s = timeout_s
         self.connections = connections
         self._dtypes = tuple(dtypes)
-        self._ctx = zmq.Context(io_threads=max(1, min(4, connections)))
         self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
@@ -179,7 +177,6 @@ class PoolTier:
             if p.conn is not None:
                 p.conn.close()
         self.route.close()
-        self._ctx.term()
 
     # ---- write-behind (the store's offloader) ------------------------------------------------------------
 
@@ -256,7 +253,7 @@ class PoolTier:
                     raise PoolUnavailable(endpoint, pool.last_error, "backoff")
                 try:
                     pool.conn = connect(endpoint, self.block_bytes, transport=self.transport,
-                                        timeout_s=self.timeout_s, lanes=self.connections, ctx=self._ctx)
+                                        timeout_s=self.timeout_s, lanes=self.connections)
                 except PoolUnavailable as e:
                     self._failed(pool, e)
                     raise

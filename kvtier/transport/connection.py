@@ -3,7 +3,8 @@
 
 Transport choice (``transport="auto"``): an ipc:// endpoint means the pool runs on this host: shared memory
 (shm.py). A tcp:// endpoint: RDMA (rdma.py) when pyverbs imports, this host has an RDMA device and the pool
-offers RDMA; otherwise zmq frames over TCP (tcp.py). ``transport`` names one to insist on it; a path the pool
+offers RDMA; else raw TCP data sockets received straight into place (stream.py) when the pool has a data
+port; else block bytes in zmq frames (tcp.py). ``transport`` names one to insist on it; a path the pool
 or this host cannot do is an error naming why.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,8 +25,8 @@ from kvtier.transport.channel import Answer, Channel, Request
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = {"tcp": "kvtier.transport.tcp:TcpConnection", "shm": "kvtier.transport.shm:ShmConnection",
-              "rdma": "kvtier.transport.rdma:RdmaConnection"}
+TRANSPORTS = {"tcp": "kvtier.transport.tcp:TcpConnection", "stream": "kvtier.transport.stream:StreamConnection",
+              "shm": "kvtier.transport.shm:ShmConnection", "rdma": "kvtier.transport.rdma:RdmaConnection"}
 MIN_BANDWIDTH = 100e6  # bytes/s: a batch moving slower than this is given up (timeout + bytes / this)
 
 
@@ -33,14 +35,12 @@ class ConnectionBase:
 
     transport = "?"
 
-    def __init__(self, channel: Channel, info: PoolInfo, *, lanes: int = 4, ctx: zmq.Context[Any] | None = None
-                 ) -> None:
+    def __init__(self, channel: Channel, info: PoolInfo, *, lanes: int = 4) -> None:
         self.channel = channel
         self.info = info
         self.endpoint = channel.endpoint
         self.block_bytes = info.block_bytes
         self.lanes = lanes
-        self._ctx = ctx  # owned (terminated at close) when connect() made it
 
     # ---- control ops -----------------------------------------------------------------------------------
 
@@ -70,9 +70,6 @@ class ConnectionBase:
 
     def close(self) -> None:
         self.channel.close()
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
 
     # ---- helpers for the transports --------------------------------------------------------------------
 
@@ -136,25 +133,35 @@ def hello(channel: Channel, block_bytes: int) -> PoolInfo:
     return PoolInfo.from_wire(channel.endpoint, {**answer.body, "epoch": answer.epoch})
 
 
-def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout_s: float = 0.5, lanes: int = 4,
-            ctx: zmq.Context[Any] | None = None) -> PoolConnection:
+_shared: zmq.Context[Any] | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_context() -> zmq.Context[Any]:
+    """The zmq context every pool connection of this process uses (4 I/O threads, so parallel connections
+    move bytes in parallel). Never terminated: a context collected with sockets still open would block."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = zmq.Context(io_threads=4)
+        return _shared
+
+
+def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout_s: float = 0.5,
+            lanes: int = 4) -> PoolConnection:
     """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``. Raises PoolError (unreachable,
     refused, another protocol version) or ValueError (an unknown transport)."""
     if transport != "auto" and transport not in TRANSPORTS:
         raise ValueError(f"unknown pool transport {transport!r}; known: auto, {', '.join(TRANSPORTS)}")
-    own = ctx is None
-    ctx = ctx if ctx is not None else zmq.Context(io_threads=max(1, min(4, lanes)))
-    channel = Channel(endpoint, ctx, max_lanes=2 * lanes, timeout_s=timeout_s)
+    channel = Channel(endpoint, shared_context(), max_lanes=2 * lanes, timeout_s=timeout_s)
     try:
         info = hello(channel, block_bytes)
         kind = choose_transport(transport, endpoint, info)
         module, _, name = TRANSPORTS[kind].partition(":")
         cls = getattr(importlib.import_module(module), name)
-        conn: PoolConnection = cls(channel, info, lanes=lanes, ctx=ctx if own else None)
+        conn: PoolConnection = cls(channel, info, lanes=lanes)
     except BaseException:
         channel.close()
-        if own:
-            ctx.term()
         raise
     log.info("pool %s (%s): connected over %s; %d B blocks, capacity %d B", endpoint, info.node, kind,
              info.block_bytes, info.capacity)
@@ -168,10 +175,15 @@ def choose_transport(transport: str, endpoint: str, info: PoolInfo) -> str:
             transport = "shm"
         elif "rdma" in offered and _rdma_reason() is None:
             transport = "rdma"
+        elif "stream" in offered:
+            transport = "stream"
         else:
             transport = "tcp"
     if transport == "shm" and "shm" not in offered:
         raise PoolRefused(endpoint, "the pool offers no shared memory (it does so on an ipc:// endpoint it binds)",
+                          wire.ERR_BAD_REQUEST)
+    if transport == "stream" and "stream" not in offered:
+        raise PoolRefused(endpoint, "the pool offers no stream data port (started with --stream off?)",
                           wire.ERR_BAD_REQUEST)
     if transport == "rdma":
         reason = _rdma_reason() or (None if "rdma" in offered else "the pool serves no RDMA")

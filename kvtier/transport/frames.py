@@ -1,23 +1,30 @@
-"""Blocks <-> zmq frames without copies: frames over runs of block rows, and block rows inside received frames.
+"""Blocks <-> zmq frames: frames over runs of block rows, and block rows inside received frames.
 
 A batch of blocks is a table of row addresses (uint64, one per block). To send it, consecutive rows (each
-starting where the previous one ends) are coalesced into one frame that points straight at their memory,
-so a contiguous batch of 64 KiB blocks costs a few large frames, not thousands of small ones. A receiver
-turns the frames it got back into row addresses and copies each row once, to where it belongs.
+starting where the previous one ends) are coalesced into one frame that points straight at their memory
+(zero-copy), so a contiguous batch of 64 KiB blocks costs a few large frames, not thousands of small ones.
+Scattered small rows (a pool's slots after some churn, a DRAM tier's evictions) are gathered into reusable
+staging buffers first: one native batched copy, far cheaper than a zmq message per 64 KiB block (measured
+here: ~1 GB/s in 64 KiB frames against ~2 GB/s in 8 MiB frames over loopback). A receiver turns the frames
+it got into row addresses and copies each row once, to where it belongs.
 
 ``views`` point into memory this module does not own: the caller keeps the owner alive (and unchanged) until
-zmq is done with the frames (a MessageTracker says when).
+zmq is done with the frames (a MessageTracker says when), and then gives staging buffers back.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from kvtier.hostcopy import copy_rows
+
 MAX_FRAME_BYTES = 8 << 20  # frames up to 8 MiB: the receiver's allocator reuses buffers this size (no page faults)
+ZERO_COPY_RUN_BYTES = 1 << 20  # runs at least this long (on average) go zero-copy; shorter ones are gathered
 
 _array_types: dict[int, type] = {}
 
@@ -50,6 +57,51 @@ def runs(rows: np.ndarray, block_bytes: int, max_bytes: int = MAX_FRAME_BYTES) -
 def views(rows: np.ndarray, block_bytes: int, max_bytes: int = MAX_FRAME_BYTES) -> list[Any]:
     """Zero-copy frames covering ``rows`` in order."""
     return [view(addr, count * block_bytes) for addr, count in runs(rows, block_bytes, max_bytes)]
+
+
+class Staging:
+    """Reusable host buffers of ``nbytes`` for gathering scattered rows (allocated once, kept up to ``keep``).
+    Thread-safe."""
+
+    def __init__(self, nbytes: int = MAX_FRAME_BYTES, keep: int = 8) -> None:
+        self.nbytes = nbytes
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        buf = np.empty(self.nbytes, np.uint8)
+        buf[:: 4096] = 0  # fault the pages in now, once, not on every send
+        return buf
+
+    def give(self, buffers: Sequence[np.ndarray]) -> None:
+        with self._lock:
+            self._free.extend(buffers[: max(0, self.keep - len(self._free))])
+
+
+def frames_for(rows: np.ndarray, block_bytes: int, staging: Staging, threads: int = 1
+               ) -> tuple[list[Any], list[np.ndarray]]:
+    """Frames carrying ``rows`` in order, and the staging buffers they use (give them back once sent).
+
+    Long runs are zero-copy views; when the runs average under ZERO_COPY_RUN_BYTES the rows are gathered
+    into staging buffers (the caller may reuse ``rows``' memory as soon as this returns, for those)."""
+    rows = np.asarray(rows, dtype=np.uint64)
+    spans = runs(rows, block_bytes)
+    if not spans or len(rows) * block_bytes >= ZERO_COPY_RUN_BYTES * len(spans) or block_bytes > staging.nbytes:
+        return [view(addr, count * block_bytes) for addr, count in spans], []
+    per = staging.nbytes // block_bytes
+    frames, used = [], []
+    for a in range(0, len(rows), per):
+        part = rows[a : a + per]
+        buf = staging.take()
+        used.append(buf)
+        base = np.uint64(buf.ctypes.data)
+        copy_rows(base + np.arange(len(part), dtype=np.uint64) * np.uint64(block_bytes), part, block_bytes, threads)
+        frames.append(memoryview(buf)[: len(part) * block_bytes])
+    return frames, used
 
 
 def address(buf: Any) -> int:

@@ -1,9 +1,10 @@
 """TcpConnection: block bytes in zmq frames over TCP, zero-copy on the way out, one copy on the way in.
 
 A put sends the caller's rows as frames that point into the caller's memory (runs of consecutive rows
-coalesced, ``kvtier.transport.frames``); the pool copies them once, from zmq's receive buffers into the slots
-it reserved. A get's reply frames point into the pool's slots; here they are copied once, by one native
-batched copy, from zmq's receive buffers into the caller's rows. Batches are cut into requests of about
+coalesced; scattered small rows gathered into staging buffers instead, see ``kvtier.transport.frames``); the
+pool copies them once, from zmq's receive buffers into the slots it reserved. A get's reply frames point into
+the pool's slots (or its staging buffers); here they are copied once, by one native batched copy, from zmq's
+receive buffers into the caller's rows. Batches are cut into requests of about
 ``REQUEST_BYTES`` and spread over parallel connections (the channel's lanes), two in flight per lane, so
 the pool copies one request while the next is on the wire.
 
@@ -13,6 +14,7 @@ Runs in the caller's threads; thread-safe (each call checks out its own lanes).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +33,10 @@ class TcpConnection(ConnectionBase):
 
     transport = "tcp"
 
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._staging = F.Staging(keep=4 * self.lanes)  # for puts of scattered small blocks
+
     def _per_request(self) -> int:
         return max(1, min(self.info.max_keys, REQUEST_BYTES // self.block_bytes))
 
@@ -40,12 +46,19 @@ class TcpConnection(ConnectionBase):
         rows = np.asarray(rows, dtype=np.uint64)
         held = [False] * n
 
+        used: list[np.ndarray] = []
+
         def requests() -> Iterator[Request]:
             for a, b in self._chunks(n, self._per_request()):
                 def on_reply(ans: Answer, a: int = a, b: int = b) -> None:
                     held[a:b] = P.unbitmap(ans.body["held"], b - a)
-                yield Request(P.PUT, self._body(keys[a:b]), F.views(rows[a:b], bb), on_reply)
-        self._batch(requests(), self._count(n, self._per_request()), n * bb)
+                frames, staged = F.frames_for(rows[a:b], bb, self._staging)
+                used.extend(staged)
+                yield Request(P.PUT, self._body(keys[a:b]), frames, on_reply)
+        try:
+            self._batch(requests(), self._count(n, self._per_request()), n * bb)
+        finally:
+            self._staging.give(used)  # the batch returns once zmq has let go of every frame
         return held
 
     def get(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:

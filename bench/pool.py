@@ -1,0 +1,246 @@
+"""``kvtier bench tiers --tier pool``: batch put/get GB/s between this process and a kvtier-pool process.
+
+Per block size, one pool subprocess (bound on tcp and ipc) and one raw-socket peer subprocess; each round, in
+this order so machine noise hits all alike:
+
+  raw put / raw get      the same bytes over one plain TCP socket between two processes (sendall of the whole
+                         batch, recv_into a preallocated buffer): the physical baseline of the TCP rows
+  pool stream put / get  StreamConnection: raw TCP data sockets received straight into place, parallel
+                         connections, zmq control (kvtier.transport.stream; what transport "auto" picks)
+  pool tcp put / get     TcpConnection: block bytes in zmq frames, parallel connections (kvtier.transport.tcp)
+  memcpy                 np.copyto of the same bytes: the baseline of the shm rows
+  pool shm put / get     standalone mode: copies into and out of the pool's mapped file (kvtier.transport.shm)
+  Mooncake put / get     Mooncake Store over TCP, segment in another process (bench/pool_mooncake.py), when
+                         the ``mooncake`` package is importable; skipped with a note otherwise
+
+Every get is checked byte for byte against what was put; keys are fresh each round and removed after it.
+Round 0 warms up (page faults, connections); figures are medians of the other rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.bench.common import gbps, median, row, time_once
+from kvtier.keys import Namespace
+from kvtier.transport.connection import connect
+
+DEFAULT_SIZES = "64KiB,1MiB,4MiB"
+OPS = ("put", "get")
+
+
+def bench_pool(sizes: list[int], total: int, rounds: int, *, connections: int = 4, mooncake: bool = True,
+               **_: Any) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-"))
+    try:
+        for bb in sizes:
+            rows += _bench_size(tmp, bb, max(1, total // bb), rounds, connections)
+        if mooncake:
+            from kvtier.bench.pool_mooncake import bench_mooncake
+
+            mc_rows, note = bench_mooncake(sizes, total, rounds, raw=_raw_baselines(rows))
+            rows += mc_rows
+            if note:
+                notes.append(note)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for note in notes:
+        print(note)
+    _print_comparison(rows)
+    return rows
+
+
+def _bench_size(tmp: Path, bb: int, n: int, rounds: int, connections: int) -> list[dict[str, Any]]:
+    nbytes = n * bb
+    src = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8).view(n, bb)  # not constant: catches mixups
+    src[:, :8] = torch.arange(n, dtype=torch.int64).view(n, 1).view(torch.uint8)  # every block distinct
+    out = torch.empty_like(src)
+    src_rows = np.uint64(src.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
+    out_rows = np.uint64(out.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
+    ns = Namespace(f"bench-pool-{bb}")
+    times: dict[str, list[float]] = {}
+    with _Pool(tmp, bb, nbytes) as pool, _RawPeer(nbytes) as raw:
+        tcp = connect(pool.endpoint("tcp"), bb, transport="tcp", timeout_s=30.0, lanes=connections)
+        stream = connect(pool.endpoint("tcp"), bb, transport="stream", timeout_s=30.0, lanes=connections)
+        shm = connect(pool.endpoint("ipc"), bb, transport="shm", timeout_s=30.0)
+        try:
+            for r in range(rounds + 1):
+                keys = ns.keys(range(r * n, (r + 1) * n))
+                t = {
+                    "raw put": time_once(lambda: raw.put(src)),
+                    "raw get": time_once(lambda: raw.get(out)),
+                }
+                _check(out, src, "raw socket", bb)
+                out.zero_()
+                t["stream put"] = time_once(lambda: _all(stream.put(keys, src_rows), "stream put", bb))
+                t["stream get"] = time_once(lambda: _all(stream.get(keys, out_rows), "stream get", bb))
+                _check(out, src, "pool stream", bb)
+                stream.remove(keys)
+                out.zero_()
+                t["tcp put"] = time_once(lambda: _all(tcp.put(keys, src_rows), "tcp put", bb))
+                t["tcp get"] = time_once(lambda: _all(tcp.get(keys, out_rows), "tcp get", bb))
+                _check(out, src, "pool tcp", bb)
+                tcp.remove(keys)
+                out.zero_()
+                t["memcpy"] = time_once(lambda: np.copyto(out.numpy(), src.numpy()))
+                out.zero_()
+                t["shm put"] = time_once(lambda: _all(shm.put(keys, src_rows), "shm put", bb))
+                t["shm get"] = time_once(lambda: _all(shm.get(keys, out_rows), "shm get", bb))
+                _check(out, src, "pool shm", bb)
+                shm.remove(keys)
+                if r:
+                    for k, v in t.items():
+                        times.setdefault(k, []).append(v)
+        finally:
+            for conn in (tcp, stream, shm):
+                conn.close()
+    fig = {k: gbps(nbytes, median(v)) for k, v in times.items()}
+    out_rows_: list[dict[str, Any]] = []
+    for op in OPS:
+        out_rows_.append(row({"tier": "pool", "path": "raw-socket", "op": op, "block_bytes": bb},
+                             fig[f"raw {op}"], fig[f"raw {op}"]))
+        for path in ("stream", "tcp"):
+            out_rows_.append(row({"tier": "pool", "path": path, "op": op, "block_bytes": bb},
+                                 fig[f"{path} {op}"], fig[f"raw {op}"]))
+    for op in OPS:
+        out_rows_.append(row({"tier": "pool", "path": "shm", "op": op, "block_bytes": bb},
+                             fig[f"shm {op}"], fig["memcpy"]))
+    return out_rows_
+
+
+def _all(held: list[bool], what: str, bb: int) -> None:
+    if not all(held):
+        raise RuntimeError(f"pool bench: {what} at {bb} B blocks stored/found {sum(held)} of {len(held)} blocks")
+
+
+def _check(out: torch.Tensor, src: torch.Tensor, what: str, bb: int) -> None:
+    if not torch.equal(out, src):
+        raise RuntimeError(f"pool bench: bytes read back through {what} differ from bytes written at {bb} B blocks")
+
+
+def _raw_baselines(rows: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    return {(r["op"], r["block_bytes"]): r["gbps"] for r in rows if r["path"] == "raw-socket"}
+
+
+def _print_comparison(rows: list[dict[str, Any]]) -> None:
+    mc = {(r["op"], r["block_bytes"]): r["gbps"] for r in rows if r["path"] == "mooncake-tcp"}
+    if not mc:
+        return
+    print("\nkvtier (TCP paths) / Mooncake Store tcp, same run:")
+    for r in rows:
+        if r["path"] in ("stream", "tcp") and (r["op"], r["block_bytes"]) in mc:
+            print(f"  {r['path']:>6} {r['op']:>4} {r['block_bytes'] >> 10:>5} KiB: {r['gbps']:.2f} / "
+                  f"{mc[(r['op'], r['block_bytes'])]:.2f} GB/s = {r['gbps'] / mc[(r['op'], r['block_bytes'])]:.2f}x")
+
+
+class _Pool:
+    """A kvtier-pool subprocess sized for one batch, bound on tcp (loopback) and ipc."""
+
+    def __init__(self, tmp: Path, block_bytes: int, nbytes: int) -> None:
+        self.tmp, self.block_bytes, self.capacity = tmp, block_bytes, nbytes + 4 * block_bytes
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.endpoints: list[str] = []
+
+    def endpoint(self, scheme: str) -> str:
+        return next(e for e in self.endpoints if e.startswith(scheme + "://"))
+
+    def __enter__(self) -> _Pool:
+        ready = self.tmp / f"pool-{self.block_bytes}.ready"
+        cmd = [sys.executable, "-m", "kvtier.pool", "--bind", "tcp://127.0.0.1:*", "--bind",
+               f"ipc://{self.tmp}/pool-{self.block_bytes}.sock", "--capacity", str(self.capacity), "--block-bytes",
+               str(self.block_bytes), "--shm-dir", str(self.tmp), "--ready-file", str(ready), "--rdma", "off",
+               "--workers", "2", "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvtier-pool did not start (exit code {self.proc.poll()})")
+            time.sleep(0.02)
+        self.endpoints = json.loads(ready.read_text())["endpoints"]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+class _RawPeer:
+    """The raw-socket baseline's other process: receives a batch into one buffer (put) or sends it (get)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        ctx = mp.get_context("spawn")
+        self._ports = ctx.Queue()
+        self._proc = ctx.Process(target=_raw_peer, args=(self._ports, nbytes), daemon=True)
+        self._sock = socket.socket()
+
+    def __enter__(self) -> _RawPeer:
+        self._proc.start()
+        self._sock.connect(("127.0.0.1", self._ports.get(timeout=60)))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    def put(self, src: torch.Tensor) -> None:
+        self._sock.sendall(b"P")
+        self._sock.sendall(memoryview(src.numpy()).cast("B"))
+        _recv_exact(self._sock, memoryview(bytearray(1)))
+
+    def get(self, out: torch.Tensor) -> None:
+        self._sock.sendall(b"G")
+        _recv_exact(self._sock, memoryview(out.numpy()).cast("B"))
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._sock.sendall(b"Q")
+        except OSError:
+            pass
+        self._sock.close()
+        self._proc.join(30)
+
+
+def _raw_peer(ports: Any, nbytes: int) -> None:
+    """The raw peer process: one connection; 'P' receive a batch and ack, 'G' send it back, 'Q' quit."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    ports.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    buf = np.empty(nbytes, np.uint8)
+    view = memoryview(buf)
+    cmd = memoryview(bytearray(1))
+    while True:
+        _recv_exact(conn, cmd)
+        if cmd[0] == ord("P"):
+            _recv_exact(conn, view)
+            conn.sendall(b"k")
+        elif cmd[0] == ord("G"):
+            conn.sendall(view)
+        else:
+            break
+    conn.close()
+    listener.close()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise ConnectionError("raw-socket peer closed the connection")
+        got += n
+
+
+__all__ = ["DEFAULT_SIZES", "bench_pool"]

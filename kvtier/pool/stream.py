@@ -1,0 +1,178 @@
+"""StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client and the framing).
+
+One thread per data connection, blocking I/O with a timeout (a client gone silent mid-message loses its
+connection, never a thread forever). Only the two data ops come here:
+
+    put: reserve slots, then recv_into() the payload straight into them, run by run (bytes for keys the pool
+         already holds go to a scratch buffer), commit; reply {held}
+    get: acquire, reply {hit}, then sendmsg() straight from the slots; release
+
+Anything else, or a bad request, gets an error reply (kvtier.wire's codes and envelope) and the connection is
+closed: a byte stream cannot be resynchronised after a message it did not fully read.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvtier import wire
+from kvtier.pool import protocol as P
+from kvtier.pool.ops import check_fits
+from kvtier.pool.state import PoolState
+from kvtier.ratelog import RateLimitedLog
+from kvtier.transport import frames as F
+from kvtier.transport.stream import read_envelope, recv_exact, recv_views, send_message
+from kvtier.wire import WireError
+
+log = logging.getLogger("kvtier.pool")
+
+SCRATCH_BYTES = 4 << 20
+
+
+class StreamServer:
+    """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything."""
+
+    def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0) -> None:
+        self.state = state
+        self.timeout_s = timeout_s
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._bad = RateLimitedLog(log)
+        self._thread = threading.Thread(target=self._accept, name="kvtier-pool-stream", daemon=True)
+        self._memory: tuple[int, memoryview] | None = None  # (base address, the DRAM buffer as bytes)
+
+    def _slots(self, tier: Any, starts: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+        """Views of the tier's buffer at absolute addresses (slicing one memoryview: cheap per block)."""
+        if self._memory is None or self._memory[0] != tier.buffer.ptr:
+            self._memory = (tier.buffer.ptr, memoryview(tier.buffer.tensor.numpy()))
+        base, mv = self._memory
+        return [mv[a - base : a - base + n] for a, n in zip(starts.tolist(), lengths.tolist())]
+
+    def start(self) -> int:
+        self._thread.start()
+        return self.port
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._listener.close()
+        with self._lock:
+            for c in self._conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.settimeout(self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-pool-stream-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        scratch = np.empty(0, np.uint8)
+        try:
+            while not self._stop.is_set():
+                req_id = 0
+                try:
+                    envelope = read_envelope(conn)
+                    if envelope is None:
+                        return
+                    req_id, op, body = wire.decode_request(envelope)
+                    if op == P.PUT:
+                        if scratch.size == 0:
+                            scratch = np.empty(SCRATCH_BYTES, np.uint8)
+                        self._put(conn, req_id, body, scratch)
+                    elif op == P.GET:
+                        self._get(conn, req_id, body)
+                    else:
+                        raise WireError(wire.ERR_UNKNOWN_OP, f"op {op[:64]!r} is not served on the data port "
+                                                             f"(only {P.PUT}, {P.GET}; the rest go to zmq)")
+                except WireError as e:
+                    self.state.count(**{f"error_{e.code}": 1})
+                    self._bad(e.code, logging.WARNING, "bad request on the data port from %s: %s", peer, e)
+                    send_message(conn, wire.encode_reply(req_id or wire.salvage_req_id(e), False,
+                                                         {"code": e.code, "message": e.message,
+                                                          "epoch": self.state.epoch}))
+                    return  # the rest of the stream cannot be trusted
+        except (OSError, ConnectionError) as e:  # a client gone or silent: its connection ends, the pool goes on
+            self._bad("stream-io", logging.INFO, "data connection from %s ended: %s", peer, e)
+        except Exception:
+            self._bad("stream-internal", logging.ERROR, "internal error on the data port", exc_info=True)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _put(self, conn: socket.socket, req_id: int, body: dict[str, Any], scratch: np.ndarray) -> None:
+        st = self.state
+        tier = st.tier_for(body)
+        keys = st.keys(body)
+        bb = tier.block_bytes
+        check_fits(len(keys), bb, tier.capacity_bytes)
+        res = tier.reserve(keys)
+        ok = False
+        try:
+            target = np.full(len(keys), -1, dtype=np.int64)  # where each block's bytes go: a slot, or scratch
+            target[res.index] = res.addresses.astype(np.int64)
+            self._receive(conn, tier, target, scratch)
+            ok = True
+        finally:
+            tier.commit(res, success=ok)
+        st.emit("stored", res.keys)
+        st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * bb)
+        send_message(conn, wire.encode_reply(req_id, True, {"held": P.bitmap(res.held), "epoch": st.epoch}))
+
+    def _receive(self, conn: socket.socket, tier: Any, target: np.ndarray, scratch: np.ndarray) -> None:
+        """Receive len(target) blocks: into slot addresses where target >= 0, into scratch (dropped) elsewhere."""
+        bb = tier.block_bytes
+        n = len(target)
+        # Runs: consecutive slots, or consecutive blocks to drop.
+        slot = target >= 0
+        joins = (slot[1:] & slot[:-1] & (target[1:] == target[:-1] + bb)) | (~slot[1:] & ~slot[:-1])
+        starts = np.flatnonzero(np.concatenate([[True], ~joins])) if n else np.empty(0, np.int64)
+        counts = np.diff(np.append(starts, n))
+        views: list[memoryview] = []
+        for s, c, into_slot in zip(starts.tolist(), counts.tolist(), slot[starts].tolist() if n else []):
+            if into_slot:
+                views += self._slots(tier, target[s : s + 1], np.array([c * bb]))
+                continue
+            recv_views(conn, views)  # what came before, then the dropped bytes through the scratch buffer
+            views = []
+            left = c * bb
+            while left:
+                k = min(left, scratch.size)
+                recv_exact(conn, memoryview(scratch)[:k])
+                left -= k
+        recv_views(conn, views)
+
+    def _get(self, conn: socket.socket, req_id: int, body: dict[str, Any]) -> None:
+        st = self.state
+        tier = st.tier_for(body)
+        keys = st.keys(body)
+        bb = tier.block_bytes
+        with tier.acquire(keys) as addresses:
+            hit = [a is not None for a in addresses]
+            rows = np.fromiter((a for a in addresses if a is not None), dtype=np.uint64)
+            spans = F.runs(rows, bb, max_bytes=1 << 30)
+            views = self._slots(tier, np.array([a for a, _ in spans], np.int64), np.array([c * bb for _, c in spans]))
+            send_message(conn, wire.encode_reply(req_id, True, {"hit": P.bitmap(hit), "epoch": st.epoch}), views)
+        st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * tier.block_bytes)
