@@ -137,7 +137,7 @@ def _raw_baselines(rows: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
 
 
 def _print_comparison(rows: list[dict[str, Any]]) -> None:
-    mc = {(r["op"], r["block_bytes"]): r["gbps"] for r in rows if r["path"] == "mooncake-tcp"}
+    mc = {(r["op"], r["block_bytes"]): r["gbps"] for r in rows if r["path"] == "mooncake"}
     if not mc:
         return
     print("\nkvtier (TCP paths) / Mooncake Store tcp, same run:")

@@ -102,7 +102,7 @@ def _bench_size(store: Any, bb: int, n: int, rounds: int, raw: dict[tuple[str, i
             times["get"].append(tg)
     for t in (src, out):
         store.unregister_buffer(t.data_ptr())
-    return [row({"tier": "pool", "path": "mooncake-tcp", "op": op, "block_bytes": bb}, gbps(nbytes, median(v)),
+    return [row({"tier": "pool", "path": "mooncake", "op": op, "block_bytes": bb}, gbps(nbytes, median(v)),
                 raw.get((op, bb), 0.0)) for op, v in times.items()]
 
 
