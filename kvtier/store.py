@@ -7,7 +7,8 @@ buffers alive and unchanged until then.
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
 thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
-tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier; listeners
+tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
+expire (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners
 hear which keys each tier gained and lost (the engines' KV events and the master's directory feed on them).
 """
 
@@ -24,6 +25,7 @@ from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
+from kvtier.leases import LeaseTable
 from kvtier.offload import Offloader
 from kvtier.pins import PinTable
 from kvtier.tiers.base import Tier
@@ -84,6 +86,8 @@ class TieredStore:
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
         self.pins = PinTable()
+        # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
+        self.leases = LeaseTable(self)
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, int] = {}  # key -> number of puts writing it (normally 1)

@@ -1,0 +1,12 @@
+"""kvtier's vLLM connector: ``--kv-transfer-config '{"kv_connector": "KVTierConnector",
+"kv_connector_module_path": "kvtier.connectors.vllm", ...}'`` (see connector.py and the README).
+
+Rooms: connector.py (the KVConnectorBase_V1 subclass, thin), scheduler.py (what to load and save),
+worker.py (the rank's store, lookups, finished/failed tracking), transfer.py (copy threads), pagedkv.py
+(vLLM's KV tensors as packed blocks), lookup.py (scheduler <-> worker lookups over zmq), metadata.py,
+settings.py (kv_connector_extra_config), events.py (KV events), stats.py.
+"""
+
+from .connector import KVTierConnector
+
+__all__ = ["KVTierConnector"]
