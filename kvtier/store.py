@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -202,6 +203,20 @@ class TieredStore:
         if self._offload is not None:
             self._offload.after_get(keys, served, rows)
         return hit
+
+    @contextmanager
+    def borrow(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:
+        """Host addresses of the blocks the top tier holds (None for the others), readable in place until
+        the block exits; they cannot be evicted meanwhile. Zero-copy reads for callers that copy straight
+        from the slots (a connector's scatter into engine KV); ``get`` the None ones as usual."""
+        check_keys(keys)
+        acquire = getattr(self.tiers[0], "acquire", None)
+        if acquire is None:  # a top tier without addressable slots
+            yield [None] * len(keys)
+            return
+        with acquire(keys) as addresses:
+            self._count(get_hits=sum(a is not None for a in addresses))
+            yield addresses
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys some tier holds."""

@@ -138,6 +138,23 @@ def test_prefix_saved_by_a_is_loaded_by_b_bit_exact(engine, kv_layout):
     assert eng.verified_tokens > 0
 
 
+def test_blocks_from_dram_and_ssd_in_one_load(engine, tmp_path):
+    eng = engine(ssd_path=str(tmp_path / "ssd"), ssd_capacity="64MiB", ssd_segment_bytes="1MiB",
+                 ssd_offload="write_through", ssd_staging_bytes=0)
+    save_a_then_drop_hbm(eng)
+    store = worker_side(eng).store
+    b = make_request("B", PREFIX + [9, 9, 9, 9])
+    keys = keys_of(eng, b)
+    assert store.tiers[1].contains(keys[:5]) == [True] * 5
+    store.tiers[0].remove([keys[1], keys[3]])  # DRAM dropped two; the SSD still has them
+    eng.add(b)
+    eng.run([b])  # bit-exact after every step: three blocks straight from DRAM slots, two through staging
+    assert eng.load_errors == set()
+    ssd = store.stats()["tiers"]["ssd"]
+    assert ssd["hits"] == 2
+    assert store.tiers[0].contains(keys[:5]) == [True] * 5  # the SSD hits were promoted back to DRAM
+
+
 def test_layerwise_mode_loads_in_the_forward(engine):
     eng = engine(load_mode="layerwise")
     save_a_then_drop_hbm(eng)

@@ -170,7 +170,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if not self._step_saved:
             self._step_saved = True
-            self._work().save_and_finish_step(self._meta())
+            self._work().queue_saves(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().get_finished(finished_req_ids)

@@ -11,16 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-
-@dataclass(frozen=True)
-class Hints:
-    """An agent's hint for a request's blocks (from its ``kv_transfer_params["kvtier"]``): keep them pinned
-    for ``ttl_s`` seconds under lease ``session`` (one lease per session, extended by each turn);
-    ``priority`` decides which sessions keep their pins when hints pin too much."""
-
-    session: str
-    ttl_s: float
-    priority: float = 0.0
+from .hints import Hints
 
 
 @dataclass(frozen=True)

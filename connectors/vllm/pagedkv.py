@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.blocks import BlockRows
 from kvtier.kernels import EngineKV, gather, scatter, vllm_sources
 from kvtier.layout import BlockLayout, CacheGroup, canonical_dtype
 
@@ -95,11 +96,16 @@ class PagedKV:
         """packed[i] <- every layer of engine block block_ids[i] (GPU: asynchronous on the current stream)."""
         gather(self.engine, block_ids, packed)
 
-    def scatter_layer(self, layer: int, block_ids: np.ndarray, packed: torch.Tensor) -> None:
-        """Layer ``layer`` of engine block block_ids[i] <- its bytes in packed[i]; SKIP (-1) ids are left
-        untouched (GPU: asynchronous on the current stream)."""
+    def scatter_layer(self, layer: int, block_ids: np.ndarray, packed: torch.Tensor | BlockRows) -> None:
+        """Layer ``layer`` of engine block block_ids[i] <- its bytes in packed block i: a row of an (N,
+        nbytes) tensor, or the block at address ``packed.ptrs[i]`` (e.g. a DRAM slot). SKIP (-1) ids are left
+        untouched. GPU: asynchronous on the current stream."""
         copy = self.layers[layer]
-        scatter(copy.kv, block_ids, packed[:, copy.offset : copy.offset + copy.nbytes])
+        if isinstance(packed, BlockRows):
+            rows: torch.Tensor | BlockRows = BlockRows(packed.ptrs + np.uint64(copy.offset), packed.owners)
+        else:
+            rows = packed[:, copy.offset : copy.offset + copy.nbytes]
+        scatter(copy.kv, block_ids, rows)
 
     def describe(self) -> str:
         return f"{self.num_layers} layers, {self.num_blocks} engine blocks on {self.device}; {self.layout.describe()}"

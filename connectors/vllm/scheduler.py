@@ -20,14 +20,14 @@ another object with LookupClient's ``submit / poll / result / expired / forget``
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .lookup import LookupResult
-from .metadata import Hints, KVTierMetadata, LoadPlan, SavePlan
+from .hints import Hints, hints_of
+from .metadata import KVTierMetadata, LoadPlan, SavePlan
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -266,23 +266,3 @@ class SchedulerSide:
     def _release(self, lk: _Lookup) -> None:
         self.lookups.forget(lk.lease)
         self._releases.append(lk.lease)
-
-
-def hints_of(request: Any) -> Hints | None:
-    """The agent hints in ``request.kv_transfer_params["kvtier"]``: ``ttl_s`` (> 0, required for a hint),
-    ``session`` (default: vLLM's session id, else the request id), ``priority`` (default 0). Bad values are
-    logged and ignored: a hint never fails a request."""
-    params = getattr(request, "kv_transfer_params", None) or {}
-    raw = params.get("kvtier") if isinstance(params, dict) else None
-    if not isinstance(raw, dict):
-        return None
-    try:
-        ttl_s = float(raw.get("ttl_s", 0))
-        priority = float(raw.get("priority", 0))
-        session = raw.get("session") or getattr(request, "session_id", None) or request.request_id
-        if not (ttl_s > 0 and math.isfinite(ttl_s) and math.isfinite(priority)) or not isinstance(session, str):
-            raise ValueError(f"ttl_s must be a positive number, session a string; got {raw!r}")
-    except (TypeError, ValueError) as e:
-        log.warning("kvtier: ignoring hints of request %s: %s", request.request_id, e)
-        return None
-    return Hints(session, ttl_s, priority)

@@ -5,10 +5,12 @@ saver thread, so neither the forward nor the scheduler waits for a copy unless i
 (``LoadJob.wait_layer`` for a layer-wise load, ``SaveJob.gathered`` before a preempted request's blocks are
 reused).
 
-* Load: ``store.get`` copies the job's blocks into host staging rows (a miss leaves its row untouched and
-  its engine block id becomes a load error), then one scatter per layer writes them into the engine's
-  blocks; layer i is ready once its last scatter is done (GPU: recorded as an event the forward's stream
-  waits on). The job's lookup lease is released at the end: its pins protected the blocks until now.
+* Load: blocks in DRAM are scattered straight from their slots (``store.borrow``: one copy, the slots held
+  until the copy is done); the others are read with ``store.get`` into host staging rows first (an SSD hit
+  is promoted to DRAM; a miss's engine block id becomes a load error). One scatter per layer writes them
+  into the engine's blocks; layer i is ready once its last scatter is done (GPU: recorded as an event the
+  forward's stream waits on). The job's lookup lease is released at the end: its pins protected the blocks
+  until now.
 * Save: keys the store already holds are skipped before any copy (only new blocks cost a gather); the rest
   are gathered into staging rows and ``store.put``; an agent's hints then lease the request's blocks.
 
@@ -31,11 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.blocks import BlockRows
 from kvtier.hostmem import HostBuffer
 from kvtier.kernels import SKIP
 from kvtier.store import TieredStore
 
-from .metadata import Hints
+from .hints import Hints
 from .pagedkv import PagedKV
 
 log = logging.getLogger(__name__)
@@ -121,6 +124,10 @@ class Transfers:
         self._on_load_done, self._on_save_done = on_load_done, on_save_done
         self._naming: Naming = naming or (lambda keys, hashes: nullcontext())
         gpu = kv.device.type == "cuda"
+        # Loads read DRAM slots in place when the copy kernels can address them: always for CPU KV, for GPU
+        # KV only when the DRAM buffer is page-locked (then the GPU reads it over PCIe directly).
+        top = store.stats()["tiers"][store.tiers[0].name]["extra"]
+        self._direct = not gpu or bool(top.get("pinned_memory"))
         self._load_stream = torch.cuda.Stream(kv.device) if gpu else None
         self._save_stream = torch.cuda.Stream(kv.device) if gpu else None
         self._lock = threading.Lock()
@@ -178,24 +185,7 @@ class Transfers:
             with _on_stream(self._load_stream, job.after):
                 for lo in range(0, n, rows):
                     hi = min(n, lo + rows)
-                    staging = self._load_rows[: hi - lo]
-                    with self._naming(job.keys[lo:hi], job.hashes[lo:hi]):  # an SSD hit is promoted to DRAM
-                        hit = self.store.get(job.keys[lo:hi], staging)
-                    ids = job.block_ids[lo:hi].copy()
-                    missed = ~np.asarray(hit, dtype=bool)
-                    job.failed += ids[missed].tolist()
-                    ids[missed] = SKIP
-                    loaded += int((~missed).sum())
-                    last = hi == n
-                    for layer in range(self.kv.num_layers):
-                        if job.cancelled:
-                            break
-                        self.kv.scatter_layer(layer, ids, staging)
-                        if last:
-                            job.layer_events[layer] = _record(self._load_stream)
-                            job.layer_ready[layer].set()
-                    if self._load_stream is not None:
-                        self._load_stream.synchronize()  # the staging rows are reused by the next chunk
+                    loaded += self._load_chunk(job, lo, hi, last=hi == n)
                     if job.cancelled:
                         break
         except Exception:
@@ -210,6 +200,36 @@ class Transfers:
         self._count(load_blocks=loaded, load_bytes=loaded * self.kv.layout.nbytes,
                     load_failed_blocks=len(job.failed), load_seconds=time.perf_counter() - start)
         self._finish(job, self._on_load_done)
+
+    def _load_chunk(self, job: LoadJob, lo: int, hi: int, last: bool) -> int:
+        """Blocks [lo, hi) of the job: the ones in DRAM straight from their slots (one copy), the others
+        through staging rows (``store.get`` reads the SSD and promotes). Returns how many were loaded."""
+        keys, ids = job.keys[lo:hi], job.block_ids[lo:hi]
+        with (self.store.borrow(keys) if self._direct else nullcontext([None] * len(keys))) as addresses:
+            direct = [i for i, a in enumerate(addresses) if a is not None]
+            rest = [i for i, a in enumerate(addresses) if a is None]
+            slots = BlockRows(np.array([addresses[i] for i in direct], dtype=np.uint64), ())
+            staging = self._load_rows[: len(rest)]
+            rest_ids = ids[rest].copy()
+            if rest:
+                with self._naming([keys[i] for i in rest], [job.hashes[lo + i] for i in rest]):
+                    hit = self.store.get([keys[i] for i in rest], staging)  # an SSD hit is promoted to DRAM
+                missed = ~np.asarray(hit, dtype=bool)
+                job.failed += rest_ids[missed].tolist()
+                rest_ids[missed] = SKIP
+            for layer in range(self.kv.num_layers):
+                if job.cancelled:
+                    break
+                if direct:
+                    self.kv.scatter_layer(layer, ids[direct], slots)
+                if rest:
+                    self.kv.scatter_layer(layer, rest_ids, staging)
+                if last:
+                    job.layer_events[layer] = _record(self._load_stream)
+                    job.layer_ready[layer].set()
+            if self._load_stream is not None:
+                self._load_stream.synchronize()  # slots and staging rows are reused once this returns
+        return len(direct) + int((rest_ids != SKIP).sum())
 
     def _save(self, job: SaveJob) -> None:
         start = time.perf_counter()

@@ -10,7 +10,7 @@ so two ranks or two models never see each other's blocks. The worker:
 * tells vLLM which asynchronous loads finished (``get_finished`` recving), which requests' saves are done
   so their GPU blocks can be freed (sending), and which engine blocks failed to load (recomputed).
 
-Engine-thread methods (``start_step`` .. ``get_finished``) are called by vLLM's model runner on one thread;
+Engine-thread methods (``start_loads`` .. ``take_load_errors``) are called by vLLM's model runner on one thread;
 job completions arrive on the copy threads and are handed over under a lock.
 """
 
@@ -148,9 +148,8 @@ class WorkerSide:
                 log.warning("kvtier: layer-wise load for request %s timed out at layer %s after %.1f s; its "
                             "blocks will be recomputed", job.req_id, layer_name, self.settings.load_timeout_s)
 
-    def save_and_finish_step(self, meta: KVTierMetadata) -> None:
-        """After the forward: queue this step's saves; the step's layer-wise loads end here (their failures
-        are reported with this step's output)."""
+    def queue_saves(self, meta: KVTierMetadata) -> None:
+        """After the forward: queue this step's saves (the copy threads run them; nothing waits here)."""
         _, ns, transfers = self._ready()
         for plan in meta.saves:
             job = SaveJob(plan.req_id, ns.keys(plan.hashes), plan.hashes, np.asarray(plan.block_ids, np.int64),
@@ -160,14 +159,6 @@ class WorkerSide:
                 self._saved_reqs.add(plan.req_id)
                 self._save_jobs[plan.req_id].append(job)
             transfers.submit_save(job)
-        for job in self._step_loads:
-            if not job.done.wait(self.settings.load_timeout_s):
-                job.cancel()
-                job.done.wait()  # a cancelled job stops at its next layer
-        with self._lock:
-            for job in self._step_loads:
-                self._load_errors.update(job.failed)
-        self._step_loads = []
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """vLLM frees a preempted request's blocks at once: wait until its saves stopped reading them."""
@@ -196,8 +187,17 @@ class WorkerSide:
         return sending or None, recving or None
 
     def take_load_errors(self) -> set[int]:
+        """Engine blocks that failed to load: this step's layer-wise loads (they end here, after the forward)
+        and the asynchronous loads get_finished just reported."""
+        for job in self._step_loads:
+            if not job.done.wait(self.settings.load_timeout_s):
+                job.cancel()  # a cancelled job stops at its next layer; all its blocks count as failed
+                job.done.wait()
         with self._lock:
+            for job in self._step_loads:
+                self._load_errors.update(job.failed)
             errors, self._load_errors = self._load_errors, set()
+        self._step_loads = []
         return errors
 
     def take_counters(self) -> dict[str, float]:
