@@ -24,6 +24,7 @@ from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_
 from kvtier.connectors.vllm.pagedkv import PagedKV
 from kvtier.connectors.vllm.transfer import LoadJob, SaveJob, Transfers
 from kvtier.keys import Namespace
+from kvtier.leases import LeaseTable
 from kvtier.layout import MODELS
 from kvtier.store import TieredStore
 from kvtier.units import format_bytes, parse_bytes
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     def finished(job: Any) -> None:
         done[job.req_id].set()
 
-    transfers = Transfers(store, kv, parse_bytes(args.staging), on_load_done=finished, on_save_done=finished)
+    transfers = Transfers(store, LeaseTable(store), kv, parse_bytes(args.staging), on_load_done=finished,
+                          on_save_done=finished)
     src = np.empty(n * kv.layout.nbytes, np.uint8)
     src.fill(7)
     dst = np.empty_like(src)

@@ -20,6 +20,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.connectors.vllm import KVTierConnector  # noqa: E402
 from kvtier.connectors.vllm.metadata import KVTierMetadata, LoadPlan  # noqa: E402
@@ -46,10 +47,10 @@ def ipc_dir():
 def engine(model, ipc_dir):
     engines = []
 
-    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", **extra):
+    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", num_blocks: int = 64, **extra):
         config = vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir,
                                      **extra}, tp=tp, events=events, kv_layout=kv_layout)
-        eng = Engine(config, tp=tp)
+        eng = Engine(config, tp=tp, num_blocks=num_blocks)
         engines.append(eng)
         return eng
 
@@ -147,9 +148,13 @@ def test_blocks_from_dram_and_ssd_in_one_load(engine, tmp_path):
     keys = keys_of(eng, b)
     assert store.tiers[1].contains(keys[:5]) == [True] * 5
     store.tiers[0].remove([keys[1], keys[3]])  # DRAM dropped two; the SSD still has them
+    sources = []  # what vLLM's prefix-cache stats learn about where the hit came from
+    real = eng.connector.get_external_cache_hit_sources
+    eng.connector.get_external_cache_hit_sources = lambda r, n: sources.append(real(r, n)) or sources[-1]
     eng.add(b)
     eng.run([b])  # bit-exact after every step: three blocks straight from DRAM slots, two through staging
     assert eng.load_errors == set()
+    assert sources == [{CacheHitSource.HOST: 3 * BLOCK, CacheHitSource.DISK: 2 * BLOCK}]
     ssd = store.stats()["tiers"]["ssd"]
     assert ssd["hits"] == 2
     assert store.tiers[0].contains(keys[:5]) == [True] * 5  # the SSD hits were promoted back to DRAM
@@ -210,6 +215,26 @@ def test_wait_for_layer_load_waits_only_for_its_layer(engine, monkeypatch):
     worker.wait_for_save()
     assert worker.get_block_ids_with_load_errors() == set()
     worker.clear_connector_metadata()
+
+
+def test_preempted_and_resumed_requests_stay_bit_exact(engine):
+    """More decode than HBM holds: vLLM preempts, frees blocks (after handle_preemptions), resumes with new
+    block tables and reloads or recomputes; every step's KV is verified, and the prefix is loaded."""
+    eng = engine(num_blocks=40)
+    save_a_then_drop_hbm(eng)
+    reqs = [make_request(f"R{i}", PREFIX + [i] * 3, max_tokens=90) for i in range(4)]
+    preempted = set()
+    for r in reqs:
+        eng.add(r)
+    for _ in range(600):
+        so = eng.step()
+        preempted |= set(so.preempted_req_ids or ())
+        if all(r.is_finished() for r in reqs) and not eng.scheduler.requests:
+            break
+    assert all(r.is_finished() for r in reqs)
+    assert preempted, "the test needs vLLM to preempt"
+    assert eng.load_errors == set()
+    assert worker_side(eng).store.stats()["get_hits"] >= 4 * 5
 
 
 # ---- failures ---------------------------------------------------------------------------------------------
@@ -321,6 +346,21 @@ def test_kv_events_report_stored_and_removed_blocks_once_for_all_ranks(engine):
     eng.step()
     removed = [e for e in eng.events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
     assert len(removed) == 1 and removed[0].block_hashes == expect[:2]
+
+
+def test_scheduler_keys_a_block_by_the_hash_that_ends_it():
+    from types import SimpleNamespace
+
+    from kvtier.connectors.vllm.scheduler import SchedulerSide
+    from kvtier.connectors.vllm.settings import ConnectorSettings
+
+    req = SimpleNamespace(block_hashes=[bytes([i]) for i in range(12)])
+    side = SchedulerSide(ConnectorSettings(), lookups=None, block_size=64, hash_block_size=16)  # type: ignore
+    assert side.num_hashed_blocks(req) == 3
+    assert side.block_hashes(req, 0, 3) == [bytes([3]), bytes([7]), bytes([11])]
+    assert side.block_hashes(req, 1, 2) == [bytes([7])]
+    one = SchedulerSide(ConnectorSettings(), lookups=None, block_size=16)  # type: ignore
+    assert one.block_hashes(req, 2, 5) == req.block_hashes[2:5]
 
 
 def test_worker_stats_count_what_moved(engine):

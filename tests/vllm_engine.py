@@ -10,6 +10,7 @@ bit-exactly against what the forward would have computed.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import time
@@ -95,6 +96,7 @@ def make_request(req_id: str, tokens: list[int], max_tokens: int = 2, **params: 
     return req
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def expected_kv(rank: int, layer: int, position: int, token: int) -> torch.Tensor:
     """What the fake forward writes for one token of one layer: (heads, 2 * head_size) float16."""
     g = torch.Generator().manual_seed(((rank * 131 + layer) * 1_000_003 + position) * 50_021 + token)

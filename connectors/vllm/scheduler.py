@@ -96,10 +96,9 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        hashes = self.block_hashes(request)
         start = num_computed_tokens // self.block_size
         # The prompt's last token is always computed: vLLM samples from its logits.
-        stop = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        stop = min(self.num_hashed_blocks(request), (request.num_tokens - 1) // self.block_size)
         lk = self._lookups.get(req_id)
         if lk is not None and ((lk.start, lk.stop) != (start, stop) or (
                 lk.result is not None and time.monotonic() - lk.answered > self.settings.lease_ttl_s / 2)):
@@ -111,7 +110,7 @@ class SchedulerSide:
             return 0, False
         if lk is None:
             lk = self._lookups[req_id] = _Lookup(self._lease(), start, stop)
-            self.lookups.submit(lk.lease, hashes[start:stop], self.settings.lease_ttl_s)
+            self.lookups.submit(lk.lease, self.block_hashes(request, start, stop), self.settings.lease_ttl_s)
             self.counters["lookups"] += 1
             return None, False
         if lk.result is None:
@@ -149,13 +148,12 @@ class SchedulerSide:
             self._release(lk)
             return
         count = min(count, lk.result.length)
-        hashes = self.block_hashes(request)
         end = lk.start + count
         if end > len(block_ids):
             log.error("kvtier: request %s has %d blocks, the load needs %d; not loading", req_id, len(block_ids), end)
             self._release(lk)
             return
-        self._loads[req_id] = LoadPlan(req_id, lk.lease, tuple(hashes[lk.start:end]),
+        self._loads[req_id] = LoadPlan(req_id, lk.lease, tuple(self.block_hashes(request, lk.start, end)),
                                        tuple(block_ids[lk.start:end]), layerwise=not self.settings.load_async)
         tracked.stored = max(tracked.stored, end)
 
@@ -193,13 +191,12 @@ class SchedulerSide:
         request = tracked.request
         if not self.settings.save_decode:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
-        hashes = self.block_hashes(request)
         # Only full blocks whose hash exists (speculative tokens have none yet) and that are allocated.
-        full = min(computed_tokens // self.block_size, len(hashes), len(tracked.block_ids))
+        full = min(computed_tokens // self.block_size, self.num_hashed_blocks(request), len(tracked.block_ids))
         if full <= tracked.stored:
             return
         start, tracked.stored = tracked.stored, full
-        meta.saves.append(SavePlan(request.request_id, tuple(hashes[start:full]),
+        meta.saves.append(SavePlan(request.request_id, tuple(self.block_hashes(request, start, full)),
                                    tuple(tracked.block_ids[start:full]), tracked.hints))
         tracked.saves_sent = True
 
@@ -246,11 +243,15 @@ class SchedulerSide:
             self.counters[k] = 0
         return out
 
-    def block_hashes(self, request: Any) -> list[bytes]:
-        """One engine hash per scheduler block: the hash that ends it."""
-        hashes = request.block_hashes
+    def num_hashed_blocks(self, request: Any) -> int:
+        return len(request.block_hashes) // self._hashes_per_block
+
+    def block_hashes(self, request: Any, start: int, stop: int) -> list[bytes]:
+        """The engine hashes of scheduler blocks [start, stop): for each, the hash that ends it. Only that
+        range is copied (a decode step of a 128K-token request touches one block, not 8,000)."""
         k = self._hashes_per_block
-        return list(hashes) if k == 1 else list(hashes[k - 1 :: k])
+        hashes = request.block_hashes
+        return list(hashes[start:stop]) if k == 1 else list(hashes[(start + 1) * k - 1 : stop * k : k])
 
     # ---- internals -----------------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ import torch
 
 from kvtier.blocks import BlockRows
 from kvtier.hostmem import HostBuffer
+from kvtier.leases import LeaseTable
 from kvtier.kernels import SKIP
 from kvtier.store import TieredStore
 
@@ -42,9 +43,6 @@ from .hints import Hints
 from .pagedkv import PagedKV
 
 log = logging.getLogger(__name__)
-
-LOOKUP_LEASE_PRIORITY = float("inf")  # a lookup's pins go last when leases exceed their budget
-
 
 def lookup_lease(lease: int) -> str:
     return f"lookup:{lease}"
@@ -108,14 +106,16 @@ Naming = Callable[[Sequence[bytes], Sequence[bytes]], AbstractContextManager[Non
 
 
 class Transfers:
-    """The loader and saver threads of one worker. ``on_load_done`` / ``on_save_done`` are called on those
+    """The loader and saver threads of one worker; a load ends its lookup's lease in ``lookup_leases``.
+    ``on_load_done`` / ``on_save_done`` are called on those
     threads when a job ends (keep them short). Store calls run inside ``naming(keys, hashes)``, so whoever
     listens to the store's events can tell the keys' engine hashes (the KV events recorder)."""
 
-    def __init__(self, store: TieredStore, kv: PagedKV, staging_bytes: int, *,
+    def __init__(self, store: TieredStore, lookup_leases: LeaseTable, kv: PagedKV, staging_bytes: int, *,
                  on_load_done: Callable[[LoadJob], None], on_save_done: Callable[[SaveJob], None],
                  naming: Naming | None = None) -> None:
         self.store = store
+        self.lookup_leases = lookup_leases
         self.kv = kv
         rows = max(1, staging_bytes // kv.layout.nbytes)
         self._buffers = [HostBuffer(rows * kv.layout.nbytes) for _ in range(2)]
@@ -194,7 +194,7 @@ class Transfers:
         if job.cancelled:  # a layer may be half written: every block of the job is a failure
             job.failed = job.block_ids.tolist()
             loaded = 0
-        self.store.leases.release(lookup_lease(job.lease))
+        self.lookup_leases.release(lookup_lease(job.lease))
         for ready in job.layer_ready:
             ready.set()
         self._count(load_blocks=loaded, load_bytes=loaded * self.kv.layout.nbytes,

@@ -28,6 +28,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.keys import Namespace
+from kvtier.leases import LeaseTable
 from kvtier.store import TieredStore
 
 from .events import EventRecorder
@@ -35,7 +36,7 @@ from .lookup import LookupServer, PrefixReply, endpoint
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
 from .settings import ConnectorSettings
-from .transfer import LOOKUP_LEASE_PRIORITY, LoadJob, SaveJob, Transfers, lookup_lease
+from .transfer import LoadJob, SaveJob, Transfers, lookup_lease
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class WorkerSide:
         self.recorder: EventRecorder | None = None
         self._transfers: Transfers | None = None
         self._server: LookupServer | None = None
+        self.lookup_leases: LeaseTable | None = None
         self._lock = threading.Lock()
         self._step_loads: list[LoadJob] = []  # layer-wise loads of the bound step
         self._loads_done: list[LoadJob] = []  # finished asynchronous loads, not yet reported
@@ -88,23 +90,25 @@ class WorkerSide:
             raise RuntimeError("kvtier: register_kv_caches was called twice; the KV caches are already mapped")
         ident = self.identity
         self.kv = PagedKV(kv_caches, self._layer_names, ident.block_size, self._mla)
-        config = Config.load({"model": ident.model, **self._store_config})
-        self.namespace = Namespace(config.model or ident.model, self.kv.layout.fingerprint, rank=ident.rank,
+        config = Config.load(self._store_config)  # also reads KVTIER_* variables and KVTIER_CONFIG
+        model = config.model or ident.model
+        self.namespace = Namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
                                    world_size=ident.world_size, cache_group=0, extra=ident.extra)
         self.store = TieredStore.from_config(config, self.kv.layout)
         dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
         self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
+        # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
+        self.lookup_leases = LeaseTable(self.store)
         if self._events_enabled:
             self.recorder = EventRecorder(ident.block_size)
             self.store.add_listener(self.recorder.on_store_event)
-        self._transfers = Transfers(self.store, self.kv, self.settings.staging_bytes,
+        self._transfers = Transfers(self.store, self.lookup_leases, self.kv, self.settings.staging_bytes,
                                     on_load_done=self._load_done, on_save_done=self._save_done,
                                     naming=self.recorder.naming if self.recorder is not None else None)
         address = endpoint(self.settings.socket_dir(), ident.engine_id, ident.dp_rank, ident.rank)
-        self._server = LookupServer(address, self._lookup, on_idle=self.store.leases.sweep)
+        self._server = LookupServer(address, self._lookup, on_idle=self._sweep)
         log.info("kvtier worker rank %d/%d: %s; namespace %s (%s), store %s", ident.rank, ident.world_size,
-                 self.kv.describe(), self.namespace.digest.hex()[:12], config.model or ident.model,
-                 [t.name for t in self.store.tiers])
+                 self.kv.describe(), self.namespace.digest.hex()[:12], model, [t.name for t in self.store.tiers])
 
     # ---- lookups (the lookup server's thread) --------------------------------------------------------------
 
@@ -115,10 +119,10 @@ class WorkerSide:
         hit = self.store.lookup_prefix(keys)
         # Pin what was found until the load; a block evicted between the two calls ends the prefix there
         # (blocks pinned past that end are unpinned with the lease).
-        leased = self.store.leases.lease(lookup_lease(lease), keys[: hit.length], ttl_s, LOOKUP_LEASE_PRIORITY)
+        leased = self.lookup_leases.lease(lookup_lease(lease), keys[: hit.length], ttl_s) if hit.length else []
         length = next((i for i, ok in enumerate(leased) if not ok), hit.length)
         if length == 0:
-            self.store.leases.release(lookup_lease(lease))
+            self.lookup_leases.release(lookup_lease(lease))
         self._lookups_served += 1
         return PrefixReply(length, _runs(hit.tiers[:length]))
 
@@ -126,9 +130,9 @@ class WorkerSide:
 
     def start_loads(self, meta: KVTierMetadata) -> None:
         """Release the leases the scheduler gave up, then queue this step's loads."""
-        store, ns, transfers = self._ready()
+        _, ns, transfers = self._ready()
         for lease in meta.releases:
-            store.leases.release(lookup_lease(lease))
+            self.lookup_leases.release(lookup_lease(lease))
         for plan in meta.loads:
             job = LoadJob(plan.req_id, plan.lease, ns.keys(plan.hashes), plan.hashes,
                           np.asarray(plan.block_ids, dtype=np.int64), plan.layerwise, self.kv.num_layers)  # type: ignore[union-attr]
@@ -152,8 +156,8 @@ class WorkerSide:
         """After the forward: queue this step's saves (the copy threads run them; nothing waits here)."""
         _, ns, transfers = self._ready()
         for plan in meta.saves:
-            job = SaveJob(plan.req_id, ns.keys(plan.hashes), plan.hashes, np.asarray(plan.block_ids, np.int64),
-                          plan.hints)
+            hints = plan.hints if self.settings.hint_max_fraction > 0 else None
+            job = SaveJob(plan.req_id, ns.keys(plan.hashes), plan.hashes, np.asarray(plan.block_ids, np.int64), hints)
             with self._lock:
                 self._saving[plan.req_id] += 1
                 self._saved_reqs.add(plan.req_id)
@@ -215,6 +219,11 @@ class WorkerSide:
             self._transfers.close()
         if self.store is not None:
             self.store.close()
+
+    def _sweep(self) -> None:
+        """Release expired leases (the lookup server's idle hook, a few times a second)."""
+        self.lookup_leases.sweep()
+        self.store.leases.sweep()  # type: ignore[union-attr]
 
     # ---- copy-thread callbacks ---------------------------------------------------------------------------
 
