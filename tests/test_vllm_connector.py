@@ -47,9 +47,10 @@ def ipc_dir():
 def engine(model, ipc_dir):
     engines = []
 
-    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", num_blocks: int = 64, **extra):
+    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", num_blocks: int = 64,
+             kv_role: str = "kv_both", **extra):
         config = vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir,
-                                     **extra}, tp=tp, events=events, kv_layout=kv_layout)
+                                     **extra}, tp=tp, events=events, kv_layout=kv_layout, kv_role=kv_role)
         eng = Engine(config, tp=tp, num_blocks=num_blocks)
         engines.append(eng)
         return eng
@@ -158,6 +159,19 @@ def test_blocks_from_dram_and_ssd_in_one_load(engine, tmp_path):
     ssd = store.stats()["tiers"]["ssd"]
     assert ssd["hits"] == 2
     assert store.tiers[0].contains(keys[:5]) == [True] * 5  # the SSD hits were promoted back to DRAM
+
+
+def test_kv_role_producer_only_saves_consumer_only_loads(engine):
+    producer = engine(kv_role="kv_producer")
+    save_a_then_drop_hbm(producer)
+    b = make_request("B", PREFIX + [9])
+    producer.add(b)
+    producer.run([b])
+    assert worker_side(producer).store.stats()["put_stored"] == 5
+    assert worker_side(producer)._server.served == 0  # a producer never looks up
+    consumer = engine(kv_role="kv_consumer")
+    save_a_then_drop_hbm(consumer)
+    assert worker_side(consumer).store.stats()["put_stored"] == 0  # a consumer never stores
 
 
 def test_layerwise_mode_loads_in_the_forward(engine):

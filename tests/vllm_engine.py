@@ -68,7 +68,7 @@ def tiny_model(directory: Path) -> str:
 
 
 def vllm_config(model: str, extra: dict[str, Any], *, tp: int = 1, events: bool = False,
-                failure_policy: str = "recompute", kv_layout: str = "LBNHC") -> VllmConfig:
+                failure_policy: str = "recompute", kv_layout: str = "LBNHC", kv_role: str = "kv_both") -> VllmConfig:
     """``kv_layout``: the physical KV cache layout the engine core would resolve (layer-outer LBNHC is the
     default; block-outer BLNHC makes layers share each block's page)."""
     config = VllmConfig(
@@ -78,7 +78,7 @@ def vllm_config(model: str, extra: dict[str, Any], *, tp: int = 1, events: bool 
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm", kv_role="kv_both",
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm", kv_role=kv_role,
             kv_connector_extra_config=extra, kv_load_failure_policy=failure_policy),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None,
         device_config=DeviceConfig("cpu"),

@@ -84,7 +84,8 @@ class KVTierConnector(KVConnectorBase_V1):
             block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
             client = LookupClient([endpoint(settings.socket_dir(), engine_id, dp_rank, r) for r in range(ranks)],
                                   settings.lookup_timeout_s)
-            self._scheduler = SchedulerSide(settings, client, block_size, hash_block_size)
+            self._scheduler = SchedulerSide(settings, client, block_size, hash_block_size,
+                                            load=transfer.is_kv_consumer, save=transfer.is_kv_producer)
             self._quorum = EventQuorum(ranks) if events else None
         else:
             spec = groups[0].kv_cache_spec

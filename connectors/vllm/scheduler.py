@@ -74,8 +74,10 @@ class SchedulerSide:
     tokens per entry of ``request.block_hashes`` (a block's key is the hash that ends it)."""
 
     def __init__(self, settings: ConnectorSettings, lookups: Lookups, block_size: int,
-                 hash_block_size: int | None = None) -> None:
+                 hash_block_size: int | None = None, *, load: bool = True, save: bool = True) -> None:
         self.settings = settings
+        self.load = load  # kv_role kv_consumer or kv_both: look up and load prefixes
+        self.save = save  # kv_role kv_producer or kv_both: store computed blocks
         self.lookups = lookups
         self.block_size = block_size
         hash_block_size = hash_block_size or block_size
@@ -95,6 +97,8 @@ class SchedulerSide:
     # ---- lookups -----------------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.load:
+            return 0, False
         req_id = request.request_id
         start = num_computed_tokens // self.block_size
         # The prompt's last token is always computed: vLLM samples from its logits.
@@ -188,6 +192,8 @@ class SchedulerSide:
         return meta
 
     def _plan_save(self, tracked: _Tracked, computed_tokens: int, meta: KVTierMetadata) -> None:
+        if not self.save:
+            return
         request = tracked.request
         if not self.settings.save_decode:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
