@@ -88,6 +88,8 @@ def test_factory_creates_both_roles_from_module_path(model, ipc_dir):
             assert isinstance(conn, KVTierConnector) and isinstance(conn, KVConnectorBase_V1)
             assert conn.role == role
             assert conn.requires_kv_delivery is False
+        assert KVTierConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
+        assert not KVTierConnector.requires_piecewise_for_cudagraph({})
         with pytest.raises(RuntimeError, match="worker-side method was called on the scheduler"):
             eng.connector.get_block_ids_with_load_errors()
         with pytest.raises(RuntimeError, match="scheduler-side method was called on the worker"):

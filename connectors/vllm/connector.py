@@ -52,7 +52,15 @@ TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "pool": 
 
 class KVTierConnector(KVConnectorBase_V1):
     """Keeps prefixes alive below HBM (host DRAM, SSD) across requests. A best-effort cache: a block that
-    cannot be loaded is recomputed (set ``kv_load_failure_policy: recompute``)."""
+    cannot be loaded is recomputed (set ``kv_load_failure_policy: recompute``).
+
+    Per engine, one SCHEDULER instance in the engine-core process (called on the scheduler's thread only)
+    and one WORKER instance per TP/PP rank in that rank's process (called on the model runner's thread; it
+    copies on threads of its own). Neither is thread-safe for vLLM's calls, which vLLM never makes
+    concurrently. Buffers: vLLM's KV tensors stay vLLM's; the worker reads a block after the forward that
+    wrote it and until its save is done (vLLM keeps a finished request's blocks until then), and writes a
+    block only between vLLM allocating it for a load and the load being reported done.
+    """
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -103,6 +111,11 @@ class KVTierConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a future miss, never a wrong answer
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Layer-wise loads wait inside the attention layers: a full CUDA graph would replay without the waits.
+        return extra_config.get("load_mode") == "layerwise"
 
     # ---- scheduler role ------------------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def session_lease(session: str) -> str:
     return f"session:{session}"
 
 
-@dataclass
+@dataclass(eq=False)  # a job is an identity, not a value
 class LoadJob:
     """Load ``keys`` into engine blocks ``block_ids``. ``failed`` (engine block ids) is final once ``done``."""
 
@@ -88,7 +88,7 @@ class LoadJob:
         self.cancelled = True
 
 
-@dataclass
+@dataclass(eq=False)
 class SaveJob:
     """Store engine blocks ``block_ids`` under ``keys`` (``hashes`` are the engine's names for them)."""
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,10 +75,9 @@ class WorkerSide:
         self._step_loads: list[LoadJob] = []  # layer-wise loads of the bound step
         self._loads_done: list[LoadJob] = []  # finished asynchronous loads, not yet reported
         self._load_errors: set[int] = set()
-        self._saving: dict[str, int] = defaultdict(int)  # request -> save jobs not done
-        self._saved_reqs: set[str] = set()  # requests that had a save job (their blocks wait for them)
+        # Requests that had a save job (vLLM keeps their blocks when they finish) -> their jobs not done yet.
+        self._save_jobs: dict[str, list[SaveJob]] = {}
         self._awaiting_free: set[str] = set()  # finished requests whose blocks wait for their saves
-        self._save_jobs: dict[str, list[SaveJob]] = defaultdict(list)
         self._lookups_served = 0
 
     # ---- set-up -----------------------------------------------------------------------------------------
@@ -159,9 +157,7 @@ class WorkerSide:
             hints = plan.hints if self.settings.hint_max_fraction > 0 else None
             job = SaveJob(plan.req_id, ns.keys(plan.hashes), plan.hashes, np.asarray(plan.block_ids, np.int64), hints)
             with self._lock:
-                self._saving[plan.req_id] += 1
-                self._saved_reqs.add(plan.req_id)
-                self._save_jobs[plan.req_id].append(job)
+                self._save_jobs.setdefault(plan.req_id, []).append(job)
             transfers.submit_save(job)
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
@@ -175,15 +171,11 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose saves are all done, asynchronous loads done since the last call)."""
         with self._lock:
-            for req_id in finished_req_ids:
-                if req_id in self._saved_reqs:
-                    self._awaiting_free.add(req_id)
-            sending = {r for r in self._awaiting_free if not self._saving.get(r)}
+            self._awaiting_free.update(r for r in finished_req_ids if r in self._save_jobs)
+            sending = {r for r in self._awaiting_free if not self._save_jobs[r]}
             for r in sending:
                 self._awaiting_free.discard(r)
-                self._saved_reqs.discard(r)
-                self._saving.pop(r, None)
-                self._save_jobs.pop(r, None)
+                del self._save_jobs[r]
             done, self._loads_done = self._loads_done, []
             for job in done:
                 self._load_errors.update(job.failed)
@@ -237,9 +229,8 @@ class WorkerSide:
 
     def _save_done(self, job: SaveJob) -> None:
         with self._lock:
-            self._saving[job.req_id] -= 1
             jobs = self._save_jobs.get(job.req_id)
-            if jobs and job in jobs:
+            if jobs is not None and job in jobs:
                 jobs.remove(job)
 
     def _ready(self) -> tuple[TieredStore, Namespace, Transfers]:
