@@ -31,7 +31,8 @@ from kvtier.units import format_bytes, parse_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(k for k, v in MODELS.items() if "num_kv_heads" in v))
+    p.add_argument("--model", default="llama-3.1-8b",
+                   choices=sorted(k for k, v in MODELS.items() if "num_kv_heads" in v))
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: one rank's share of the KV heads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--bytes", default="512MiB", help="KV moved per round (whole blocks)")
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
             targets = np.array(random.Random(rnd).sample(range(n), n), dtype=np.int64)
             load = LoadJob(f"l{rnd}", 0, keys, hashes, targets, layerwise=False, num_layers=kv.num_layers)
             expect = [kv_caches[name][int(ids[0])].clone() for name in list(kv_caches)[:2]] if rnd == 0 else None
-            t_save = time_once(lambda: _run_job(transfers.submit_save, save, done))
-            t_load = time_once(lambda: _run_job(transfers.submit_load, load, done))
+            t_save = time_once(lambda: _run_job(transfers.submit_save, save, done))  # noqa: B023 - called now
+            t_load = time_once(lambda: _run_job(transfers.submit_load, load, done))  # noqa: B023
             t_copy = time_once(lambda: np.copyto(dst, src))
             if rnd == 0:
                 _check(kv_caches, expect, int(targets[0]), load)
