@@ -51,12 +51,15 @@ def test_replay_mooncake_jsonl(tmp_path):
              "hash_ids": [0, 1, 2 + i % 3][: 2 + i % 3] + [100 + i]} for i in range(12)]
     p.write_text("".join(json.dumps(x) + "\n" for x in rows))
     out = tmp_path / "m.json"
-    r = kvtier_cli("replay", p, "--hbm", "0", "--dram", "1GiB", "--policy", "lru", "--json", out, "--no-progress")
+    r = kvtier_cli("replay", p, "--hbm", "0", "--dram", "1GiB", "--policy", "lru", "--prefill-rate", "100",
+                   "--json", out, "--no-progress")
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     assert rep["workload"]["timed"] and rep["replay"]["lanes"] is None
     lru = rep["policies"]["lru"]
     assert lru["hit_rate"] == pytest.approx(lru["infinite_hit_rate"])  # 1 GiB holds all 17 blocks of 64 MiB
+    # Arrivals every 0.5 s outrun a 100 tok/s prefill: the queue grows, the server is busy to the end.
+    assert lru["ttft_s"]["p90"] > 5 and 0.9 < lru["prefill_utilization"] <= 1.0
 
 
 @pytest.mark.parametrize("args, message", [

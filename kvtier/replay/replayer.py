@@ -155,6 +155,7 @@ class Replayer:
         self._stream: list[np.ndarray] = []
         self._ttft: list[float] = []
         self._unreported = 0
+        self._last_done = 0.0  # a timed trace schedules no completion events: its end is the last done
         self.result = ReplayResult(hit_tokens={HBM: 0, **{t: 0 for t in self.tiers}})
 
     # ---- the event loop --------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class Replayer:
         first = self.server.prefill(now, max(computed, 1))
         done = first + self.server.decode_seconds(req.output_tokens)
         self._ttft.append(first - arrival)
+        self._last_done = max(self._last_done, done)
         if self.record:
             parent = run.parent.ident if run.parent is not None else -1
             self.result.records.append(RequestRecord(run.ident, parent, step, arrival, first, done, h, d, computed))
@@ -295,7 +297,7 @@ class Replayer:
         res = self.result
         if self.progress is not None and self._unreported:
             self.progress(self._unreported)
-        res.virtual_s = now
+        res.virtual_s = max(now, self._last_done)
         res.prefill_busy_s = self.server.prefill_busy_s
         res.cpu_s = cpu_s
         res.ttft_s = np.asarray(self._ttft)
