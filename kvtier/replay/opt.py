@@ -27,11 +27,13 @@ _CHUNK = 1 << 16
 def next_use(stream: np.ndarray) -> np.ndarray:
     """For each access i, the index of the next access to the same block, or len(stream) if none."""
     n = len(stream)
-    out = np.full(n, n, dtype=np.int64)
+    out = np.full(n, n, dtype=np.int32 if n < 2**31 - 1 else np.int64)
     if n < 2:
         return out
-    order = np.argsort(stream, kind="stable")
-    same = stream[order[1:]] == stream[order[:-1]]
+    order = np.argsort(stream, kind="stable")  # positions grouped by block, in time order within a block
+    sorted_ids = stream[order]
+    same = sorted_ids[1:] == sorted_ids[:-1]
+    del sorted_ids  # a 66M-access stream makes every temporary here hundreds of MB
     out[order[:-1][same]] = order[1:][same]
     return out
 
@@ -99,7 +101,7 @@ class LimitsCache:
     def limits(self, stream: np.ndarray, capacity: int) -> Limits:
         import xxhash
 
-        key = (len(stream), xxhash.xxh3_128_digest(np.ascontiguousarray(stream).tobytes()), capacity)
+        key = (len(stream), xxhash.xxh3_128_digest(np.ascontiguousarray(stream)), capacity)  # hashes in place
         got = self._memo.get(key)
         if got is None:
             got = Limits(len(stream), infinite_hits(stream), belady_hits(stream, capacity), capacity)

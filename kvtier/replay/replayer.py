@@ -152,7 +152,8 @@ class Replayer:
         self._seq = 0
         self._runs = 0
         self._queue: deque[Replay] = deque()
-        self._stream: list[np.ndarray] = []
+        self._stream = np.empty(workload.block_accesses, dtype=np.int32)  # filled in arrival order
+        self._streamed = 0
         self._ttft: list[float] = []
         self._unreported = 0
         self._last_done = 0.0  # a timed trace schedules no completion events: its end is the last done
@@ -232,10 +233,11 @@ class Replayer:
 
     def _arrive(self, now: float, run: _Run, req: Request, step: int) -> None:
         ids = req.blocks
-        offset = run.replay.id_offset
-        self._stream.append(ids + np.int32(offset) if offset else ids)
+        n = len(ids)
+        at = self._streamed
+        np.add(ids, run.replay.id_offset, out=self._stream[at: at + n])
+        self._streamed = at + n
         keys = list(map(run.keys.__getitem__, ids.tolist()))
-        n = len(keys)
         h = self.hbm.prefix(keys)
         d = 0
         load_s = 0.0
@@ -301,7 +303,7 @@ class Replayer:
         res.prefill_busy_s = self.server.prefill_busy_s
         res.cpu_s = cpu_s
         res.ttft_s = np.asarray(self._ttft)
-        res.stream = np.concatenate(self._stream) if self._stream else np.empty(0, np.int32)
+        res.stream = self._stream[: self._streamed]
         res.capacity_blocks[HBM] = self.hbm.capacity
         if self.store is not None:
             sim_bytes = self.store.block_bytes

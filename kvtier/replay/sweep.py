@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvtier.config import Config
 from kvtier.keys import Namespace
 from kvtier.layout import BlockLayout
@@ -173,5 +175,5 @@ class Sweep:
         log.info("%s: hit rate %.4f, OPT %.4f (%.1f s CPU), %d requests in %.1f s CPU", desc,
                  result.hit_rate, limits.opt * self.workload.block_tokens / max(result.input_tokens, 1), opt_cpu,
                  result.requests, result.cpu_s)
-        result.stream = result.stream[:0]  # the stream can be hundreds of MB; the limits are all we keep
+        result.stream = np.empty(0, np.int32)  # hundreds of MB for a large set; the limits are all we keep
         return PolicyRun(policy, result, limits, self.workload.block_tokens, opt_cpu)
