@@ -91,7 +91,7 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
     lower = [t for t in tiers if t != HBM]
     head = "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<8}{'hit':>7}"
     head += "".join(f"{t:>7}" for t in tiers)
-    head += f"{'OPT':>7}{'inf':>7}{'saved':>9}{'loaded':>10}{'stored':>10}{'TTFT p50':>10}{'p90':>8}{'busy':>6}"
+    head += f"{'OPT':>7}{'inf':>7}{'saved':>9}{'loaded':>11}{'stored':>11}{'TTFT p50':>10}{'p90':>8}{'busy':>6}"
     head += f"{'req/CPU-s':>10}"
     print("\n" + head)
     for point in points:
@@ -103,7 +103,7 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
             util = r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0
             rps = r.requests / r.cpu_s if r.cpu_s else math.inf
             print(f"{caps}  {name:<8}{r.hit_rate:>7.3f}{rates}{run.opt_hit_rate:>7.3f}{run.infinite_hit_rate:>7.3f}"
-                  f"{_tokens(r.store_saved_tokens):>9}{format_bytes(loaded):>10}{format_bytes(stored):>10}"
+                  f"{_tokens(r.store_saved_tokens):>9}{format_bytes(loaded):>11}{format_bytes(stored):>11}"
                   f"{r.ttft_percentile(50):>9.2f}s{r.ttft_percentile(90):>7.1f}s{util:>6.0%}{rps:>10.0f}")
             caps = " " * len(caps)
     print("\nhit: input tokens served from cache (per tier after it); OPT: Belady's optimum at the same total "
