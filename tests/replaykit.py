@@ -35,17 +35,20 @@ def trace(name: str, requests: list[dict[str, Any]]) -> Trace:
 
 
 def sweep(traces: list[Trace], lanes: int = 1, offload: str = "write-through", prefill: float = 1e9,
-          decode: float = 1e9, bandwidth: float = 1e18, think_cap: float = 60.0, seed: int = 0) -> Sweep:
+          decode: float = 1e9, bandwidth: float = 1e18, think_cap: float = 60.0, seed: int = 0,
+          extra: dict[str, Any] | None = None) -> Sweep:
     name, layout = model_layout(None, BT, **MODEL)
-    service = ServiceModel(prefill, decode, {"dram": bandwidth})
+    service = ServiceModel(prefill, decode, {"dram": bandwidth, "ssd": bandwidth / 4})
     config = ReplayConfig(lanes=lanes, think_cap_s=think_cap, offload=offload)
     workload = Workload(traces, seed=seed, source="test")
     return Sweep(workload, layout, name, parse_capacity("0"), {"dram_capacity": [parse_capacity("0")]},
-                 ["lru"], service, config)
+                 ["lru"], service, config, extra)
 
 
-def replay(sw: Sweep, policy: str, hbm_blocks: int, dram_blocks: int, record: bool = False) -> PolicyRun:
-    return sw.run_one(policy, hbm_blocks, {"dram_capacity": dram_blocks}, record=record)
+def replay(sw: Sweep, policy: str, hbm_blocks: int, dram_blocks: int, record: bool = False,
+           **lower_blocks: int) -> PolicyRun:
+    """One run; ``lower_blocks``: other tiers by config key, e.g. ``ssd_capacity=8``."""
+    return sw.run_one(policy, hbm_blocks, {"dram_capacity": dram_blocks, **lower_blocks}, record=record)
 
 
 def brute_force_opt(stream: list[int], capacity: int) -> int:

@@ -20,7 +20,8 @@ def test_hand_made_trace_hits_per_tier():
     r0 [1,2,3]: all computed; DRAM 3,2,1 (oldest first); HBM keeps 2,1 (3, the tail, is evicted).
     r1 [1,2,3,4]: HBM prefix 1,2; DRAM has 3; 4 computed and stored (evicts 2); HBM keeps 2,1 again.
     r2 [5,6]: all computed; DRAM evicts 1,3 for 6,5; HBM keeps 6,5.
-    r3 [1,2,3,4,7]: nothing held in front; 5 computed, the 3 root-most stored (3,2,1); HBM keeps 2,1.
+    r3 [1,2,3,4,7]: nothing held in front; 5 computed, stored in batches DRAM can hold, tail first: 7 (4 is
+                    held), then 3,2,1, which evict 4,5,7: DRAM keeps the root-most blocks; HBM keeps 2,1.
     r4 [1,2,3,4,7,8]: HBM prefix 1,2; DRAM has 3; 4 is gone, so 4,7,8 are computed.
     """
     run = replay(sweep([trace("hand", HAND)], prefill=64.0, decode=10.0, bandwidth=2048.0), "lru", 2, 3,
@@ -35,7 +36,7 @@ def test_hand_made_trace_hits_per_tier():
     assert res.tier_hit_rate["dram"] == pytest.approx(2 * BT / inputs)
     block_bytes = 2048
     assert res.bytes_loaded == {"dram": 2 * block_bytes}
-    assert res.bytes_stored == {"dram": (3 + 1 + 2 + 3 + 3) * block_bytes}
+    assert res.bytes_stored == {"dram": (3 + 1 + 2 + 4 + 3) * block_bytes}
     # Timing: prefill 64 tok/s, decode 10 tok/s, DRAM loads one 2 KiB block per second.
     r0, r1 = res.records[0], res.records[1]
     assert (r0.arrival, r0.first_token, r0.done) == pytest.approx((0.0, 3.5, 5.5))  # 224 tokens, then 20 out
@@ -51,14 +52,14 @@ def test_hbm_only_and_write_back():
     hbm_only = replay(sweep([trace("hand", HAND)]), "lru", 2, 0).result
     assert hbm_only.hit_tokens == {HBM: 4 * BT}  # r1 and r4 reuse 1,2 from HBM; nothing below
     assert hbm_only.bytes_stored == {}
-    # Write-back: DRAM gets what HBM evicts (the newest 3 victims of a request at most), tail first.
+    # Write-back: DRAM gets what HBM evicts, in batches it can hold, the newest victims last (they stay).
     # r0: HBM evicts 3 -> DRAM 3. r1: HBM 1,2 + DRAM 3; HBM evicts 4,3 -> DRAM 3,4.
-    # r2: HBM evicts 2,1 -> DRAM 4,2,1 (3 evicted). r3: DRAM has 1,2 (3 is gone); HBM evicts 6,5,7,4,3,
-    # the newest three 7,4,3 go down (7 and 3 stored, evicting 4 and 2). r4: HBM 1,2 + DRAM 3.
+    # r2: HBM evicts 2,1 -> DRAM 4,2,1 (3 evicted). r3: DRAM has 1,2 (3 is gone); HBM evicts 6,5,7,4,3:
+    # 6,5,7 go down, then 4,3 (evicting 6,5) -> DRAM 7,4,3. r4: HBM 1,2 + DRAM 3,4,7.
     back = replay(sweep([trace("hand", HAND)], offload="write-back"), "lru", 2, 3, record=True).result
-    assert [(r.hbm_blocks, r.store_blocks) for r in back.records] == [(0, 0), (2, 1), (0, 0), (0, 2), (2, 1)]
-    assert back.hit_tokens == {HBM: 4 * BT, "dram": 4 * BT}
-    assert back.bytes_stored == {"dram": (1 + 1 + 2 + 2 + 1) * 2048}
+    assert [(r.hbm_blocks, r.store_blocks) for r in back.records] == [(0, 0), (2, 1), (0, 0), (0, 2), (2, 3)]
+    assert back.hit_tokens == {HBM: 4 * BT, "dram": 6 * BT}
+    assert back.bytes_stored == {"dram": (1 + 1 + 2 + 5 + 1) * 2048}  # r4 stores only 8 (3,4,7 are held)
 
 
 # ---- the subagent DAG and lanes ------------------------------------------------------------------------
@@ -146,3 +147,29 @@ def test_opt_bounds_every_policy_and_unbounded_equals_infinite(traces, hbm, dram
         unbounded = replay(sw, policy, hbm, sw.workload.unique_blocks)
         assert sum(unbounded.result.hit_tokens.values()) == unbounded.limits.infinite * BT
         assert unbounded.limits.opt == unbounded.limits.infinite
+
+
+@settings(max_examples=10, deadline=None)
+@given(traces=workloads(), hbm=st.integers(0, 3), dram=st.integers(1, 4), ssd=st.integers(1, 8))
+def test_an_ssd_tier_slots_in_below_dram(tmp_path_factory, traces, hbm, dram, ssd):
+    """The SSD tier (a real DiskTier on files) is one more tier name in the report; the limits hold with
+    OPT at HBM + DRAM + SSD, and each run's SSD directory is fresh and removed afterwards."""
+    root = tmp_path_factory.mktemp("ssd")
+    sw = sweep(traces, lanes=2, extra={"ssd_path": str(root)})
+    run = replay(sw, "lru", hbm, dram, ssd_capacity=ssd)
+    assert set(run.result.tier_hit_rate) == {HBM, "dram", "ssd"}
+    assert run.result.capacity_blocks == {HBM: hbm, "dram": dram, "ssd": ssd}
+    assert run.result.hit_rate <= run.opt_hit_rate <= run.infinite_hit_rate
+    unbounded = replay(sw, "lru", hbm, dram, ssd_capacity=max(1, sw.workload.unique_blocks))
+    assert sum(unbounded.result.hit_tokens.values()) == unbounded.limits.infinite * BT
+    assert list(root.iterdir()) == []
+
+
+def test_ssd_hits_are_counted_per_tier(tmp_path):
+    """DRAM 1 block, SSD 8: the second request finds its prefix on SSD (DRAM evicted it, on_evict demoted it)."""
+    t = trace("ssd", [req([1, 2, 3]), req([9]), req([1, 2, 3, 4])])
+    sw = sweep([t], extra={"ssd_path": str(tmp_path), "ssd_offload": "on_evict"})
+    res = replay(sw, "lru", 0, 1, record=True, ssd_capacity=8).result
+    assert [(r.hbm_blocks, r.store_blocks) for r in res.records] == [(0, 0), (0, 0), (0, 3)]
+    assert res.hit_tokens["ssd"] + res.hit_tokens["dram"] == 3 * BT and res.hit_tokens["ssd"] >= 2 * BT
+    assert res.bytes_loaded["ssd"] == res.hit_tokens["ssd"] // BT * 2048

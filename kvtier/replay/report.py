@@ -40,6 +40,7 @@ def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
         "bytes_stored": dict(r.bytes_stored),
         "ttft_s": {"p50": r.ttft_percentile(50), "p90": r.ttft_percentile(90)},
         "requests": r.requests,
+        "lost_blocks": r.lost_blocks,
         "virtual_s": r.virtual_s,
         "prefill_utilization": r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0,
         "cpu_s": r.cpu_s,

@@ -9,9 +9,12 @@ Each run's own access stream gives its OPT and infinite-cache limits (memoised w
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -92,16 +95,41 @@ def capacity_keys() -> list[str]:
     return [f.name for f in fields(Config) if f.name.endswith("_capacity") and f.metadata.get("kind") == "bytes"]
 
 
+# Settings that keep a lower tier exact and deterministic under stand-in blocks, applied where the Config has
+# them (a --set overrides): the SSD tier's O_DIRECT would round 64 B blocks up to 4 KiB slots (64x fewer
+# blocks), and its write-behind would make hits depend on thread timing instead of the trace.
+REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0}
+# Config keys naming a directory a tier keeps files in: each run gets a fresh one under it, removed afterwards,
+# so no run finds the blocks of the run before it (salted keys repeat from run to run).
+RUN_DIRECTORIES = ("ssd_path",)
+
+
+@contextmanager
 def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str, Any],
-                sim_block_bytes: int = SIM_BLOCK_BYTES) -> TieredStore | None:
-    """A real TieredStore whose tiers hold ``tier_blocks[config key]`` blocks; None when DRAM is 0."""
+                sim_block_bytes: int = SIM_BLOCK_BYTES) -> Iterator[TieredStore | None]:
+    """A real TieredStore whose tiers hold ``tier_blocks[config key]`` blocks (None when DRAM is 0), closed
+    and its tiers' run directories removed on exit."""
     if tier_blocks.get("dram_capacity", 0) <= 0:
         others = [k for k, v in tier_blocks.items() if v > 0 and k != "dram_capacity"]
         if others:
             raise ValueError(f"{', '.join(others)} need a DRAM tier above them; give --dram > 0")
-        return None
-    values = {**extra, **{k: v * sim_block_bytes for k, v in tier_blocks.items()}, "eviction": policy}
-    return TieredStore.from_config(Config.from_dict(values), sim_block_bytes)
+        yield None
+        return
+    known = {f.name for f in fields(Config)}
+    values = {k: v for k, v in REPLAY_DEFAULTS.items() if k in known}
+    values.update(extra)
+    values.update({k: v * sim_block_bytes for k, v in tier_blocks.items()})
+    values["eviction"] = policy
+    with ExitStack() as cleanup:
+        for key in RUN_DIRECTORIES:
+            if values.get(key):
+                Path(values[key]).mkdir(parents=True, exist_ok=True)
+                values[key] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="run-", dir=values[key]))
+        store = TieredStore.from_config(Config.from_dict(values), sim_block_bytes)
+        try:
+            yield store
+        finally:
+            store.close()
 
 
 class Sweep:
@@ -158,14 +186,12 @@ class Sweep:
                 labels: Mapping[str, str] | None = None, record: bool = False) -> PolicyRun:
         desc = f"{policy} " + " ".join(f"{k}={v}" for k, v in (labels or {}).items())
         bar = self.progress(desc, self.workload.requests) if self.progress else None
-        store = build_store(policy, tier_blocks, self.extra, self.sim_block_bytes)
         try:
-            replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes, self.service,
-                                self.config, progress=bar.update if bar is not None else None, record=record)
-            result = replayer.run()
+            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes) as store:
+                replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
+                                    self.service, self.config, progress=bar.update if bar else None, record=record)
+                result = replayer.run()
         finally:
-            if store is not None:
-                store.close()
             if bar is not None:
                 bar.close()
         t0 = time.process_time()
