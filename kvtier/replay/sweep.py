@@ -189,7 +189,8 @@ class Sweep:
         try:
             with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes) as store:
                 replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
-                                    self.service, self.config, progress=bar.update if bar else None, record=record)
+                                    self.service, self.config, progress=bar.update if bar is not None else None,
+                                    record=record)
                 result = replayer.run()
         finally:
             if bar is not None:
