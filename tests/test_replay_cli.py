@@ -1,5 +1,6 @@
 """``kvtier replay`` and ``kvtier demo`` as a user runs them: real subprocesses on the shipped sample."""
 
+import io
 import json
 import os
 import subprocess
@@ -104,3 +105,15 @@ def test_demo_runs_from_an_installed_wheel(tmp_path):
     assert len(rep["points"]) == 4 and set(rep["policies"]) == {"lru", "s3fifo"}
     best = rep["points"][-1]
     assert best["policies"]["lru"]["hit_rate"] > rep["points"][0]["policies"]["lru"]["hit_rate"]
+
+
+def test_progress_bars_on_a_terminal(monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main(["replay", str(SAMPLE), "--limit", "2", "--lanes", "2", "--dram", "10%,25%", "--policy", "lru"]) == 0
+    assert "reading traces" in term.getvalue() and "lru hbm=" in term.getvalue()
+    assert "requests per CPU-second" in capsys.readouterr().out

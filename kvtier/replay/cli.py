@@ -102,8 +102,8 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     t0 = time.process_time()
     files = _bar(args, "reading traces", None, unit="file")
     workload = load_workload(args.traces, args.format, args.limit, args.repeat, args.seed,
-                             on_file=(lambda _: files.update(1)) if files else None)
-    if files:
+                             on_file=(lambda _: files.update(1)) if files is not None else None)
+    if files is not None:
         files.close()
     parse_s = time.process_time() - t0
     name, layout = model_layout(args.model, workload.block_tokens, layers=args.layers, kv_heads=args.kv_heads,
