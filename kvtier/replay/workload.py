@@ -102,7 +102,8 @@ class Workload:
     def short(self) -> str:
         rep = f" x{self.repeat}" if self.repeat > 1 else ""
         where = Path(self.source).name or self.source
-        return f"{len(self.traces)} traces{rep} from {where}, {self.requests:,} requests"
+        n = len(self.traces)
+        return f"{n} trace{'s' if n != 1 else ''}{rep} from {where}, {self.requests:,} requests"
 
     def describe(self) -> str:
         kind = "timed trace" if self.timed else "traces"
