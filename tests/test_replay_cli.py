@@ -117,3 +117,18 @@ def test_progress_bars_on_a_terminal(monkeypatch, capsys):
     assert main(["replay", str(SAMPLE), "--limit", "2", "--lanes", "2", "--dram", "10%,25%", "--policy", "lru"]) == 0
     assert "reading traces" in term.getvalue() and "lru hbm=" in term.getvalue()
     assert "requests per CPU-second" in capsys.readouterr().out
+
+
+def test_replay_ssd_flag_adds_an_ssd_tier_under_dram(tmp_path):
+    out = tmp_path / "ssd.json"
+    assert main(["replay", str(SAMPLE), "--limit", "3", "--lanes", "2", "--hbm", "4GiB", "--dram", "5%",
+                 "--ssd", "0,60%", "--policy", "lru", "--set", f"ssd_path={tmp_path / 'ssd'}", "--json", str(out),
+                 "--no-progress"]) == 0
+    without, with_ssd = json.loads(out.read_text())["points"]
+    assert with_ssd["capacities"]["ssd"]["label"].startswith("60%") and without["capacities"]["ssd"]["blocks"] == 0
+    a, b = without["policies"]["lru"], with_ssd["policies"]["lru"]
+    assert a["tier_hit_rate"].get("ssd", 0) == 0 and b["tier_hit_rate"]["ssd"] > 0
+    assert b["hit_rate"] <= b["opt_hit_rate"] <= b["infinite_hit_rate"]
+    assert not any((tmp_path / "ssd").iterdir())  # each run's directory is removed after it
+    with pytest.raises(ValueError, match="--ssd or --set ssd_capacity"):
+        main(["replay", str(SAMPLE), "--limit", "1", "--ssd", "10%", "--set", "ssd_capacity=5%", "--no-progress"])

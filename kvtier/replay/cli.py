@@ -6,6 +6,7 @@ import argparse
 import importlib.resources
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 
 # `kvtier demo`: the shipped sample (package data), replayed on these settings.
 DEMO_TRACES = ("sample-traces", "agentic-cc")
-DEMO_ARGS = ["--lanes", "8", "--hbm", "40GiB", "--dram", "0,10%,25%,50%", "--policy", "lru,s3fifo"]
+DEMO_ARGS = ["--lanes", "8", "--hbm", "40GiB", "--dram", "10%,25%", "--ssd", "0,50%", "--policy", "lru,s3fifo"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +63,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm", default="40GiB", help="HBM for the engine's prefix cache: bytes or %% of unique blocks")
     g.add_argument("--dram", default="200GiB", help="DRAM tier: bytes or %% of the replayed traces' unique blocks; "
                                                    "a comma list sweeps (e.g. 2%%,5%%,10%%,25%%); 0: HBM only")
+    g.add_argument("--ssd", help="SSD tier under DRAM: bytes or %% of unique blocks, a comma list sweeps; its files "
+                                 "go to a fresh directory under --set ssd_path=DIR (default: the temp dir)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="another store config key; *_capacity keys take bytes, %% or a comma list like --dram")
     g = p.add_argument_group("store and server")
@@ -90,6 +93,11 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     if args.plot:
         require_matplotlib()
     tiers, extra = _tier_grid(args.dram, args.set, capacity_keys(), parse_capacities)
+    if args.ssd:
+        if "ssd_capacity" in tiers:
+            raise ValueError("give the SSD size once: --ssd or --set ssd_capacity")
+        tiers["ssd_capacity"] = parse_capacities(args.ssd)
+        extra.setdefault("ssd_path", str(Path(tempfile.gettempdir()) / "kvtier-replay"))
     bandwidth = dict(DEFAULT_TIER_BYTES_PER_S)
     for item in args.bandwidth:
         tier, value = _key_value(item, "--bandwidth")

@@ -118,7 +118,11 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
     known = {f.name for f in fields(Config)}
     values = {k: v for k, v in REPLAY_DEFAULTS.items() if k in known}
     values.update(extra)
-    values.update({k: v * sim_block_bytes for k, v in tier_blocks.items()})
+    for key, blocks in tier_blocks.items():
+        if blocks > 0:
+            values[key] = blocks * sim_block_bytes
+        else:  # a lower tier sized 0 is off: drop its directory too (a sweep like --ssd 0,50%)
+            values.pop(key.removesuffix("_capacity") + "_path", None)
     values["eviction"] = policy
     with ExitStack() as cleanup:
         for key in RUN_DIRECTORIES:
