@@ -119,7 +119,7 @@ def test_progress_bars_on_a_terminal(monkeypatch, capsys):
     assert "requests per CPU-second" in capsys.readouterr().out
 
 
-def test_replay_ssd_flag_adds_an_ssd_tier_under_dram(tmp_path):
+def test_replay_ssd_flag_adds_an_ssd_tier_under_dram(tmp_path, capsys):
     out = tmp_path / "ssd.json"
     assert main(["replay", str(SAMPLE), "--limit", "3", "--lanes", "2", "--hbm", "4GiB", "--dram", "5%",
                  "--ssd", "0,60%", "--policy", "lru", "--set", f"ssd_path={tmp_path / 'ssd'}", "--json", str(out),
@@ -130,5 +130,6 @@ def test_replay_ssd_flag_adds_an_ssd_tier_under_dram(tmp_path):
     assert a["tier_hit_rate"].get("ssd", 0) == 0 and b["tier_hit_rate"]["ssd"] > 0
     assert b["hit_rate"] <= b["opt_hit_rate"] <= b["infinite_hit_rate"]
     assert not any((tmp_path / "ssd").iterdir())  # each run's directory is removed after it
-    with pytest.raises(ValueError, match="--ssd or --set ssd_capacity"):
-        main(["replay", str(SAMPLE), "--limit", "1", "--ssd", "10%", "--set", "ssd_capacity=5%", "--no-progress"])
+    assert main(["replay", str(SAMPLE), "--limit", "1", "--ssd", "10%", "--set", "ssd_capacity=5%",
+                 "--no-progress"]) == 2
+    assert "give the SSD size once: --ssd or --set ssd_capacity" in capsys.readouterr().err
