@@ -10,6 +10,7 @@ BENCHES = {
     "tiers": ("kvtier.bench.tiers", "batch put/get GB/s of a tier beside memcpy / raw I/O"),
     "kernels": ("kvtier.bench.kernels", "packed-block gather/scatter GB/s beside a contiguous copy"),
     "master": ("kvtier.bench.master", "kvtier-master lookup/cost latency beside a raw zmq echo; bytes per entry"),
+    "vllm": ("kvtier.bench.vllm_connector", "vLLM connector save/load GB/s (gather+put, get+scatter) beside memcpy"),
 }
 
 

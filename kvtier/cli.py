@@ -12,6 +12,7 @@ from kvtier.config import Config, ConfigError
 # Modules that add subcommands: each has register(subparsers). Kept as names so `kvtier --help` stays fast.
 COMMAND_MODULES = [
     "kvtier.bench.cli",
+    "kvtier.replay.cli",
 ]
 
 

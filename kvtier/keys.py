@@ -126,6 +126,9 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 def check_keys(keys: Sequence[bytes]) -> None:
     """Raise ValueError naming the first key that is not KEY_BYTES bytes."""
+    # Fast path, looped in C: every call of the store checks its whole batch.
+    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+        return
     for i, k in enumerate(keys):
         if type(k) is not bytes or len(k) != KEY_BYTES:  # noqa: E721
             got = f"{type(k).__name__} of length {len(k)}" if hasattr(k, "__len__") else type(k).__name__

@@ -7,7 +7,8 @@ buffers alive and unchanged until then.
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
 thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
-tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier; listeners
+tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
+expire (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners
 hear which keys each tier gained and lost (the engines' KV events and the master's directory feed on them).
 """
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
+from kvtier.leases import LeaseTable
 from kvtier.offload import Offloader
 from kvtier.pins import PinTable
 from kvtier.tiers.base import Tier
@@ -84,6 +87,8 @@ class TieredStore:
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
         self.pins = PinTable()
+        # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
+        self.leases = LeaseTable(self)
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, int] = {}  # key -> number of puts writing it (normally 1)
@@ -219,6 +224,20 @@ class TieredStore:
         for offload in self._offloads:
             offload.after_get(keys, served, rows)
         return hit
+
+    @contextmanager
+    def borrow(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:
+        """Host addresses of the blocks the top tier holds (None for the others), readable in place until
+        the block exits; they cannot be evicted meanwhile. Zero-copy reads for callers that copy straight
+        from the slots (a connector's scatter into engine KV); ``get`` the None ones as usual."""
+        check_keys(keys)
+        acquire = getattr(self.tiers[0], "acquire", None)
+        if acquire is None:  # a top tier without addressable slots
+            yield [None] * len(keys)
+            return
+        with acquire(keys) as addresses:
+            self._count(get_hits=sum(a is not None for a in addresses))
+            yield addresses
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys some tier holds."""

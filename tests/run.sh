@@ -27,6 +27,15 @@ if ! python -c "import triton" 2>/dev/null; then
   pip install -q 'triton==3.9.0' || echo "tests/run.sh: triton did not install; Triton kernel tests will skip" >&2
 fi
 
+# vllm: the vLLM connector tests run against the real vLLM 0.33 classes on the CPU. --no-deps with pinned
+# requirements keeps pip from replacing the CPU torch with vLLM's CUDA build. Optional like triton: where it
+# cannot install, those tests skip with a reason and the rest still run.
+if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)"; then
+  pip install -q --no-deps 'vllm==0.33.0' -r tests/requirements-vllm.txt \
+    || echo "tests/run.sh: vllm did not install; vLLM connector tests will skip" >&2
+fi
+export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"
+
 if [ "${1:-}" = "--slow" ]; then
   shift
   exec python -m pytest -m slow "$@"

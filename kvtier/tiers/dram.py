@@ -250,12 +250,14 @@ class DramTier:
         slots = self._alloc.alloc(n)
         short = n - len(slots)
         if short > 0:
-            victims = self._policy.victims(short, self._protected)
+            # With nothing pinned or being copied (the common case) skip the per-candidate check.
+            protected = self._protected if len(self._pins) or self._busy.any() else _NOTHING
+            victims = self._policy.victims(short, protected)
             if victims:
                 vslots = [self._slot_of.pop(v) for v in victims]
                 if self._on_evict is not None:
                     try:
-                        self._on_evict(victims, [self._rows[s] for s in vslots])
+                        self._on_evict(victims, _RowViews(self._rows, vslots))
                     except Exception:  # a failing demotion must not break the put that evicted
                         log.exception("eviction listener failed for %d blocks; they are dropped", len(victims))
                 for s in vslots:
@@ -266,6 +268,27 @@ class DramTier:
 
     def _free_idle_doomed(self) -> None:
         self._alloc.free_idle(self._doomed, self._busy)
+
+
+_NOTHING: frozenset[bytes] = frozenset()
+
+
+class _RowViews(Sequence[torch.Tensor]):
+    """Views of evicted slots, made only when a listener reads them: most evictions are never demoted, and a
+    tensor view per victim costs about a microsecond (a trace replay evicts millions of blocks)."""
+
+    __slots__ = ("_rows", "_slots")
+
+    def __init__(self, rows: torch.Tensor, slots: list[int]) -> None:
+        self._rows, self._slots = rows, slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._rows[s] for s in self._slots[i]]
+        return self._rows[self._slots[i]]
 
 
 def _first_occurrences(keys: Sequence[bytes], index: list[int]) -> list[int]:

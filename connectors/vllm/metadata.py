@@ -1,0 +1,53 @@
+"""What the scheduler-side connector tells the worker-side connectors each step (vLLM pickles it to them).
+
+Blocks are named by the engine's own block hashes, not kvtier keys: each worker folds them into its own
+namespace (its TP rank, its layout), so the scheduler never needs to know how a rank's KV is laid out, and
+one metadata object serves every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .hints import Hints
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Load the blocks named by ``hashes`` into engine blocks ``block_ids`` (same order). ``lease`` is the
+    lookup whose pins protect them; the worker releases it when the load ends. ``layerwise``: the load feeds
+    this step's forward (wait_for_layer_load waits per layer); else it runs between steps and the worker
+    reports the request in ``finished_recving`` when done."""
+
+    req_id: str
+    lease: int
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    layerwise: bool
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """After this step's forward, store engine blocks ``block_ids`` under ``hashes`` (full blocks this step
+    completed, not stored before)."""
+
+    req_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    hints: Hints | None = None
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """One step's work for every worker: loads, saves, lookup leases to release (the scheduler will not
+    load them), and requests preempted this step (their blocks are freed before they are overwritten)."""
+
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+    releases: list[int] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.releases or self.preempted)

@@ -1,0 +1,275 @@
+"""SchedulerSide: the scheduler-role half of KVTierConnector (vLLM's engine-core process, scheduler thread).
+
+Decides, per request, which blocks to load and which to save; moves no bytes and never waits:
+
+* ``get_num_new_matched_tokens``: the first call sends a lookup of the request's block hashes (from the end
+  of its local prefix-cache hit) to every worker and answers None ("ask again"); a later call reads the
+  answer: the blocks every rank holds, pinned for us until the load. A lookup nobody answers within
+  ``lookup_timeout_s`` is a miss. vLLM needs to compute at least the prompt's last token, so a hit stops
+  one token short of the prompt.
+* ``update_state_after_alloc`` turns the hit into a load plan onto the blocks vLLM allocated;
+  ``build_connector_meta`` hands the step's loads, its saves (full blocks this step completes, never the
+  blocks that came from the store or the local prefix cache) and the leases to release to the workers.
+* ``request_finished`` keeps a request's blocks while its saves or its asynchronous load may still read or
+  write them; the workers report them in ``get_finished`` and vLLM frees them then.
+
+A lookup channel other than the embedded workers' (a shared pool the scheduler can ask directly) only needs
+another object with LookupClient's ``submit / poll / result / expired / forget``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .lookup import LookupResult
+from .hints import Hints, hints_of
+from .metadata import KVTierMetadata, LoadPlan, SavePlan
+from .settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class Lookups(Protocol):
+    """How the scheduler asks where blocks are (lookup.LookupClient for the embedded workers)."""
+
+    def submit(self, lease: int, hashes: Sequence[bytes], ttl_s: float) -> None: ...
+
+    def poll(self) -> None: ...
+
+    def result(self, lease: int) -> LookupResult | None: ...
+
+    def expired(self, lease: int) -> bool: ...
+
+    def forget(self, lease: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Lookup:
+    lease: int
+    start: int  # first block looked up (the local prefix-cache hit ends there)
+    stop: int  # one past the last block looked up
+    result: LookupResult | None = None
+    answered: float = 0.0  # when the result came (its pins last lease_ttl_s from the lookup)
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler admitted: its block table and how far its blocks are stored."""
+
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # blocks [0, stored) are in the store, or queued to be
+    saves_sent: bool = False
+    hints: Hints | None = None
+
+
+class SchedulerSide:
+    """See the module docstring. ``block_size``: vLLM's scheduler block size; ``hash_block_size``: the
+    tokens per entry of ``request.block_hashes`` (a block's key is the hash that ends it)."""
+
+    def __init__(self, settings: ConnectorSettings, lookups: Lookups, block_size: int,
+                 hash_block_size: int | None = None, *, load: bool = True, save: bool = True) -> None:
+        self.settings = settings
+        self.load = load  # kv_role kv_consumer or kv_both: look up and load prefixes
+        self.save = save  # kv_role kv_producer or kv_both: store computed blocks
+        self.lookups = lookups
+        self.block_size = block_size
+        hash_block_size = hash_block_size or block_size
+        if block_size % hash_block_size:
+            raise ValueError(f"block size {block_size} is not a multiple of the hash block size {hash_block_size}")
+        self._hashes_per_block = block_size // hash_block_size
+        self._next_lease = 1
+        self._lookups: dict[str, _Lookup] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: dict[str, LoadPlan] = {}  # planned, not sent yet
+        self._loading: set[str] = set()  # asynchronous loads sent, not reported done
+        self._releases: list[int] = []
+        self._hit_tiers: dict[str, LookupResult] = {}
+        self.counters: dict[str, float] = {"lookups": 0, "lookup_hit_blocks": 0, "lookup_seconds": 0.0,
+                                           "lookup_timeouts": 0}
+
+    # ---- lookups -----------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.load:
+            return 0, False
+        req_id = request.request_id
+        start = num_computed_tokens // self.block_size
+        # The prompt's last token is always computed: vLLM samples from its logits.
+        stop = min(self.num_hashed_blocks(request), (request.num_tokens - 1) // self.block_size)
+        lk = self._lookups.get(req_id)
+        if lk is not None and ((lk.start, lk.stop) != (start, stop) or (
+                lk.result is not None and time.monotonic() - lk.answered > self.settings.lease_ttl_s / 2)):
+            # The local hit changed since, or the request waited for memory so long that its pins are
+            # about to expire: look up again.
+            self._drop_lookup(req_id)
+            lk = None
+        if stop <= start:
+            return 0, False
+        if lk is None:
+            lk = self._lookups[req_id] = _Lookup(self._lease(), start, stop)
+            self.lookups.submit(lk.lease, self.block_hashes(request, start, stop), self.settings.lease_ttl_s)
+            self.counters["lookups"] += 1
+            return None, False
+        if lk.result is None:
+            self.lookups.poll()
+            lk.result = self.lookups.result(lk.lease)
+            if lk.result is None:
+                if not self.lookups.expired(lk.lease):
+                    return None, False
+                log.warning("kvtier: lookup for request %s unanswered after %.1f s; scheduling it without a "
+                            "load", req_id, self.settings.lookup_timeout_s)
+                self.counters["lookup_timeouts"] += 1
+                self._drop_lookup(req_id)
+                return 0, False
+            self.lookups.forget(lk.lease)
+            lk.answered = time.monotonic()
+            self.counters["lookup_seconds"] += lk.result.seconds
+            self.counters["lookup_hit_blocks"] += lk.result.length
+        if lk.result.length == 0:
+            return 0, False
+        self._hit_tiers[req_id] = lk.result
+        return lk.result.length * self.block_size, self.settings.load_async
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """``block_ids``: the request's whole block table (cache group 0) after this allocation."""
+        req_id = request.request_id
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            tracked = self._tracked[req_id] = _Tracked(request, hints=hints_of(request))
+        tracked.block_ids = list(block_ids)
+        lk = self._lookups.pop(req_id, None)
+        if lk is None:
+            return
+        count = num_external_tokens // self.block_size
+        if count <= 0 or lk.result is None:
+            self._release(lk)
+            return
+        count = min(count, lk.result.length)
+        end = lk.start + count
+        if end > len(block_ids):
+            log.error("kvtier: request %s has %d blocks, the load needs %d; not loading", req_id, len(block_ids), end)
+            self._release(lk)
+            return
+        self._loads[req_id] = LoadPlan(req_id, lk.lease, tuple(self.block_hashes(request, lk.start, end)),
+                                       tuple(block_ids[lk.start:end]), layerwise=not self.settings.load_async)
+        tracked.stored = max(tracked.stored, end)
+
+    # ---- the step's metadata -----------------------------------------------------------------------------
+
+    def build_connector_meta(self, so: Any) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=list(self._loads.values()), releases=self._releases,
+                              preempted=set(so.preempted_req_ids or ()))
+        self._releases = []
+        self._loading.update(p.req_id for p in meta.loads if not p.layerwise)
+        self._loads.clear()
+        for new in so.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            # Blocks the step starts from came from the local prefix cache or the store: not saved again.
+            tracked.stored = max(tracked.stored, new.num_computed_tokens // self.block_size)
+            self._plan_save(tracked, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], meta)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            self._plan_save(tracked, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _plan_save(self, tracked: _Tracked, computed_tokens: int, meta: KVTierMetadata) -> None:
+        if not self.save:
+            return
+        request = tracked.request
+        if not self.settings.save_decode:
+            computed_tokens = min(computed_tokens, request.num_prompt_tokens)
+        # Only full blocks whose hash exists (speculative tokens have none yet) and that are allocated.
+        full = min(computed_tokens // self.block_size, self.num_hashed_blocks(request), len(tracked.block_ids))
+        if full <= tracked.stored:
+            return
+        start, tracked.stored = tracked.stored, full
+        meta.saves.append(SavePlan(request.request_id, tuple(self.block_hashes(request, start, full)),
+                                   tuple(tracked.block_ids[start:full]), tracked.hints))
+        tracked.saves_sent = True
+
+    # ---- completion ----------------------------------------------------------------------------------------
+
+    def request_finished(self, request: Any) -> bool:
+        """True if vLLM must keep the request's blocks until a worker reports it in get_finished."""
+        req_id = request.request_id
+        self._drop_lookup(req_id)
+        self._hit_tiers.pop(req_id, None)
+        plan = self._loads.pop(req_id, None)
+        if plan is not None:  # planned but never sent: nothing touches the blocks
+            self._releases.append(plan.lease)
+        tracked = self._tracked.pop(req_id, None)
+        if req_id in self._loading:
+            return True  # the load is writing into the blocks; its finished_recving frees them
+        return tracked is not None and tracked.saves_sent
+
+    def on_worker_output(self, finished_recving: Iterable[str] | None, invalid_block_ids: Iterable[int] | None
+                         ) -> None:
+        for req_id in finished_recving or ():
+            self._loading.discard(req_id)
+        invalid = set(invalid_block_ids or ())
+        if invalid:  # those blocks are recomputed by vLLM: save them again when they are
+            for tracked in self._tracked.values():
+                for i, block in enumerate(tracked.block_ids[: tracked.stored]):
+                    if block in invalid:
+                        tracked.stored = i
+                        break
+
+    def hit_blocks_by_tier(self, request: Any) -> dict[str, int]:
+        """Where the blocks of the request's last hit were, by tier name (for vLLM's hit-source stats)."""
+        result = self._hit_tiers.pop(request.request_id, None)
+        if result is None:
+            return {}
+        out: dict[str, int] = {}
+        for name, _ in result.reply.tiers:
+            out[name] = result.reply.count(name)
+        return out
+
+    def take_counters(self) -> dict[str, float]:
+        out = dict(self.counters)
+        for k in self.counters:
+            self.counters[k] = 0
+        return out
+
+    def num_hashed_blocks(self, request: Any) -> int:
+        return len(request.block_hashes) // self._hashes_per_block
+
+    def block_hashes(self, request: Any, start: int, stop: int) -> list[bytes]:
+        """The engine hashes of scheduler blocks [start, stop): for each, the hash that ends it. Only that
+        range is copied (a decode step of a 128K-token request touches one block, not 8,000)."""
+        k = self._hashes_per_block
+        hashes = request.block_hashes
+        return list(hashes[start:stop]) if k == 1 else list(hashes[(start + 1) * k - 1 : stop * k : k])
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _lease(self) -> int:
+        lease, self._next_lease = self._next_lease, self._next_lease + 1
+        return lease
+
+    def _drop_lookup(self, req_id: str) -> None:
+        lk = self._lookups.pop(req_id, None)
+        if lk is not None:
+            self._release(lk)
+
+    def _release(self, lk: _Lookup) -> None:
+        self.lookups.forget(lk.lease)
+        self._releases.append(lk.lease)

@@ -1,0 +1,249 @@
+"""WorkerSide: the worker-role half of KVTierConnector (one per TP/PP rank, in that rank's process).
+
+In embedded mode each worker owns the TieredStore holding its rank's blocks (DRAM, optional SSD): keys are
+the engine's block hashes folded into this rank's namespace (model, layout, rank, world size, cache group),
+so two ranks or two models never see each other's blocks. The worker:
+
+* serves the scheduler's prefix lookups (lookup.py) and pins what it reports under the lookup's lease;
+* runs the step's loads and saves on its copy threads (transfer.py): a load after the lookup that found
+  it, a save after the forward that computed the blocks;
+* tells vLLM which asynchronous loads finished (``get_finished`` recving), which requests' saves are done
+  so their GPU blocks can be freed (sending), and which engine blocks failed to load (recomputed).
+
+Engine-thread methods (``start_loads`` .. ``take_load_errors``) are called by vLLM's model runner on one thread;
+job completions arrive on the copy threads and are handed over under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.config import Config
+from kvtier.keys import Namespace
+from kvtier.leases import LeaseTable
+from kvtier.store import TieredStore
+
+from .events import EventRecorder
+from .lookup import LookupServer, PrefixReply, endpoint
+from .metadata import KVTierMetadata
+from .pagedkv import PagedKV
+from .settings import ConnectorSettings
+from .transfer import LoadJob, SaveJob, Transfers, lookup_lease
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Who this worker is: what its keys are namespaced by, and where its lookup socket lives."""
+
+    model: str
+    rank: int
+    world_size: int
+    engine_id: str
+    dp_rank: int = 0
+    block_size: int = 16
+    extra: str = ""  # e.g. the model revision and the block hash function
+
+
+class WorkerSide:
+    """See the module docstring. ``store_config``: the store keys of kv_connector_extra_config."""
+
+    def __init__(self, settings: ConnectorSettings, store_config: Mapping[str, Any], identity: WorkerIdentity,
+                 layer_names: list[str], *, mla: bool = False, events: bool = False) -> None:
+        self.settings = settings
+        self.identity = identity
+        self._store_config = dict(store_config)
+        self._layer_names = layer_names
+        self._mla = mla
+        self._events_enabled = events
+        self.kv: PagedKV | None = None
+        self.store: TieredStore | None = None
+        self.namespace: Namespace | None = None
+        self.recorder: EventRecorder | None = None
+        self._transfers: Transfers | None = None
+        self._server: LookupServer | None = None
+        self.lookup_leases: LeaseTable | None = None
+        self._lock = threading.Lock()
+        self._step_loads: list[LoadJob] = []  # layer-wise loads of the bound step
+        self._loads_done: list[LoadJob] = []  # finished asynchronous loads, not yet reported
+        self._load_errors: set[int] = set()
+        # Requests that had a save job (vLLM keeps their blocks when they finish) -> their jobs not done yet.
+        self._save_jobs: dict[str, list[SaveJob]] = {}
+        self._awaiting_free: set[str] = set()  # finished requests whose blocks wait for their saves
+        self._lookups_served = 0
+
+    # ---- set-up -----------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Build the packed-block map, this rank's store and namespace, the copy threads, the lookup server."""
+        if self.kv is not None:
+            raise RuntimeError("kvtier: register_kv_caches was called twice; the KV caches are already mapped")
+        ident = self.identity
+        self.kv = PagedKV(kv_caches, self._layer_names, ident.block_size, self._mla)
+        config = Config.load(self._store_config)  # also reads KVTIER_* variables and KVTIER_CONFIG
+        model = config.model or ident.model
+        self.namespace = Namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
+                                   world_size=ident.world_size, cache_group=0, extra=ident.extra)
+        self.store = TieredStore.from_config(config, self.kv.layout)
+        dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
+        self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
+        # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
+        self.lookup_leases = LeaseTable(self.store)
+        if self._events_enabled:
+            self.recorder = EventRecorder(ident.block_size)
+            self.store.add_listener(self.recorder.on_store_event)
+        self._transfers = Transfers(self.store, self.lookup_leases, self.kv, self.settings.staging_bytes,
+                                    on_load_done=self._load_done, on_save_done=self._save_done,
+                                    naming=self.recorder.naming if self.recorder is not None else None)
+        address = endpoint(self.settings.socket_dir(), ident.engine_id, ident.dp_rank, ident.rank)
+        self._server = LookupServer(address, self._lookup, on_idle=self._sweep)
+        log.info("kvtier worker rank %d/%d: %s; namespace %s (%s), store %s", ident.rank, ident.world_size,
+                 self.kv.describe(), self.namespace.digest.hex()[:12], model, [t.name for t in self.store.tiers])
+
+    # ---- lookups (the lookup server's thread) --------------------------------------------------------------
+
+    def _lookup(self, lease: int, hashes: list[bytes], ttl_s: float) -> PrefixReply:
+        if self.store is None or self.namespace is None:
+            return PrefixReply(0)
+        keys = self.namespace.keys(hashes)
+        hit = self.store.lookup_prefix(keys)
+        # Pin what was found until the load; a block evicted between the two calls ends the prefix there
+        # (blocks pinned past that end are unpinned with the lease).
+        leased = self.lookup_leases.lease(lookup_lease(lease), keys[: hit.length], ttl_s) if hit.length else []
+        length = next((i for i, ok in enumerate(leased) if not ok), hit.length)
+        if length == 0:
+            self.lookup_leases.release(lookup_lease(lease))
+        self._lookups_served += 1
+        return PrefixReply(length, _runs(hit.tiers[:length]))
+
+    # ---- one engine step (the model runner's thread) -------------------------------------------------------
+
+    def start_loads(self, meta: KVTierMetadata) -> None:
+        """Release the leases the scheduler gave up, then queue this step's loads."""
+        _, ns, transfers = self._ready()
+        for lease in meta.releases:
+            self.lookup_leases.release(lookup_lease(lease))
+        for plan in meta.loads:
+            job = LoadJob(plan.req_id, plan.lease, ns.keys(plan.hashes), plan.hashes,
+                          np.asarray(plan.block_ids, dtype=np.int64), plan.layerwise, self.kv.num_layers)  # type: ignore[union-attr]
+            if job.layerwise:
+                self._step_loads.append(job)
+            transfers.submit_load(job)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until every layer-wise load of this step has written layer ``layer_name``."""
+        if not self._step_loads or self.kv is None:
+            return
+        layer = self.kv.index_of.get(layer_name)
+        if layer is None:
+            return  # not a layer whose KV kvtier moves (e.g. an encoder-only layer)
+        for job in self._step_loads:
+            if not job.wait_layer(layer, self.settings.load_timeout_s):
+                log.warning("kvtier: layer-wise load for request %s timed out at layer %s after %.1f s; its "
+                            "blocks will be recomputed", job.req_id, layer_name, self.settings.load_timeout_s)
+
+    def queue_saves(self, meta: KVTierMetadata) -> None:
+        """After the forward: queue this step's saves (the copy threads run them; nothing waits here)."""
+        _, ns, transfers = self._ready()
+        for plan in meta.saves:
+            hints = plan.hints if self.settings.hint_max_fraction > 0 else None
+            job = SaveJob(plan.req_id, ns.keys(plan.hashes), plan.hashes, np.asarray(plan.block_ids, np.int64), hints)
+            with self._lock:
+                self._save_jobs.setdefault(plan.req_id, []).append(job)
+            transfers.submit_save(job)
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """vLLM frees a preempted request's blocks at once: wait until its saves stopped reading them."""
+        for req_id in meta.preempted:
+            with self._lock:
+                jobs = list(self._save_jobs.get(req_id, ()))
+            for job in jobs:
+                job.gathered.wait()
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(finished requests whose saves are all done, asynchronous loads done since the last call)."""
+        with self._lock:
+            self._awaiting_free.update(r for r in finished_req_ids if r in self._save_jobs)
+            sending = {r for r in self._awaiting_free if not self._save_jobs[r]}
+            for r in sending:
+                self._awaiting_free.discard(r)
+                del self._save_jobs[r]
+            done, self._loads_done = self._loads_done, []
+            for job in done:
+                self._load_errors.update(job.failed)
+        recving = {job.req_id for job in done}
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> set[int]:
+        """Engine blocks that failed to load: this step's layer-wise loads (they end here, after the forward)
+        and the asynchronous loads get_finished just reported."""
+        for job in self._step_loads:
+            if not job.done.wait(self.settings.load_timeout_s):
+                job.cancel()  # a cancelled job stops at its next layer; all its blocks count as failed
+                job.done.wait()
+        with self._lock:
+            for job in self._step_loads:
+                self._load_errors.update(job.failed)
+            errors, self._load_errors = self._load_errors, set()
+        self._step_loads = []
+        return errors
+
+    def take_counters(self) -> dict[str, float]:
+        counters = self._transfers.take_counters() if self._transfers is not None else {}
+        counters["lookups_served"], self._lookups_served = self._lookups_served, 0
+        return counters
+
+    def take_events(self) -> list[Any]:
+        return self.recorder.take() if self.recorder is not None else []
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._transfers is not None:
+            self._transfers.close()
+        if self.store is not None:
+            self.store.close()
+
+    def _sweep(self) -> None:
+        """Release expired leases (the lookup server's idle hook, a few times a second)."""
+        self.lookup_leases.sweep()
+        self.store.leases.sweep()  # type: ignore[union-attr]
+
+    # ---- copy-thread callbacks ---------------------------------------------------------------------------
+
+    def _load_done(self, job: LoadJob) -> None:
+        if job.failed:
+            log.info("kvtier: %d of %d blocks of request %s were not loaded (gone since the lookup); vLLM "
+                     "recomputes them", len(job.failed), len(job.keys), job.req_id)
+        if not job.layerwise:
+            with self._lock:
+                self._loads_done.append(job)
+
+    def _save_done(self, job: SaveJob) -> None:
+        with self._lock:
+            jobs = self._save_jobs.get(job.req_id)
+            if jobs is not None and job in jobs:
+                jobs.remove(job)
+
+    def _ready(self) -> tuple[TieredStore, Namespace, Transfers]:
+        if self.store is None or self.namespace is None or self._transfers is None:
+            raise RuntimeError("kvtier: the worker has no KV caches yet (vLLM calls register_kv_caches first)")
+        return self.store, self.namespace, self._transfers
+
+
+def _runs(tiers: list[str]) -> tuple[tuple[str, int], ...]:
+    out: list[list[Any]] = []
+    for name in tiers:
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return tuple((str(n), int(c)) for n, c in out)

@@ -1,0 +1,191 @@
+"""``kvtier replay`` (real traces through a real store, against the offline optimum) and ``kvtier demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import Config
+from kvtier.units import parse_bytes
+
+log = logging.getLogger(__name__)
+
+# `kvtier demo`: the shipped sample (package data), replayed on these settings.
+DEMO_TRACES = ("sample-traces", "agentic-cc")
+DEMO_ARGS = ["--lanes", "8", "--hbm", "40GiB", "--dram", "10%,25%", "--ssd", "0,50%", "--policy", "lru,s3fifo"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay", help="replay real traces through the store: hit rates per tier against the offline optimum",
+        description="Replay agentic-cc traces (files or directories of *.json.gz) or one Mooncake JSONL trace "
+                    "through an HBM prefix cache and a real TieredStore on a virtual clock; report hit rates per "
+                    "tier, bytes moved, modeled TTFT, and the infinite-cache and Belady (OPT) limits.")
+    p.add_argument("traces", nargs="+", help="trace files or directories")
+    add_replay_arguments(p)
+    p.set_defaults(func=run_replay)
+    d = sub.add_parser("demo", help="replay the agentic-cc sample shipped with kvtier and print the table",
+                       description="`kvtier replay` on the sample of agentic-cc traces shipped inside the package "
+                                   f"(Apache-2.0, see its NOTICE.md), with {' '.join(DEMO_ARGS)}.")
+    add_output_arguments(d)
+    d.set_defaults(func=run_demo)
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw hit rate against DRAM capacity (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.replay.replayer import OFFLOAD_MODES
+    from kvtier.replay.service import DEFAULT_DECODE_TOKENS_PER_S, DEFAULT_PREFILL_TOKENS_PER_S
+
+    g = p.add_argument_group("traces")
+    g.add_argument("--format", choices=("agentic", "mooncake"), help="trace format (default: from file names)")
+    g.add_argument("--limit", type=int, metavar="N", help="the first N trace files by name (standard slice: 60)")
+    g.add_argument("--lanes", type=int, default=32, help="concurrent conversations (agentic-cc; default 32)")
+    g.add_argument("--seed", type=int, default=0, help="order in which lanes take traces (default 0)")
+    g.add_argument("--repeat", type=int, default=1, help="replays of each trace, each with its own salt")
+    g.add_argument("--think-cap", type=float, default=60.0, metavar="S", help="cap on think times (default 60 s)")
+    g = p.add_argument_group("sizing")
+    g.add_argument("--model", help="llama-3.1-8b (default), qwen3-32b, deepseek-v3, ... (see kvtier.layout.MODELS)")
+    g.add_argument("--layers", type=int, help="explicit model: layers (with --kv-heads, --head-dim)")
+    g.add_argument("--kv-heads", type=int, help="explicit model: KV heads")
+    g.add_argument("--head-dim", type=int, help="explicit model: head dim")
+    g.add_argument("--dtype", default="bfloat16", help="KV dtype (default bfloat16)")
+    g.add_argument("--hbm", default="40GiB", help="HBM for the engine's prefix cache: bytes or %% of unique blocks")
+    g.add_argument("--dram", default="200GiB", help="DRAM tier: bytes or %% of the replayed traces' unique blocks; "
+                                                   "a comma list sweeps (e.g. 2%%,5%%,10%%,25%%); 0: HBM only")
+    g.add_argument("--ssd", help="SSD tier under DRAM: bytes or %% of unique blocks, a comma list sweeps; its files "
+                                 "go to a fresh directory under --set ssd_path=DIR (default: the temp dir)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another store config key; *_capacity keys take bytes, %% or a comma list like --dram")
+    g = p.add_argument_group("store and server")
+    g.add_argument("--policy", default="lru,s3fifo", help="eviction policies, comma-separated (default lru,s3fifo)")
+    g.add_argument("--offload", choices=OFFLOAD_MODES, default="write-through",
+                   help="write-through: computed blocks are stored at once; write-back: when HBM evicts them")
+    g.add_argument("--prefill-rate", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="TOK/S",
+                   help=f"prefill tokens/s (default {DEFAULT_PREFILL_TOKENS_PER_S:g}: an 8B model on one H200)")
+    g.add_argument("--decode-rate", type=float, default=DEFAULT_DECODE_TOKENS_PER_S, metavar="TOK/S",
+                   help=f"decode tokens/s per request (default {DEFAULT_DECODE_TOKENS_PER_S:g})")
+    g.add_argument("--bandwidth", action="append", default=[], metavar="TIER=BYTES",
+                   help="load bandwidth per second from a tier, e.g. dram=50GB (defaults: dram 50 GB/s, "
+                        "pool 25 GB/s, ssd 6 GB/s)")
+    add_output_arguments(p)
+
+
+def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
+    from kvtier.replay.plot import plot_hit_rates, require_matplotlib
+    from kvtier.replay.replayer import ReplayConfig
+    from kvtier.replay.report import print_table, to_json
+    from kvtier.replay.service import DEFAULT_TIER_BYTES_PER_S, ServiceModel
+    from kvtier.replay.sizing import model_layout, parse_capacities, parse_capacity
+    from kvtier.replay.sweep import Sweep, capacity_keys
+    from kvtier.replay.workload import load_workload
+
+    if args.plot:
+        require_matplotlib()
+    tiers, extra = _tier_grid(args.dram, args.set, capacity_keys(), parse_capacities)
+    if args.ssd:
+        if "ssd_capacity" in tiers:
+            raise ValueError("give the SSD size once: --ssd or --set ssd_capacity")
+        tiers["ssd_capacity"] = parse_capacities(args.ssd)
+        extra.setdefault("ssd_path", str(Path(tempfile.gettempdir()) / "kvtier-replay"))
+    bandwidth = dict(DEFAULT_TIER_BYTES_PER_S)
+    for item in args.bandwidth:
+        tier, value = _key_value(item, "--bandwidth")
+        bandwidth[tier] = float(parse_bytes(value.removesuffix("/s")))
+    service = ServiceModel(args.prefill_rate, args.decode_rate, bandwidth)
+    config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload)
+    hbm = parse_capacity(args.hbm)
+    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+
+    t0 = time.process_time()
+    files = _bar(args, "reading traces", None, unit="file")
+    workload = load_workload(args.traces, args.format, args.limit, args.repeat, args.seed,
+                             on_file=(lambda _: files.update(1)) if files is not None else None)
+    if files is not None:
+        files.close()
+    parse_s = time.process_time() - t0
+    name, layout = model_layout(args.model, workload.block_tokens, layers=args.layers, kv_heads=args.kv_heads,
+                                head_dim=args.head_dim, dtype=args.dtype)
+    sweep = Sweep(workload, layout, name, hbm, tiers, policies, service, config, extra,
+                  progress=lambda desc, total: _bar(args, desc, total, unit="req"))
+    points = sweep.run()
+    print_table(sweep, points, title)
+    cpu = sum(r.result.cpu_s for p in points for r in p.runs.values())
+    opt = sum(r.opt_cpu_s for p in points for r in p.runs.values())
+    reqs = sum(r.result.requests for p in points for r in p.runs.values())
+    print(f"CPU: traces read in {parse_s:.1f} s once; {reqs:,} requests replayed in {cpu:.1f} s "
+          f"({reqs / cpu if cpu else 0:,.0f} requests per CPU-second); limits (OPT, infinite) {opt:.1f} s")
+    if args.json:
+        from kvtier.bench.common import write_json
+
+        report = to_json(sweep, points)
+        report["cpu"] = {"parse_s": parse_s, "replay_s": cpu, "limits_s": opt}
+        write_json(report, args.json)
+    if args.plot:
+        plot_hit_rates(points, sweep.block_bytes, args.plot, f"{title}: {workload.short()}\n{name}, "
+                       + (f"{args.lanes} lanes" if not workload.timed else "timed arrivals"))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    root = importlib.resources.files("kvtier").joinpath(*DEMO_TRACES)
+    with importlib.resources.as_file(root) as sample:
+        if not Path(sample).is_dir():
+            raise OSError(f"the demo traces are missing from this install ({sample}); reinstall kvtier")
+        parser = argparse.ArgumentParser(prog="kvtier demo")
+        parser.add_argument("traces", nargs="+")
+        add_replay_arguments(parser)
+        argv = [str(sample), *DEMO_ARGS]
+        if args.json:
+            argv += ["--json", args.json]
+        if args.plot:
+            argv += ["--plot", args.plot]
+        if args.no_progress:
+            argv.append("--no-progress")
+        print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_ARGS)}  (sample: {sample})")
+        return run_replay(parser.parse_args(argv), title="kvtier demo")
+
+
+def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """--dram and --set KEY=VALUE -> ({capacity key: [Capacity]}, {other config key: value})."""
+    tiers: dict[str, Any] = {"dram_capacity": parse(dram)}
+    extra: dict[str, Any] = {}
+    config_keys = {f for f, _, _ in Config.describe()}
+    for item in settings:
+        key, value = _key_value(item, "--set")
+        if key == "dram_capacity":
+            raise ValueError("--set dram_capacity: use --dram")
+        if key == "eviction":
+            raise ValueError("--set eviction: use --policy")
+        if key in known:
+            tiers[key] = parse(value)
+        elif key in config_keys:
+            extra[key] = value
+        else:
+            Config.from_dict({key: value})  # raises ConfigError naming the key and the closest known ones
+    return tiers, extra
+
+
+def _key_value(item: str, flag: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+    return key.strip(), value.strip()
+
+
+def _bar(args: argparse.Namespace, desc: str, total: int | None, unit: str) -> Any:
+    if args.no_progress or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, leave=False, mininterval=0.5, file=sys.stderr)

@@ -1,0 +1,321 @@
+"""Replayer: a Workload through an HBM prefix cache and a real TieredStore, on a virtual clock.
+
+Per request, at its arrival: the longest prefix held in HBM is free; the store's ``lookup_prefix`` continues
+that prefix below HBM (DRAM, and SSD or the remote pool once the store has them), and those blocks are read
+with ``get``; the rest is computed and stored through the offload mode (``write-through``: the computed blocks
+go to the store at once, as vLLM's offloading connector and LMCache do; ``write-back``: blocks go to the
+store when HBM evicts them). Keys are handed to the store tail first, as to the HBM model, so policies evict
+a prefix's tail before its root. Cache effects happen at arrival (as an engine registers a request's blocks
+when it schedules it); the service model (service.py) then says when the request finishes.
+
+agentic-cc: ``lanes`` lanes each replay one conversation tree at a time; a subagent runs concurrently inside
+its parent's lane and the parent's next request waits for all subagents spawned with it; a finished lane takes
+the next replay of the workload's seeded order. A timed trace (Mooncake) issues requests at their timestamps.
+
+The store is the real one, built with small stand-in blocks (see sweep.py): its tiers hold exactly as many
+blocks as the real capacities would, and its put/get/lookup/eviction/dedup code runs unchanged. Bytes moved
+are reported in real block bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvtier.keys import Namespace
+from kvtier.replay.hbm import HbmPrefixCache
+from kvtier.replay.service import Server, ServiceModel
+from kvtier.replay.traces import Request, Step
+from kvtier.replay.workload import Replay, Workload
+from kvtier.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+OFFLOAD_MODES = ("write-through", "write-back")
+HBM = "hbm"
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How traces are replayed (independent of the cache being measured)."""
+
+    lanes: int = 32
+    think_cap_s: float = 60.0
+    offload: str = "write-through"
+
+    def __post_init__(self) -> None:
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
+        if not self.think_cap_s >= 0:
+            raise ValueError(f"think-time cap must be >= 0 s, got {self.think_cap_s}")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload!r}")
+
+
+class RequestRecord(NamedTuple):
+    """One served request (kept only with ``record=True``): which agent run, when, and what it hit."""
+
+    run: int  # agent run id; -1 for a timed trace
+    parent: int  # the parent run's id, -1 for a root
+    step: int  # index of the request among its agent's steps
+    arrival: float
+    first_token: float
+    done: float
+    hbm_blocks: int
+    store_blocks: int
+    computed_tokens: int
+
+
+@dataclass
+class ReplayResult:
+    """What one replay measured. Token counts are input tokens; ``stream`` is every block access in order
+    (global block ids), which the offline limits (opt.py) are computed from."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    lost_blocks: int = 0  # found by lookup_prefix but gone at get (counted as computed)
+    computed_tokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # "hbm", then the store's tiers in order
+    bytes_loaded: dict[str, int] = field(default_factory=dict)  # per store tier, real bytes read into HBM
+    bytes_stored: dict[str, int] = field(default_factory=dict)  # per store tier, real bytes written to it
+    capacity_blocks: dict[str, int] = field(default_factory=dict)  # per tier, HBM included
+    ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0))
+    virtual_s: float = 0.0
+    prefill_busy_s: float = 0.0
+    cpu_s: float = 0.0
+    stream: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32), repr=False)
+    records: list[RequestRecord] = field(default_factory=list, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hit_tokens.values()) / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def tier_hit_rate(self) -> dict[str, float]:
+        n = self.input_tokens or 1
+        return {t: v / n for t, v in self.hit_tokens.items()}
+
+    @property
+    def store_saved_tokens(self) -> int:
+        """Prefill tokens the store saved: hits below HBM, which an engine alone would have recomputed."""
+        return sum(v for t, v in self.hit_tokens.items() if t != HBM)
+
+    def ttft_percentile(self, q: float) -> float:
+        return float(np.percentile(self.ttft_s, q)) if len(self.ttft_s) else 0.0
+
+
+class _Run:
+    """One agent (a conversation or a subagent) being replayed: its steps and where it is in them."""
+
+    __slots__ = ("steps", "index", "parent", "pending", "replay", "keys", "ident")
+
+    def __init__(self, steps: tuple[Step, ...], parent: _Run | None, replay: Replay, keys: list[bytes],
+                 ident: int) -> None:
+        self.steps, self.index, self.parent, self.pending = steps, 0, parent, 0
+        self.replay, self.keys, self.ident = replay, keys, ident
+
+
+_ADVANCE, _ARRIVE, _READY, _DONE = 0, 1, 2, 3
+
+
+class Replayer:
+    """Runs one replay; single-threaded and synchronous. The caller owns ``store`` (and closes it)."""
+
+    def __init__(
+        self, workload: Workload, namespace: Namespace, store: TieredStore | None, hbm_blocks: int,
+        real_block_bytes: int, service: ServiceModel, config: ReplayConfig,
+        progress: Callable[[int], Any] | None = None, record: bool = False,
+    ) -> None:
+        self.workload, self.ns, self.store = workload, namespace, store
+        self.hbm = HbmPrefixCache(hbm_blocks)
+        self.real_block_bytes, self.service, self.config = real_block_bytes, service, config
+        self.server = Server(service)
+        self.progress, self.record = progress, record
+        self.tiers = [t.name for t in store.tiers] if store is not None else []
+        self._bandwidth = {t: service.bandwidth(t) for t in self.tiers}
+        self._bt = workload.block_tokens
+        max_blocks = max((len(r.blocks) for t in workload.traces for r in t.iter_requests()), default=0)
+        self._rows = np.zeros((max(max_blocks, 1), store.block_bytes if store else 1), dtype=np.uint8)
+        self._put_limit = store.tiers[0].stats().capacity_bytes // store.block_bytes if store else 0
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._runs = 0
+        self._queue: deque[Replay] = deque()
+        self._stream = np.empty(workload.block_accesses, dtype=np.int32)  # filled in arrival order
+        self._streamed = 0
+        self._ttft: list[float] = []
+        self._unreported = 0
+        self._last_done = 0.0  # a timed trace schedules no completion events: its end is the last done
+        self.result = ReplayResult(hit_tokens={HBM: 0, **{t: 0 for t in self.tiers}})
+
+    # ---- the event loop --------------------------------------------------------------------------------
+
+    def run(self) -> ReplayResult:
+        cpu0 = time.process_time()
+        replays = self.workload.replays
+        if self.workload.timed:
+            replay = replays[0]
+            keys = self.workload.keys(replay, self.ns)
+            run = _Run(replay.trace.steps, None, replay, keys, -1)
+            for i, req in enumerate(replay.trace.steps):
+                self._push(req.delay, _ARRIVE, (run, req, i))  # type: ignore[union-attr]
+        else:
+            self._queue.extend(replays)
+            for _ in range(min(self.config.lanes, len(self._queue))):
+                self._start_next(0.0)
+        now = 0.0
+        events, pop = self._events, heapq.heappop
+        while events:
+            now, _, kind, payload = pop(events)
+            if kind == _ARRIVE:
+                self._arrive(now, *payload)
+            elif kind == _READY:
+                self._ready(now, *payload)
+            elif kind == _DONE:
+                payload.index += 1
+                self._advance(payload, now)
+            else:
+                self._advance(payload, now)
+        return self._finish(now, time.process_time() - cpu0)
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, payload))
+
+    def _start_next(self, now: float) -> None:
+        if self._queue:
+            replay = self._queue.popleft()
+            run = self._new_run(replay.trace.steps, None, replay, self.workload.keys(replay, self.ns))
+            self._advance(run, now)
+
+    def _new_run(self, steps: tuple[Step, ...], parent: _Run | None, replay: Replay, keys: list[bytes]) -> _Run:
+        self._runs += 1
+        return _Run(steps, parent, replay, keys, self._runs)
+
+    def _advance(self, run: _Run, now: float) -> None:
+        """Start the run's next step at ``now``; a finished run releases its parent or its lane."""
+        cap = self.config.think_cap_s
+        while True:
+            if run.index == len(run.steps):
+                parent = run.parent
+                if parent is None:
+                    self._start_next(now)
+                    return
+                parent.pending -= 1
+                if parent.pending:
+                    return
+                run = parent  # the last subagent of a group finished: the parent goes on
+                continue
+            step = run.steps[run.index]
+            if isinstance(step, Request):
+                self._push(now + min(step.delay, cap), _ARRIVE, (run, step, run.index))
+                return
+            run.index += 1
+            if step.agents:
+                run.pending = len(step.agents)
+                for agent, delay in zip(step.agents, step.spawn_delays):
+                    child = self._new_run(agent, run, run.replay, run.keys)
+                    self._push(now + min(delay, cap), _ADVANCE, child)
+                return
+
+    # ---- one request ------------------------------------------------------------------------------------
+
+    def _arrive(self, now: float, run: _Run, req: Request, step: int) -> None:
+        ids = req.blocks
+        n = len(ids)
+        at = self._streamed
+        np.add(ids, run.replay.id_offset, out=self._stream[at: at + n])
+        self._streamed = at + n
+        keys = list(map(run.keys.__getitem__, ids.tolist()))
+        h = self.hbm.prefix(keys)
+        d = 0
+        load_s = 0.0
+        store = self.store
+        if store is not None and h < n:
+            rest = keys[h:]
+            found = store.lookup_prefix(rest)
+            d = found.length
+            if d:
+                loaded = rest[:d]
+                loaded.reverse()
+                got = store.get(loaded, self._rows[:d])
+                if not all(got):  # a block went between lookup and get (a tier writing behind): recompute
+                    got.reverse()
+                    d = got.index(False)
+                    self.result.lost_blocks += len(got) - d
+                per_tier = {self.tiers[0]: d} if len(self.tiers) == 1 else Counter(found.tiers[:d])
+                bt, hit_tokens = self._bt, self.result.hit_tokens
+                for tier, count in per_tier.items():
+                    hit_tokens[tier] += count * bt
+                    load_s += count * self.real_block_bytes / self._bandwidth[tier]
+            if self.config.offload == "write-through" and h + d < n:
+                self._put_tail_first(keys[h + d:])
+        victims = self.hbm.admit(keys)
+        if store is not None and victims and self.config.offload == "write-back":
+            self._put_tail_first(victims[::-1])  # victims come tail first; give them root first
+        res = self.result
+        res.hit_tokens[HBM] += h * self._bt
+        computed = req.input_tokens - (h + d) * self._bt
+        res.computed_tokens += computed
+        res.input_tokens += req.input_tokens
+        res.requests += 1
+        ready = self.server.load(now, load_s)
+        payload = (run, req, step, now, computed, h, d)
+        if ready > now:
+            self._push(ready, _READY, payload)
+        else:
+            self._ready(now, *payload)
+
+    def _put_tail_first(self, keys: list[bytes]) -> None:
+        """Store ``keys`` (root first) tail first, in batches the top tier can hold: a batch larger than the
+        tier would be cut short at its end, losing the roots; batch after batch, the tails move down a tier
+        and the root-most blocks stay on top."""
+        store, limit = self.store, self._put_limit
+        for end in range(len(keys), 0, -limit):
+            batch = keys[max(0, end - limit): end]
+            batch.reverse()
+            store.put(batch, self._rows[: len(batch)])  # type: ignore[union-attr]
+
+    def _ready(self, now: float, run: _Run, req: Request, step: int, arrival: float, computed: int, h: int,
+               d: int) -> None:
+        """The request's loads are done: queue its prefill (at least the last token is always computed)."""
+        first = self.server.prefill(now, max(computed, 1))
+        done = first + self.server.decode_seconds(req.output_tokens)
+        self._ttft.append(first - arrival)
+        self._last_done = max(self._last_done, done)
+        if self.record:
+            parent = run.parent.ident if run.parent is not None else -1
+            self.result.records.append(RequestRecord(run.ident, parent, step, arrival, first, done, h, d, computed))
+        if run.ident != -1:
+            self._push(done, _DONE, run)
+        if self.progress is not None:
+            self._unreported += 1
+            if self._unreported >= 64:
+                self.progress(self._unreported)
+                self._unreported = 0
+
+    def _finish(self, now: float, cpu_s: float) -> ReplayResult:
+        res = self.result
+        if self.progress is not None and self._unreported:
+            self.progress(self._unreported)
+        res.virtual_s = max(now, self._last_done)
+        res.prefill_busy_s = self.server.prefill_busy_s
+        res.cpu_s = cpu_s
+        res.ttft_s = np.asarray(self._ttft)
+        res.stream = self._stream[: self._streamed]
+        res.capacity_blocks[HBM] = self.hbm.capacity
+        if self.store is not None:
+            sim_bytes = self.store.block_bytes
+            for tier in self.store.tiers:
+                st = tier.stats()
+                res.capacity_blocks[tier.name] = st.capacity_bytes // sim_bytes
+                res.bytes_loaded[tier.name] = st.hits * self.real_block_bytes
+                res.bytes_stored[tier.name] = st.puts * self.real_block_bytes
+        return res

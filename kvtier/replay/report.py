@@ -1,0 +1,119 @@
+"""The replay's report: a table on stdout and a JSON document (its schema is in ``to_json``'s docstring)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+from kvtier.replay.replayer import HBM
+from kvtier.replay.sweep import PolicyRun, Sweep, SweepPoint
+from kvtier.units import format_bytes
+
+
+def setup(sweep: Sweep) -> dict[str, Any]:
+    """What was replayed and how: enough to rerun it."""
+    w, cfg, svc = sweep.workload, sweep.config, sweep.service
+    return {
+        "workload": {"source": w.source, "traces": len(w.traces), "timed": w.timed, "repeat": w.repeat,
+                     "seed": w.seed, "requests": w.requests, "input_tokens": w.input_tokens,
+                     "unique_blocks": w.unique_blocks, "block_accesses": w.block_accesses,
+                     "block_tokens": w.block_tokens},
+        "model": {"name": sweep.model, "block_bytes": sweep.block_bytes, "layout": sweep.layout.fingerprint},
+        "replay": {**asdict(cfg), "lanes": None if w.timed else cfg.lanes},
+        "service": {"prefill_tokens_per_s": svc.prefill_tokens_per_s, "decode_tokens_per_s": svc.decode_tokens_per_s,
+                    "tier_bytes_per_s": dict(svc.tier_bytes_per_s)},
+    }
+
+
+def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
+    r = run.result
+    return {
+        "hit_rate": r.hit_rate,
+        "tier_hit_rate": r.tier_hit_rate,
+        "opt_hit_rate": run.opt_hit_rate,
+        "infinite_hit_rate": run.infinite_hit_rate,
+        "prefill_tokens_saved": sum(r.hit_tokens.values()),
+        "prefill_tokens_saved_by_store": r.store_saved_tokens,
+        "tokens": {"input": r.input_tokens, "computed": r.computed_tokens, "hit": dict(r.hit_tokens)},
+        "bytes_loaded": dict(r.bytes_loaded),
+        "bytes_stored": dict(r.bytes_stored),
+        "ttft_s": {"p50": r.ttft_percentile(50), "p90": r.ttft_percentile(90)},
+        "requests": r.requests,
+        "lost_blocks": r.lost_blocks,
+        "virtual_s": r.virtual_s,
+        "prefill_utilization": r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0,
+        "cpu_s": r.cpu_s,
+        "requests_per_cpu_s": r.requests / r.cpu_s if r.cpu_s else None,
+        "opt_cpu_s": run.opt_cpu_s,
+    }
+
+
+def point_json(point: SweepPoint, block_bytes: int) -> dict[str, Any]:
+    return {
+        "capacities": {t: {"blocks": b, "bytes": b * block_bytes, "label": point.labels.get(t, "")}
+                       for t, b in point.capacity_blocks.items()},
+        "policies": {name: policy_json(run, block_bytes) for name, run in point.runs.items()},
+        "opt_hit_rate": point.opt_hit_rate,
+        "infinite_hit_rate": point.infinite_hit_rate,
+    }
+
+
+def to_json(sweep: Sweep, points: list[SweepPoint]) -> dict[str, Any]:
+    """The report as one JSON object.
+
+    ``points``: one object per capacity combination, in the order given on the command line, each
+    ``{"capacities": {TIER: {"blocks", "bytes", "label"}}, "policies": {NAME: {"hit_rate", "tier_hit_rate":
+    {TIER: ...}, "opt_hit_rate", "infinite_hit_rate", ...}}, "opt_hit_rate", "infinite_hit_rate"}``. Hit rates
+    are fractions of input tokens. A policy's ``opt_hit_rate`` is Belady's optimum on its own request order (the
+    order depends on service times, so on hits); a point's is the largest of those, so it bounds every policy.
+    The top level repeats the first point's fields, so a single-capacity run reads
+    ``{"policies": ..., "opt_hit_rate": ..., "infinite_hit_rate": ...}``.
+    """
+    pts = [point_json(p, sweep.block_bytes) for p in points]
+    return {**setup(sweep), **(pts[0] if pts else {}), "points": pts}
+
+
+def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier replay") -> None:
+    w, cfg = sweep.workload, sweep.config
+    bb = sweep.block_bytes
+    unique = w.unique_blocks
+    print(f"\n{title}: {w.describe()}")
+    how = ("requests at their timestamps" if w.timed
+           else f"{cfg.lanes} lanes, think time capped at {cfg.think_cap_s:g} s")
+    print(f"  {sweep.model}: {format_bytes(bb)} per {w.block_tokens}-token block; unique blocks "
+          f"{format_bytes(unique * bb)}; {how}; offload {cfg.offload}; HBM {sweep.hbm.label(unique, bb)}")
+    svc = sweep.service
+    print(f"  service model: prefill {svc.prefill_tokens_per_s:,.0f} tok/s, decode {svc.decode_tokens_per_s:g} tok/s, "
+          + ", ".join(f"{t} {v / 1e9:g} GB/s" for t, v in svc.tier_bytes_per_s.items()))
+    if not points:
+        return
+    tiers = list(points[0].capacity_blocks)
+    lower = [t for t in tiers if t != HBM]
+    head = "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<8}{'hit':>7}"
+    head += "".join(f"{t:>7}" for t in tiers)
+    head += f"{'OPT':>7}{'inf':>7}{'saved':>9}{'loaded':>11}{'stored':>11}{'TTFT p50':>10}{'p90':>8}{'busy':>6}"
+    head += f"{'req/CPU-s':>10}"
+    print("\n" + head)
+    for point in points:
+        caps = "".join(f"{point.labels.get(t, ''):>20}" for t in lower)
+        for name, run in point.runs.items():
+            r = run.result
+            rates = "".join(f"{r.tier_hit_rate.get(t, 0.0):>7.3f}" for t in tiers)
+            loaded, stored = sum(r.bytes_loaded.values()), sum(r.bytes_stored.values())
+            util = r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0
+            rps = r.requests / r.cpu_s if r.cpu_s else math.inf
+            print(f"{caps}  {name:<8}{r.hit_rate:>7.3f}{rates}{run.opt_hit_rate:>7.3f}{run.infinite_hit_rate:>7.3f}"
+                  f"{_tokens(r.store_saved_tokens):>9}{format_bytes(loaded):>11}{format_bytes(stored):>11}"
+                  f"{r.ttft_percentile(50):>9.2f}s{r.ttft_percentile(90):>7.1f}s{util:>6.0%}{rps:>10.0f}")
+            caps = " " * len(caps)
+    print("\nhit: input tokens served from cache (per tier after it); OPT: Belady's optimum at the same total "
+          "capacity on the same request order;\ninf: infinite cache; saved: prefill tokens loaded from below HBM; "
+          "busy: prefill utilization of the modeled GPU.")
+
+
+def _tokens(n: int) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)

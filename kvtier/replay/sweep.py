@@ -1,0 +1,210 @@
+"""Sweep: replay one Workload for every (lower-tier capacity, policy) pair and attach the offline limits.
+
+The workload is parsed and its keys hashed once; each run builds a fresh real TieredStore whose tiers hold
+``capacity_bytes // real_block_bytes`` blocks of ``SIM_BLOCK_BYTES`` stand-in bytes each, so the real store
+code (dedup, lookups, the eviction policies) runs at the real block counts without allocating real bytes.
+Each run's own access stream gives its OPT and infinite-cache limits (memoised when two runs' streams match).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvtier.config import Config
+from kvtier.keys import Namespace
+from kvtier.layout import BlockLayout
+from kvtier.policies import policy_class
+from kvtier.replay.opt import Limits, LimitsCache
+from kvtier.replay.replayer import HBM, ReplayConfig, Replayer, ReplayResult
+from kvtier.replay.service import ServiceModel
+from kvtier.replay.sizing import Capacity
+from kvtier.replay.workload import Workload
+from kvtier.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+# Stand-in bytes per block in the replay's store: enough for the store's copies to be real, small enough that
+# a 256 GiB tier of 8 MiB blocks (32,768 blocks) takes 2 MiB. A tier with alignment needs can raise it.
+SIM_BLOCK_BYTES = 64
+
+
+
+class ProgressBar(Protocol):
+    """What a progress factory returns (a tqdm bar is one)."""
+
+    def update(self, n: int) -> Any: ...
+
+    def close(self) -> Any: ...
+
+
+ProgressFactory = Callable[[str, int], ProgressBar | None]
+
+
+@dataclass
+class PolicyRun:
+    """One policy at one capacity point: the replay's measurements and the limits on its own stream."""
+
+    policy: str
+    result: ReplayResult
+    limits: Limits
+    block_tokens: int
+    opt_cpu_s: float = 0.0
+
+    def _rate(self, blocks: int) -> float:
+        n = self.result.input_tokens
+        return blocks * self.block_tokens / n if n else 0.0
+
+    @property
+    def opt_hit_rate(self) -> float:
+        return self._rate(self.limits.opt)
+
+    @property
+    def infinite_hit_rate(self) -> float:
+        return self._rate(self.limits.infinite)
+
+
+@dataclass
+class SweepPoint:
+    """All policies at one set of capacities (blocks per tier, HBM included)."""
+
+    capacity_blocks: dict[str, int]
+    labels: dict[str, str]
+    runs: dict[str, PolicyRun] = field(default_factory=dict)
+
+    @property
+    def opt_hit_rate(self) -> float:
+        """The largest OPT over the policies' streams: an upper bound for every policy of this point."""
+        return max((r.opt_hit_rate for r in self.runs.values()), default=0.0)
+
+    @property
+    def infinite_hit_rate(self) -> float:
+        return max((r.infinite_hit_rate for r in self.runs.values()), default=0.0)
+
+
+def capacity_keys() -> list[str]:
+    """Config keys that size a store tier (``dram_capacity``, and ``ssd_capacity`` etc. as tiers land)."""
+    return [f.name for f in fields(Config) if f.name.endswith("_capacity") and f.metadata.get("kind") == "bytes"]
+
+
+# Settings that keep a lower tier exact and deterministic under stand-in blocks, applied where the Config has
+# them (a --set overrides): the SSD tier's O_DIRECT would round 64 B blocks up to 4 KiB slots (64x fewer
+# blocks), and its write-behind would make hits depend on thread timing instead of the trace.
+REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0}
+# Config keys naming a directory a tier keeps files in: each run gets a fresh one under it, removed afterwards,
+# so no run finds the blocks of the run before it (salted keys repeat from run to run).
+RUN_DIRECTORIES = ("ssd_path",)
+
+
+@contextmanager
+def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str, Any],
+                sim_block_bytes: int = SIM_BLOCK_BYTES) -> Iterator[TieredStore | None]:
+    """A real TieredStore whose tiers hold ``tier_blocks[config key]`` blocks (None when DRAM is 0), closed
+    and its tiers' run directories removed on exit."""
+    if tier_blocks.get("dram_capacity", 0) <= 0:
+        others = [k for k, v in tier_blocks.items() if v > 0 and k != "dram_capacity"]
+        if others:
+            raise ValueError(f"{', '.join(others)} need a DRAM tier above them; give --dram > 0")
+        yield None
+        return
+    known = {f.name for f in fields(Config)}
+    values = {k: v for k, v in REPLAY_DEFAULTS.items() if k in known}
+    values.update(extra)
+    for key, blocks in tier_blocks.items():
+        if blocks > 0:
+            values[key] = blocks * sim_block_bytes
+        else:  # a lower tier sized 0 is off: drop its directory too (a sweep like --ssd 0,50%)
+            values.pop(key.removesuffix("_capacity") + "_path", None)
+    values["eviction"] = policy
+    with ExitStack() as cleanup:
+        for key in RUN_DIRECTORIES:
+            if values.get(key):
+                Path(values[key]).mkdir(parents=True, exist_ok=True)
+                values[key] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="run-", dir=values[key]))
+        store = TieredStore.from_config(Config.from_dict(values), sim_block_bytes)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+class Sweep:
+    """Runs the grid. Single-threaded; each run owns and closes its store."""
+
+    def __init__(
+        self, workload: Workload, layout: BlockLayout, model: str, hbm: Capacity, tiers: Mapping[str, list[Capacity]],
+        policies: list[str], service: ServiceModel, config: ReplayConfig, extra_config: Mapping[str, Any] | None = None,
+        progress: ProgressFactory | None = None, sim_block_bytes: int = SIM_BLOCK_BYTES,
+    ) -> None:
+        known = capacity_keys()
+        for key in tiers:
+            if key not in known:
+                raise ValueError(f"unknown tier capacity key {key!r}; known: {', '.join(known)}")
+        for p in policies:
+            policy_class(p)  # an unknown policy fails now, not after the first runs
+        if not policies:
+            raise ValueError("no eviction policy given")
+        self.workload, self.layout, self.model = workload, layout, model
+        self.hbm, self.tiers, self.policies = hbm, dict(tiers), list(policies)
+        self.service, self.config = service, config
+        self.extra = dict(extra_config or {})
+        self.progress, self.sim_block_bytes = progress, sim_block_bytes
+        self.namespace = Namespace(f"replay:{model}", layout.fingerprint)
+        self.limits = LimitsCache()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def points(self) -> list[dict[str, Capacity]]:
+        """Every combination of the tiers' capacities, in the order given (the last tier varies fastest)."""
+        grid: list[dict[str, Capacity]] = [{}]
+        for key, caps in self.tiers.items():
+            grid = [{**g, key: c} for g in grid for c in caps]
+        return grid
+
+    def run(self) -> list[SweepPoint]:
+        unique, bb = self.workload.unique_blocks, self.block_bytes
+        hbm_blocks = self.hbm.blocks(unique, bb)
+        out = []
+        for caps in self.points():
+            blocks = {k: c.blocks(unique, bb) for k, c in caps.items()}
+            labels = {HBM: self.hbm.label(unique, bb), **{k.removesuffix("_capacity"): c.label(unique, bb)
+                                                          for k, c in caps.items()}}
+            point = SweepPoint({HBM: hbm_blocks, **{k.removesuffix("_capacity"): v for k, v in blocks.items()}},
+                               labels)
+            for policy in self.policies:
+                point.runs[policy] = self.run_one(policy, hbm_blocks, blocks, labels)
+            out.append(point)
+        return out
+
+    def run_one(self, policy: str, hbm_blocks: int, tier_blocks: Mapping[str, int],
+                labels: Mapping[str, str] | None = None, record: bool = False) -> PolicyRun:
+        desc = f"{policy} " + " ".join(f"{k}={v}" for k, v in (labels or {}).items())
+        bar = self.progress(desc, self.workload.requests) if self.progress else None
+        try:
+            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes) as store:
+                replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
+                                    self.service, self.config, progress=bar.update if bar is not None else None,
+                                    record=record)
+                result = replayer.run()
+        finally:
+            if bar is not None:
+                bar.close()
+        t0 = time.process_time()
+        capacity = sum(result.capacity_blocks.values())
+        limits = self.limits.limits(result.stream, capacity)
+        opt_cpu = time.process_time() - t0
+        log.info("%s: hit rate %.4f, OPT %.4f (%.1f s CPU), %d requests in %.1f s CPU", desc,
+                 result.hit_rate, limits.opt * self.workload.block_tokens / max(result.input_tokens, 1), opt_cpu,
+                 result.requests, result.cpu_s)
+        result.stream = np.empty(0, np.int32)  # hundreds of MB for a large set; the limits are all we keep
+        return PolicyRun(policy, result, limits, self.workload.block_tokens, opt_cpu)

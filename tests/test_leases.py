@@ -1,0 +1,120 @@
+"""LeaseTable over a real TieredStore: pins that expire, composed with the store's per-block pin counts."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import blocks_for
+from kvtier.keys import Namespace
+from kvtier.leases import LeaseTable
+from kvtier.store import TieredStore
+
+BLOCK = 256
+KEYS = Namespace("lease-test").keys(range(12))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store():
+    s = TieredStore.from_config({"dram_capacity": 64 * BLOCK}, BLOCK)
+    s.put(KEYS[:10], blocks_for(KEYS[:10], BLOCK))
+    yield s
+    s.close()
+
+
+def test_a_lease_pins_held_keys_until_it_expires(store):
+    clock = Clock()
+    table = LeaseTable(store, clock=clock)
+    assert table.lease("s", KEYS[8:12], ttl_s=10) == [True, True, False, False]  # 10 and 11 are not held
+    assert store.pins.count(KEYS[8]) == 1 and store.pins.count(KEYS[10]) == 0
+    table.lease("s", KEYS[8:9], ttl_s=30)  # re-leasing extends, never pins twice
+    assert store.pins.count(KEYS[8]) == 1
+    clock.now = 20
+    assert table.sweep() == 0 and "s" in table
+    clock.now = 30
+    assert table.sweep() == 1 and "s" not in table
+    assert len(store.pins) == 0
+
+
+def test_leases_compose_with_other_pins(store):
+    table = LeaseTable(store)
+    store.pin(KEYS[:2])
+    table.lease("a", KEYS[:2], ttl_s=5)
+    table.lease("b", KEYS[1:3], ttl_s=5)
+    assert [store.pins.count(k) for k in KEYS[:3]] == [2, 3, 1]
+    assert table.release("a") == 2 and table.release("a") == 0
+    assert [store.pins.count(k) for k in KEYS[:3]] == [1, 2, 1]
+
+
+def test_pinned_blocks_survive_eviction():
+    store = TieredStore.from_config({"dram_capacity": 4 * BLOCK}, BLOCK)
+    try:
+        store.put(KEYS[:4], blocks_for(KEYS[:4], BLOCK))
+        store.leases.lease("keep", KEYS[:2], ttl_s=60)
+        store.put(KEYS[4:8], blocks_for(KEYS[4:8], BLOCK))  # needs room: only the unleased blocks go
+        assert store.contains(KEYS[:4]) == [True, True, False, False]
+    finally:
+        store.close()
+
+
+def test_budget_releases_lowest_priority_first(store):
+    table = LeaseTable(store, max_keys=4)
+    table.lease("low", KEYS[0:2], ttl_s=100, priority=0)
+    table.lease("high", KEYS[2:4], ttl_s=50, priority=5)
+    table.lease("mid", KEYS[4:6], ttl_s=100, priority=1)
+    assert "low" not in table and "high" in table and "mid" in table
+    assert table.leased_keys == 4 == len(store.pins)
+    assert table.released_by_budget == 1
+
+
+def test_ttl_must_be_positive(store):
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        LeaseTable(store).lease("x", KEYS[:1], ttl_s=0)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("lease"), st.sampled_from("abcd"), st.lists(st.integers(0, 11), max_size=6),
+              st.floats(0.5, 20), st.integers(0, 3)),
+    st.tuples(st.just("release"), st.sampled_from("abcd")),
+    st.tuples(st.just("advance"), st.floats(0, 10)),
+), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, budget=st.sampled_from([0, 3, 6]))
+def test_pin_counts_always_equal_live_leases(ops, budget):
+    """Invariant: a key's pin count is the number of live leases holding it; the budget always holds."""
+    store = TieredStore.from_config({"dram_capacity": 64 * BLOCK}, BLOCK)
+    try:
+        store.put(KEYS[:10], blocks_for(KEYS[:10], BLOCK))
+        clock = Clock()
+        table = LeaseTable(store, max_keys=budget, clock=clock)
+        for op in ops:
+            if op[0] == "lease":
+                _, name, idx, ttl, prio = op
+                got = table.lease(name, [KEYS[i] for i in idx], ttl, prio)
+                assert all(not g for g, i in zip(got, idx) if i >= 10)  # never pins what the store lacks
+            elif op[0] == "release":
+                table.release(op[1])
+            else:
+                clock.now += op[1]
+                table.sweep()
+            if budget:
+                assert table.leased_keys <= budget
+            live = {n: table.keys_of(n) for n in "abcd" if n in table}
+            for k in KEYS:
+                assert store.pins.count(k) == sum(k in keys for keys in live.values())
+        for name in "abcd":
+            table.release(name)
+        assert len(store.pins) == 0
+    finally:
+        store.close()

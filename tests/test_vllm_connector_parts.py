@@ -1,0 +1,224 @@
+"""The vLLM connector's parts that need no vLLM installed: the scheduler <-> worker lookup channel (real zmq
+ipc sockets), kv_connector_extra_config parsing, and agent hints from kv_transfer_params."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import zmq
+
+from kvtier import wire
+from kvtier.config import ConfigError
+from kvtier.connectors.vllm.hints import Hints, hints_of
+from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, PrefixReply, endpoint
+from kvtier.connectors.vllm.settings import CONNECTOR_KEYS, split_extra_config
+
+
+@pytest.fixture
+def ipc_dir():
+    path = tempfile.mkdtemp(prefix="kvt", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def held_prefix(n: int):
+    """A handler holding the first ``n`` blocks of any lookup, all in DRAM; records what it was asked."""
+    calls: list[tuple[int, int, float]] = []
+
+    def handler(lease: int, hashes: list[bytes], ttl_s: float) -> PrefixReply:
+        calls.append((lease, len(hashes), ttl_s))
+        length = min(n, len(hashes))
+        return PrefixReply(length, (("dram", length),) if length else ())
+
+    handler.calls = calls  # type: ignore[attr-defined]
+    return handler
+
+
+def wait_result(client: LookupClient, lease: int, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        client.poll()
+        result = client.result(lease)
+        if result is not None:
+            return result
+        time.sleep(0.001)
+    raise AssertionError(f"no answer to lookup {lease}")
+
+
+def test_shortest_prefix_over_all_ranks(ipc_dir):
+    servers = [LookupServer(endpoint(ipc_dir, "e", 0, r), held_prefix(n)) for r, n in enumerate((7, 3, 5))]
+    client = LookupClient([s.address for s in servers], timeout_s=5)
+    try:
+        hashes = [bytes([i]) * 32 for i in range(10)]
+        client.submit(42, hashes, ttl_s=9.5)
+        result = wait_result(client, 42)
+        assert result.length == 3 and result.reply.count("dram") == 3
+        assert all(s._handler.calls == [(42, 10, 9.5)] for s in servers)  # type: ignore[attr-defined]
+        assert not client.expired(42)
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+
+
+def test_unanswered_lookup_expires(ipc_dir):
+    live = LookupServer(endpoint(ipc_dir, "e", 0, 0), held_prefix(4))
+    client = LookupClient([live.address, endpoint(ipc_dir, "e", 0, 1)], timeout_s=0.1)  # rank 1: nobody home
+    try:
+        client.submit(1, [b"h" * 32] * 4, ttl_s=1)
+        time.sleep(0.15)
+        client.poll()
+        assert client.result(1) is None and client.expired(1)
+        client.forget(1)
+        assert not client.expired(1)
+    finally:
+        client.close()
+        live.close()
+
+
+def test_bad_requests_get_error_replies_and_the_server_keeps_serving(ipc_dir):
+    def broken(lease, hashes, ttl_s):
+        if lease == 13:
+            raise RuntimeError("bug in the handler")
+        return PrefixReply(len(hashes))
+
+    server = LookupServer(endpoint(ipc_dir, "e", 0, 0), broken)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(server.address)
+
+    def ask(frame: bytes) -> tuple[bool, dict]:
+        sock.send(frame)
+        _, ok, body = wire.decode_reply(sock.recv())
+        return ok, body
+
+    try:
+        cases = [
+            (b"\xc1garbage", wire.ERR_BAD_MESSAGE),
+            (msgpack.packb([99, 1, "kv_prefix", {}]), wire.ERR_BAD_VERSION),
+            (wire.encode_request(2, "drop_everything", {}), wire.ERR_UNKNOWN_OP),
+            (wire.encode_request(3, "kv_prefix", {"hashes": b"x" * 33, "width": 32, "ttl_s": 1.0}),
+             wire.ERR_BAD_REQUEST),
+            (wire.encode_request(4, "kv_prefix", {"hashes": b"x" * 32, "width": 32, "ttl_s": -1.0}),
+             wire.ERR_BAD_REQUEST),
+            (wire.encode_request(5, "kv_prefix", {"width": 32, "ttl_s": 1.0}), wire.ERR_BAD_REQUEST),
+            (wire.encode_request(13, "kv_prefix", {"hashes": b"x" * 32, "width": 32, "ttl_s": 1.0}),
+             wire.ERR_INTERNAL),
+        ]
+        for frame, code in cases:
+            ok, body = ask(frame)
+            assert not ok and body["code"] == code, (frame[:20], body)
+        ok, body = ask(wire.encode_request(6, "kv_prefix", {"hashes": b"x" * 64, "width": 32, "ttl_s": 1.0}))
+        assert ok and body["length"] == 2
+        assert server.errors == len(cases) and server.served == 1
+    finally:
+        sock.close()
+        ctx.term()
+        server.close()
+
+
+def test_a_rank_answering_an_error_holds_nothing(ipc_dir):
+    good = LookupServer(endpoint(ipc_dir, "e", 0, 0), held_prefix(5))
+    bad = LookupServer(endpoint(ipc_dir, "e", 0, 1), lambda *a: (_ for _ in ()).throw(OSError("disk on fire")))
+    client = LookupClient([good.address, bad.address], timeout_s=5)
+    try:
+        client.submit(7, [b"k" * 16] * 5, ttl_s=1)
+        assert wait_result(client, 7).length == 0
+    finally:
+        client.close()
+        good.close()
+        bad.close()
+
+
+def test_idle_hook_runs(ipc_dir):
+    ticks = threading.Event()
+    server = LookupServer(endpoint(ipc_dir, "e", 0, 0), held_prefix(0), on_idle=ticks.set, idle_s=0.01)
+    try:
+        assert ticks.wait(2)
+    finally:
+        server.close()
+
+
+def test_endpoint_refuses_paths_a_unix_socket_cannot_hold():
+    assert endpoint("/tmp", "x" * 500, 3, 1).startswith("ipc:///tmp/kvtier-")  # the engine id is hashed
+    with pytest.raises(ValueError, match="ipc_dir .* too long"):
+        endpoint("/tmp/" + "d" * 100, "e", 0, 0)
+
+
+def test_reply_counts_by_tier():
+    reply = PrefixReply(6, (("dram", 2), ("ssd", 3), ("dram", 1)))
+    assert reply.count("dram") == 3 and reply.count("ssd") == 3 and reply.count("ssd", upto=4) == 2
+
+
+# ---- kv_connector_extra_config ------------------------------------------------------------------------------
+
+
+def test_extra_config_splits_connector_and_store_keys():
+    settings, store = split_extra_config({"dram_capacity": "8GiB", "ssd_path": "/nvme/x", "load_mode": "layerwise",
+                                          "staging_bytes": "32MiB", "save_decode": "false", "lookup_timeout_s": 2})
+    assert store == {"dram_capacity": "8GiB", "ssd_path": "/nvme/x"}
+    assert settings.load_mode == "layerwise" and not settings.load_async
+    assert settings.staging_bytes == 32 << 20 and settings.save_decode is False and settings.lookup_timeout_s == 2.0
+    assert set(CONNECTOR_KEYS) >= {"load_mode", "save_decode", "lease_ttl_s", "ipc_dir"}
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"dram_capasity": "1GiB"}, "unknown config key 'dram_capasity'; did you mean dram_capacity"),
+    ({"load_mode": "eager"}, "load_mode: 'eager' is not one of async, layerwise"),
+    ({"lease_ttl_s": 0}, "lease_ttl_s must be > 0"),
+    ({"save_decode": "maybe"}, "save_decode: expected a boolean"),
+    ({"hint_max_fraction": 2}, "hint_max_fraction must be in"),
+    ({"dram_capacity": "lots"}, "dram_capacity"),
+])
+def test_bad_extra_config_is_named(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        split_extra_config(extra)
+
+
+# ---- agent hints ------------------------------------------------------------------------------------------
+
+
+def _req(params, session_id=None):
+    return SimpleNamespace(request_id="r1", kv_transfer_params=params, session_id=session_id)
+
+
+def test_hints_from_kv_transfer_params():
+    assert hints_of(_req({"kvtier": {"ttl_s": 600, "session": "s", "priority": 2}})) == Hints("s", 600.0, 2.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 5}}, session_id="vllm-session")) == Hints("vllm-session", 5.0, 0.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 5}})) == Hints("r1", 5.0, 0.0)
+    assert hints_of(_req(None)) is None and hints_of(_req({"do_remote_prefill": True})) is None
+
+
+@pytest.mark.parametrize("raw", [{"ttl_s": -1}, {"ttl_s": "soon"}, {"ttl_s": 5, "priority": float("nan")},
+                                 {"ttl_s": 5, "session": 7}, {}])
+def test_bad_hints_are_ignored_not_fatal(raw, caplog):
+    assert hints_of(_req({"kvtier": raw})) is None
+    assert "ignoring hints of request r1" in caplog.text
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------------
+
+
+def test_bench_vllm_writes_rows_beside_memcpy(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "vllm.json"
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "vllm", "--bytes", "8MiB", "--staging", "4MiB",
+                        "--rounds", "1", "--json", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    assert [x["op"] for x in rows] == ["save", "load"]
+    for x in rows:
+        assert x["blocks"] == 4 and x["gbps"] > 0 and x["baseline_gbps"] > 0
+        assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
+    assert "np.copyto" in r.stdout
