@@ -19,15 +19,8 @@ Round 0 warms up (page faults, connections); figures are medians of the other ro
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +28,7 @@ import torch
 
 from kvtier.bench.common import gbps, median, row, time_once
 from kvtier.keys import Namespace
+from kvtier.pool.process import PoolDaemon
 from kvtier.transport.connection import connect
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
@@ -44,27 +38,20 @@ OPS = ("put", "get")
 def bench_pool(sizes: list[int], total: int, rounds: int, *, connections: int = 4, mooncake: bool = True,
                **_: Any) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    notes: list[str] = []
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-pool-"))
-    try:
-        for bb in sizes:
-            rows += _bench_size(tmp, bb, max(1, total // bb), rounds, connections)
-        if mooncake:
-            from kvtier.bench.pool_mooncake import bench_mooncake
+    for bb in sizes:
+        rows += _bench_size(bb, max(1, total // bb), rounds, connections)
+    if mooncake:
+        from kvtier.bench.pool_mooncake import bench_mooncake
 
-            mc_rows, note = bench_mooncake(sizes, total, rounds, raw=_raw_baselines(rows))
-            rows += mc_rows
-            if note:
-                notes.append(note)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    for note in notes:
-        print(note)
+        mc_rows, note = bench_mooncake(sizes, total, rounds, raw=_raw_baselines(rows))
+        rows += mc_rows
+        if note:
+            print(note)
     _print_comparison(rows)
     return rows
 
 
-def _bench_size(tmp: Path, bb: int, n: int, rounds: int, connections: int) -> list[dict[str, Any]]:
+def _bench_size(bb: int, n: int, rounds: int, connections: int) -> list[dict[str, Any]]:
     nbytes = n * bb
     src = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8).view(n, bb)  # not constant: catches mixups
     src[:, :8] = torch.arange(n, dtype=torch.int64).view(n, 1).view(torch.uint8)  # every block distinct
@@ -73,7 +60,7 @@ def _bench_size(tmp: Path, bb: int, n: int, rounds: int, connections: int) -> li
     out_rows = np.uint64(out.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
     ns = Namespace(f"bench-pool-{bb}")
     times: dict[str, list[float]] = {}
-    with _Pool(tmp, bb, nbytes) as pool, _RawPeer(nbytes) as raw:
+    with PoolDaemon(nbytes + 4 * bb, bb, ipc=True) as pool, _RawPeer(nbytes) as raw:
         tcp = connect(pool.endpoint("tcp"), bb, transport="tcp", timeout_s=30.0, lanes=connections)
         stream = connect(pool.endpoint("tcp"), bb, transport="stream", timeout_s=30.0, lanes=connections)
         shm = connect(pool.endpoint("ipc"), bb, transport="shm", timeout_s=30.0)
@@ -145,38 +132,6 @@ def _print_comparison(rows: list[dict[str, Any]]) -> None:
         if r["path"] in ("stream", "tcp") and (r["op"], r["block_bytes"]) in mc:
             print(f"  {r['path']:>6} {r['op']:>4} {r['block_bytes'] >> 10:>5} KiB: {r['gbps']:.2f} / "
                   f"{mc[(r['op'], r['block_bytes'])]:.2f} GB/s = {r['gbps'] / mc[(r['op'], r['block_bytes'])]:.2f}x")
-
-
-class _Pool:
-    """A kvtier-pool subprocess sized for one batch, bound on tcp (loopback) and ipc."""
-
-    def __init__(self, tmp: Path, block_bytes: int, nbytes: int) -> None:
-        self.tmp, self.block_bytes, self.capacity = tmp, block_bytes, nbytes + 4 * block_bytes
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.endpoints: list[str] = []
-
-    def endpoint(self, scheme: str) -> str:
-        return next(e for e in self.endpoints if e.startswith(scheme + "://"))
-
-    def __enter__(self) -> _Pool:
-        ready = self.tmp / f"pool-{self.block_bytes}.ready"
-        cmd = [sys.executable, "-m", "kvtier.pool", "--bind", "tcp://127.0.0.1:*", "--bind",
-               f"ipc://{self.tmp}/pool-{self.block_bytes}.sock", "--capacity", str(self.capacity), "--block-bytes",
-               str(self.block_bytes), "--shm-dir", str(self.tmp), "--ready-file", str(ready), "--rdma", "off",
-               "--workers", "2", "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvtier-pool did not start (exit code {self.proc.poll()})")
-            time.sleep(0.02)
-        self.endpoints = json.loads(ready.read_text())["endpoints"]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 class _RawPeer:

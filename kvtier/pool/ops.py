@@ -162,6 +162,16 @@ def release(st: PoolState, body: Body, data: list[Any]) -> Reply:
     return Reply({"valid": hold is not None or lease == 0})
 
 
+def clear(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    tier = st.tier
+    if tier is None:
+        return Reply({"removed": 0})
+    keys = tier.keys()
+    removed = tier.remove(keys)
+    st.emit("removed", keys)
+    return Reply({"removed": removed})
+
+
 def stats(st: PoolState, body: Body, data: list[Any]) -> Reply:
     return Reply(st.stats())
 
@@ -181,7 +191,8 @@ def check_fits(n: int, block_bytes: int, capacity: int) -> None:
 
 OPS: dict[str, Callable[[PoolState, Body, list[Any]], Reply]] = {
     P.HELLO: hello, P.CONTAINS: contains, P.REMOVE: remove, P.PUT: put, P.GET: get, P.RESERVE: reserve,
-    P.COMMIT: commit, P.ACQUIRE: acquire, P.RELEASE: release, P.STATS: stats, P.RDMA_CONNECT: rdma_connect,
+    P.COMMIT: commit, P.ACQUIRE: acquire, P.RELEASE: release, P.STATS: stats, P.CLEAR: clear,
+    P.RDMA_CONNECT: rdma_connect,
 }
 NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
 

@@ -28,6 +28,8 @@ Ops (request body -> reply body):
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
             have been reused: the client must count those blocks as misses)
   stats     {}                   -> {tier, leases, counters}
+  clear     {}                   -> {removed: int}       drop every block (a tool reusing one pool for runs
+            that must not see each other's blocks, e.g. kvtier replay)
   rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
 
 Leases expire after the pool's ``lease_s``; ``release`` and ``commit`` carry ``noreply`` True when the client
@@ -54,6 +56,7 @@ COMMIT = "commit"
 ACQUIRE = "acquire"
 RELEASE = "release"
 STATS = "stats"
+CLEAR = "clear"
 RDMA_CONNECT = "rdma_connect"
 
 # Pools register with the master under these labels; clients place and look up blocks among them only.

@@ -18,7 +18,10 @@ log = logging.getLogger(__name__)
 
 # `kvtier demo`: the shipped sample (package data), replayed on these settings.
 DEMO_TRACES = ("sample-traces", "agentic-cc")
-DEMO_ARGS = ["--lanes", "8", "--hbm", "40GiB", "--dram", "10%,25%", "--ssd", "0,50%", "--policy", "lru,s3fifo"]
+# DRAM at 10% of the sample's unique blocks, without and with a second node's DRAM (a kvtier-pool process, 25%,
+# as a victim cache) and an SSD tier (50%): four points, two policies.
+DEMO_ARGS = ["--lanes", "8", "--hbm", "40GiB", "--dram", "10%", "--pool", "0,25%", "--ssd", "0,50%",
+             "--set", "pool_offload=on_evict", "--policy", "lru,s3fifo"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,6 +66,9 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm", default="40GiB", help="HBM for the engine's prefix cache: bytes or %% of unique blocks")
     g.add_argument("--dram", default="200GiB", help="DRAM tier: bytes or %% of the replayed traces' unique blocks; "
                                                    "a comma list sweeps (e.g. 2%%,5%%,10%%,25%%); 0: HBM only")
+    g.add_argument("--pool", help="a second node's DRAM under this one's (a kvtier-pool process started per run, "
+                                  "reached over loopback TCP): bytes or %% of unique blocks, a comma list sweeps; "
+                                  "--set pool_offload=on_evict makes it a victim cache (default write_through)")
     g.add_argument("--ssd", help="SSD tier under DRAM: bytes or %% of unique blocks, a comma list sweeps; its files "
                                  "go to a fresh directory under --set ssd_path=DIR (default: the temp dir)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -93,6 +99,10 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     if args.plot:
         require_matplotlib()
     tiers, extra = _tier_grid(args.dram, args.set, capacity_keys(), parse_capacities)
+    if args.pool:
+        if "pool_capacity" in tiers:
+            raise ValueError("give the pool size once: --pool or --set pool_capacity")
+        tiers["pool_capacity"] = parse_capacities(args.pool)
     if args.ssd:
         if "ssd_capacity" in tiers:
             raise ValueError("give the SSD size once: --ssd or --set ssd_capacity")

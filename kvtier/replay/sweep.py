@@ -90,25 +90,56 @@ class SweepPoint:
         return max((r.infinite_hit_rate for r in self.runs.values()), default=0.0)
 
 
+# Not a Config key: the size of a second node's DRAM (a kvtier-pool started for the run, under this node's DRAM).
+POOL_KEY = "pool_capacity"
+
+
 def capacity_keys() -> list[str]:
-    """Config keys that size a store tier (``dram_capacity``, and ``ssd_capacity`` etc. as tiers land)."""
-    return [f.name for f in fields(Config) if f.name.endswith("_capacity") and f.metadata.get("kind") == "bytes"]
+    """Keys that size a store tier: the Config's (``dram_capacity``, ``ssd_capacity``, ...) and ``pool_capacity``."""
+    return [f.name for f in fields(Config) if f.name.endswith("_capacity") and f.metadata.get("kind") == "bytes"
+            and f.name != "standalone_dram_capacity"] + [POOL_KEY]
 
 
 # Settings that keep a lower tier exact and deterministic under stand-in blocks, applied where the Config has
 # them (a --set overrides): the SSD tier's O_DIRECT would round 64 B blocks up to 4 KiB slots (64x fewer
 # blocks), and its write-behind would make hits depend on thread timing instead of the trace.
-REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0}
+# The same for the pool: no write-behind (its thread's timing would decide hits), and a timeout long enough that
+# a busy machine never turns a block into a miss.
+REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0,
+                                   "pool_staging_bytes": 0, "pool_timeout_ms": 10_000}
 # Config keys naming a directory a tier keeps files in: each run gets a fresh one under it, removed afterwards,
 # so no run finds the blocks of the run before it (salted keys repeat from run to run).
 RUN_DIRECTORIES = ("ssd_path",)
 
 
+class PoolCache:
+    """kvtier-pool processes for a sweep's runs, one per size, started once and emptied before each run (a
+    pool starts in seconds; a sweep has many runs). ``close()`` stops them. Single-threaded, like the sweep."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self._pools: dict[tuple[int, int], Any] = {}
+
+    def endpoint(self, capacity: int, block_bytes: int) -> str:
+        from kvtier.pool.process import PoolDaemon
+
+        pool = self._pools.get((capacity, block_bytes))
+        if pool is None:
+            pool = self._pools[capacity, block_bytes] = self._stack.enter_context(PoolDaemon(capacity, block_bytes))
+        else:
+            pool.clear()  # salted keys repeat from run to run: no run may find the blocks of the one before
+        return pool.endpoint("tcp")
+
+    def close(self) -> None:
+        self._stack.close()
+
+
 @contextmanager
 def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str, Any],
-                sim_block_bytes: int = SIM_BLOCK_BYTES) -> Iterator[TieredStore | None]:
+                sim_block_bytes: int = SIM_BLOCK_BYTES, pools: PoolCache | None = None) -> Iterator[TieredStore | None]:
     """A real TieredStore whose tiers hold ``tier_blocks[config key]`` blocks (None when DRAM is 0), closed
-    and its tiers' run directories removed on exit."""
+    and its tiers' run directories removed on exit. A pool tier comes from ``pools`` (or a pool process of
+    its own, stopped on exit)."""
     if tier_blocks.get("dram_capacity", 0) <= 0:
         others = [k for k, v in tier_blocks.items() if v > 0 and k != "dram_capacity"]
         if others:
@@ -119,12 +150,20 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
     values = {k: v for k, v in REPLAY_DEFAULTS.items() if k in known}
     values.update(extra)
     for key, blocks in tier_blocks.items():
+        if key == POOL_KEY:
+            continue
         if blocks > 0:
             values[key] = blocks * sim_block_bytes
         else:  # a lower tier sized 0 is off: drop its directory too (a sweep like --ssd 0,50%)
             values.pop(key.removesuffix("_capacity") + "_path", None)
     values["eviction"] = policy
     with ExitStack() as cleanup:
+        pool_blocks = tier_blocks.get(POOL_KEY, 0)
+        if pool_blocks > 0:  # a second node's DRAM: a real kvtier-pool process, reached over loopback TCP
+            if pools is None:
+                pools = PoolCache()
+                cleanup.callback(pools.close)
+            values.update(mode="distributed", pool=pools.endpoint(pool_blocks * sim_block_bytes, sim_block_bytes))
         for key in RUN_DIRECTORIES:
             if values.get(key):
                 Path(values[key]).mkdir(parents=True, exist_ok=True)
@@ -159,6 +198,7 @@ class Sweep:
         self.progress, self.sim_block_bytes = progress, sim_block_bytes
         self.namespace = Namespace(f"replay:{model}", layout.fingerprint)
         self.limits = LimitsCache()
+        self._pools = PoolCache()
 
     @property
     def block_bytes(self) -> int:
@@ -172,6 +212,12 @@ class Sweep:
         return grid
 
     def run(self) -> list[SweepPoint]:
+        try:
+            return self._run()
+        finally:
+            self._pools.close()
+
+    def _run(self) -> list[SweepPoint]:
         unique, bb = self.workload.unique_blocks, self.block_bytes
         hbm_blocks = self.hbm.blocks(unique, bb)
         out = []
@@ -191,7 +237,7 @@ class Sweep:
         desc = f"{policy} " + " ".join(f"{k}={v}" for k, v in (labels or {}).items())
         bar = self.progress(desc, self.workload.requests) if self.progress else None
         try:
-            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes) as store:
+            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes, self._pools) as store:
                 replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
                                     self.service, self.config, progress=bar.update if bar is not None else None,
                                     record=record)
