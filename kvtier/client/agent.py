@@ -25,8 +25,8 @@ Inventories come from ``list_keys`` (tier name -> the keys it holds now) where t
 (kvtier-pool does: its DRAM tier has ``keys()``). Otherwise the agent keeps a set of the keys each tier holds
 (from the events); with ``verify`` each inventory is checked against the tiers themselves, so a reordered
 event cannot make it lie. That set costs ~100 B per key held; attach the agent before the store holds blocks
-(or pass them as ``initial``). ``close`` says goodbye, so the master drops the node's placements at once
-instead of when its lease runs out.
+(or pass them as ``initial``). With ``goodbye``, ``close`` tells the master the node is leaving, so its
+placements go at once instead of when its lease runs out (kvtier-pool does this on SIGTERM).
 ``max_batch_keys`` and ``inventory_part_keys`` must not exceed the master's --max-batch-keys.
 ``on_event`` and ``record_transfer`` are thread-safe; everything else is for the thread that owns the agent.
 """
@@ -59,7 +59,7 @@ class NodeAgent:
                  verify: Callable[[str, list[bytes]], list[bool]] | None = None,
                  on_hints: Callable[[Hints], None] | None = None,
                  initial: Mapping[str, Iterable[bytes]] | None = None,
-                 list_keys: Callable[[str], list[bytes]] | None = None,
+                 list_keys: Callable[[str], list[bytes]] | None = None, goodbye: bool = False,
                  heartbeat_s: float | None = None, batch_interval_s: float = 0.01, max_batch_keys: int = 65536,
                  inventory_part_keys: int = 262144, timeout_s: float = 2.0, ewma_alpha: float = 0.2) -> None:
         if not tiers:
@@ -73,6 +73,7 @@ class NodeAgent:
         self.incarnation = uuid.uuid4().hex
         self._used, self._verify, self._on_hints = used, verify, on_hints
         self._list_keys = list_keys
+        self._goodbye_on_close = goodbye
         self._heartbeat_s = heartbeat_s
         self.batch_interval_s = batch_interval_s
         self.max_batch_keys = max_batch_keys
@@ -240,7 +241,7 @@ class NodeAgent:
                 log.info("node %s: last events not delivered at close (%s)", self.node_id, e)
 
     def _goodbye(self, client: MasterClient) -> None:
-        if not self.registered:
+        if not (self.registered and self._goodbye_on_close):
             return
         try:
             client.call(api.goodbye(self.node_id, self.incarnation), timeout_s=min(self.timeout_s, 1.0))

@@ -1,4 +1,7 @@
-"""LeaseTable: what one-sided clients (shared memory, RDMA) hold in the pool between two requests.
+"""ClientLeases: what one-sided clients (shared memory, RDMA) hold in the pool between two requests.
+
+(Not kvtier.leases.LeaseTable, which pins a store's blocks by name: these are slot reservations and
+acquisitions of remote clients, identified by number and given back by a callback.)
 
 A ``reserve`` hands a client slots to write into until its ``commit``; an ``acquire`` keeps blocks from being
 evicted until its ``release``. The client does the copy itself, outside the pool's process, so the pool keeps
@@ -30,7 +33,7 @@ class _Lease:
     deadline: float
 
 
-class LeaseTable:
+class ClientLeases:
     """Leases by number. ``clock`` is injectable so tests expire leases without sleeping."""
 
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:

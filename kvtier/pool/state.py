@@ -24,7 +24,7 @@ from typing import Any
 from kvtier import wire
 from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
-from kvtier.pool.leases import LeaseTable
+from kvtier.pool.leases import ClientLeases
 from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, POOL_LABELS
 from kvtier.tiers.dram import DramTier
 from kvtier.transport.frames import Staging
@@ -70,7 +70,7 @@ class PoolState:
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.epoch = secrets.randbits(62)
-        self.leases = LeaseTable(settings.lease_s)
+        self.leases = ClientLeases(settings.lease_s)
         self.tier: DramTier | None = None
         self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
         self.rdma: Any = None  # kvtier.transport.rdma.RdmaServer when a device is there
@@ -188,7 +188,7 @@ class PoolState:
         self.agent = NodeAgent(
             self.settings.master, self.node_id, [(TIER, tier.capacity_bytes)], block_bytes=tier.block_bytes,
             address=self.advertised, labels={**self.settings.labels, **POOL_LABELS},
-            used=lambda: {TIER: tier.stats().used_bytes}, list_keys=lambda _tier: tier.keys(),
+            used=lambda: {TIER: tier.stats().used_bytes}, list_keys=lambda _tier: tier.keys(), goodbye=True,
             heartbeat_s=self.settings.heartbeat_s).start()
         log.info("pool %s: reporting to master %s as %s", self.node_id, self.settings.master, self.advertised)
 

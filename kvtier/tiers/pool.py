@@ -94,8 +94,20 @@ class PoolTier:
         endpoints = [e.strip() for e in cfg.pool.split(",") if e.strip()]
         route: PoolRoute = (MasterRoute(cfg.master, cfg.node_id or default_node_id(), cfg.pool_timeout_ms / 1000)
                             if cfg.master else PeerRoute(endpoints))
-        return cls(block_bytes, route, transport=cfg.pool_transport, timeout_s=cfg.pool_timeout_ms / 1000,
+        tier = cls(block_bytes, route, transport=cfg.pool_transport, timeout_s=cfg.pool_timeout_ms / 1000,
                    connections=cfg.pool_connections, staging_bytes=cfg.pool_staging_bytes, dtypes=dtypes)
+        tier.connect_all()
+        return tier
+
+    def connect_all(self) -> None:
+        """Say hello to every pool the route knows now, so ``stats()`` has their capacity from the start and a
+        misconfigured pool (another block size or protocol version) is logged at once. Best effort: a pool
+        that is down is retried when it is used."""
+        for endpoint in self.route.endpoints():
+            try:
+                self._call(endpoint, lambda conn: None)
+            except PoolError:
+                pass  # logged by _failed; the pool is in its back-off
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
 

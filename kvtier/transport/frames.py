@@ -54,11 +54,6 @@ def runs(rows: np.ndarray, block_bytes: int, max_bytes: int = MAX_FRAME_BYTES) -
     return out
 
 
-def views(rows: np.ndarray, block_bytes: int, max_bytes: int = MAX_FRAME_BYTES) -> list[Any]:
-    """Zero-copy frames covering ``rows`` in order."""
-    return [view(addr, count * block_bytes) for addr, count in runs(rows, block_bytes, max_bytes)]
-
-
 class Staging:
     """Reusable host buffers of ``nbytes`` for gathering scattered rows (allocated once, kept up to ``keep``).
     Thread-safe."""
