@@ -37,7 +37,7 @@ def bench_mooncake(sizes: list[int], total: int, rounds: int, raw: dict[tuple[st
     if missing:
         return [], f"Mooncake Store: not measured: {', '.join(missing)} not found next to {sys.executable} or on PATH"
     rpc, http, seg = _free_port(), _free_port(), _free_port()
-    procs = [subprocess.Popen([tools["mooncake_master"], f"--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+    procs = [subprocess.Popen([tools["mooncake_master"], "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
                                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                                f"--http_metadata_server_port={http}"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)]

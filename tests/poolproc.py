@@ -4,24 +4,27 @@ restart) and an engine-like client process holding a TieredStore (tests/pool_cli
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from daemonproc import DaemonProcess
+
 BB = 32 << 10  # the client processes' block size
 CLIENT = str(Path(__file__).parent / "pool_client.py")
 
 
-class PoolProcess:
+class PoolProcess(DaemonProcess):
     """``python -m kvtier.pool`` bound to ``binds`` (tcp ports picked once and kept across restarts), logging
     to ``tmp/<name>.log``; its shared-memory file (standalone mode) lives in ``tmp``."""
+
+    what = "kvtier-pool"
 
     def __init__(self, tmp: Path, *, tcp: bool = True, ipc: bool = False, capacity: str = "64MiB",
                  block_bytes: int = 0, master: str = "", lease_s: float = 30.0, name: str = "pool",
                  args: tuple = (), prefix: tuple = (), host: str = "127.0.0.1") -> None:
+        super().__init__(Path(tmp) / f"{name}.log")
         self.tmp = Path(tmp)
         self.name = name
         self.binds = ([f"tcp://{host}:*"] if tcp else []) + ([f"ipc://{self.tmp}/{name}.sock"] if ipc else [])
@@ -29,8 +32,6 @@ class PoolProcess:
         self.args, self.prefix = tuple(args), tuple(prefix)
         self.endpoints: list[str] = []
         self.info: dict = {}
-        self.proc: subprocess.Popen | None = None
-        self.log_path = self.tmp / f"{name}.log"
 
     @property
     def tcp(self) -> str:
@@ -42,7 +43,6 @@ class PoolProcess:
 
     def start(self, timeout: float = 30.0) -> PoolProcess:
         ready = self.tmp / f"{self.name}.ready"
-        ready.unlink(missing_ok=True)
         cmd = [*self.prefix, sys.executable, "-m", "kvtier.pool", "--capacity", self.capacity, "--shm-dir",
                str(self.tmp), "--ready-file", str(ready), "--lease-s", str(self.lease_s), "--log-level", "info",
                "--rdma", "off", *self.args]
@@ -52,46 +52,10 @@ class PoolProcess:
             cmd += ["--block-bytes", str(self.block_bytes)]
         if self.master:
             cmd += ["--master", self.master]
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtier-pool exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"kvtier-pool not ready after {timeout} s:\n{self.log()}")
-            time.sleep(0.02)
-        self.info = json.loads(ready.read_text())
+        self.info = self._spawn(cmd, ready, timeout)
         self.endpoints = self.info["endpoints"]
         self.binds = list(self.endpoints)  # a restart comes back on the same endpoints
         return self
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def kill(self) -> None:
-        """kill -9: no goodbye, no cleanup."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self) -> PoolProcess:
         return self.start()
@@ -107,8 +71,8 @@ class Client:
 
     def __init__(self, config: dict, log: Path, prefix: tuple = ()) -> None:
         self.log = open(log, "a")
-        self.proc = subprocess.Popen([*prefix, sys.executable, CLIENT, json.dumps(config), str(BB)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.proc = subprocess.Popen([*prefix, sys.executable, CLIENT, json.dumps(config), str(BB)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         assert self.ask_raw() == {"ready": True}
 
     def ask_raw(self) -> dict:

@@ -71,7 +71,8 @@ def test_on_evict_sends_only_what_dram_drops(pools, make_keys):
 
 
 def test_a_dead_pool_is_a_miss_within_the_timeout_then_skipped(tmp_path, make_keys):
-    with PoolProcess(tmp_path, name="d1", capacity="4MiB") as p1, PoolProcess(tmp_path, name="d2", capacity="4MiB") as p2:
+    with PoolProcess(tmp_path, name="d1", capacity="4MiB") as p1, \
+            PoolProcess(tmp_path, name="d2", capacity="4MiB") as p2:
         keys = make_keys(30, start=2000)
         with store_for([p1, p2], dram_capacity=8 * BB) as writer:
             for i in range(0, 30, 5):
