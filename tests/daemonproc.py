@@ -51,9 +51,16 @@ class DaemonProcess:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
-    def pause(self) -> None:
+    def pause(self, timeout: float = 5.0) -> None:
+        """SIGSTOP, and wait until the process is stopped (a signal takes effect asynchronously)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGSTOP)
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        deadline = time.monotonic() + timeout
+        while stat.read_text().rpartition(")")[2].split()[0] != "T":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.what} did not stop within {timeout} s")
+            time.sleep(0.005)
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import blocks_for
 from kvtier.client import MasterClient, api
 from kvtier.store import TieredStore
+from kvtier.transport.connection import connect
 from masterproc import MasterProcess
 from poolproc import PoolProcess
 
@@ -69,6 +71,14 @@ def test_puts_follow_route_put_and_gets_follow_the_directory(cluster, make_keys)
         assert reader.get(keys, out) == [True] * 60
         assert torch.equal(out, blocks_for(keys, BB))
         assert reader.stats()["offloads"]["pool"]["promoted"] == 60
+    # Heartbeats carry the bandwidth the pools measure serving gets (what the master's cost model prices).
+    big = make_keys(160, start=10_000)  # 2.5 MiB: gets of a MiB and more are measured
+    conn = connect(a.tcp, BB, timeout_s=2.0)
+    src = blocks_for(big, BB)
+    rows = np.uint64(src.data_ptr()) + np.arange(160, dtype=np.uint64) * np.uint64(BB)
+    assert all(conn.put(big, rows)) and all(conn.get(big, rows))
+    conn.close()
+    assert until(lambda: any(t["bw"] > 0 for n in m.nodes() if n["address"] == a.tcp for t in n["tiers"]))
 
 
 def test_a_pool_that_shuts_down_is_dropped_at_once(cluster, make_keys):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -165,6 +166,7 @@ class StreamServer:
         recv_views(conn, views)
 
     def _get(self, conn: socket.socket, req_id: int, body: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
         st = self.state
         tier = st.tier_for(body)
         keys = st.keys(body)
@@ -175,4 +177,6 @@ class StreamServer:
             spans = F.runs(rows, bb, max_bytes=1 << 30)
             views = self._slots(tier, np.array([a for a, _ in spans], np.int64), np.array([c * bb for _, c in spans]))
             send_message(conn, wire.encode_reply(req_id, True, {"hit": P.bitmap(hit), "epoch": st.epoch}), views)
-        st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * tier.block_bytes)
+        st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * bb)
+        if len(rows) * bb >= 1 << 20:  # smaller gets are all latency: they say nothing about bandwidth
+            st.record_read(len(rows) * bb, time.perf_counter() - t0)
