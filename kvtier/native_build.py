@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvtier.config import ENV_CACHE_DIR, ENV_CUDA_ARCH
+
 log = logging.getLogger(__name__)
 
 CUDA_SOURCES = ("packcopy.cu",)
@@ -49,12 +51,12 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
     return Path(root) / "native"
 
 
 def target_archs() -> list[str]:
-    env = os.environ.get("KVTIER_CUDA_ARCH", "")
+    env = os.environ.get(ENV_CUDA_ARCH, "")
     if env.strip():
         return [a.strip().replace(".", "") for a in env.replace(",", ";").split(";") if a.strip()]
     try:
