@@ -98,7 +98,7 @@ class WorkerSide:
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
         self.lookup_leases = LeaseTable(self.store)
         if self._events_enabled:
-            self.recorder = EventRecorder(ident.block_size)
+            self.recorder = EventRecorder(ident.block_size, holds=self.store.contains)
             self.store.add_listener(self.recorder.on_store_event)
         self._transfers = Transfers(self.store, self.lookup_leases, self.kv, self.settings.staging_bytes,
                                     on_load_done=self._load_done, on_save_done=self._save_done,
