@@ -166,9 +166,12 @@ class TieredStore:
         return result
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop keys from every tier (and their pins); return how many blocks were dropped in all."""
+        """Drop keys from every tier; return how many blocks were dropped in all.
+
+        Pins stay: each belongs to a holder (a lease, a load in flight) that will unpin it, and a pin on a
+        key no tier holds is harmless (it keeps a block put again under that key until its holder lets go).
+        """
         check_keys(keys)
-        self.pins.drop(keys)
         total = 0
         for tier in self.tiers:
             present = [k for k, h in zip(keys, tier.contains(keys)) if h] if self._listeners else []

@@ -55,6 +55,21 @@ def test_leases_compose_with_other_pins(store):
     assert [store.pins.count(k) for k in KEYS[:3]] == [1, 2, 1]
 
 
+def test_remove_leaves_a_leases_pins_to_the_lease(store):
+    """A removed and re-put block keeps the lease's pin; the lease's release takes its own pin, not the one a
+    loader added meanwhile (which would make a block being loaded evictable)."""
+    table = LeaseTable(store)
+    table.lease("session:a", KEYS[:1], ttl_s=600)
+    store.remove(KEYS[:1])
+    store.put(KEYS[:1], blocks_for(KEYS[:1], BLOCK))
+    assert store.pin(KEYS[:1]) == [True]  # a loader pins the block put again
+    assert store.pins.count(KEYS[0]) == 2
+    assert table.release("session:a") == 1
+    assert store.pins.count(KEYS[0]) == 1  # the loader's pin
+    store.unpin(KEYS[:1])
+    assert len(store.pins) == 0
+
+
 def test_pinned_blocks_survive_eviction():
     store = TieredStore.from_config({"dram_capacity": 4 * BLOCK}, BLOCK)
     try:
