@@ -79,6 +79,19 @@ def test_second_hit_writes_only_blocks_seen_twice(tmp_path):
     store.close()
 
 
+def test_second_hit_counts_zero_copy_borrows_as_hits(tmp_path):
+    """The vLLM connector reads DRAM hits through borrow(), not get(): those hits are sightings too."""
+    store = make_store(tmp_path, dram_blocks=2, ssd_offload="second_hit", ssd_promote=False)
+    keys, data = KEYS[:4], blocks_for(KEYS[:4], BB)
+    store.put(keys[:1], data[:1])
+    with store.borrow(keys[:2]) as addresses:
+        assert addresses[0] is not None and addresses[1] is None
+    store.put(keys[1:4], data[1:4])  # evicts key 0 (seen twice: a put and a borrowed hit) and key 1
+    store.flush(10)
+    assert held_in(store, "ssd", keys) == keys[:1]
+    store.close()
+
+
 def test_promotion_brings_ssd_hits_back_to_dram(tmp_path):
     store = make_store(tmp_path)
     keys, data = KEYS[:8], blocks_for(KEYS[:8], BB)
