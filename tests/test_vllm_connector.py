@@ -466,3 +466,50 @@ def test_kv_events_report_ssd_blocks_with_default_offload(engine, tmp_path):
     held = worker_side(eng, 0).store.tiers[1].contains(keys_of(eng, a))
     assert sum(held) > 0, "the test's DRAM is too large: nothing was evicted to the SSD"
     assert sorted(storage) == sorted(h for h, on in zip(expect, held[:5]) if on)  # each once
+
+
+def _stalled_waits(caplog, req_id: str, what: str) -> int:
+    return sum(1 for r in caplog.records if r.levelname == "ERROR" and f"request {req_id}: still waiting" in
+               r.getMessage() and what in r.getMessage())
+
+
+def test_preemption_wait_for_a_stuck_save_logs_and_counts(engine, monkeypatch, caplog):
+    """handle_preemptions must wait for the save's gather (vLLM reuses the blocks next), but never silently."""
+    eng = engine(load_timeout_s=0.1)
+    side = worker_side(eng)
+    gate = threading.Event()
+    gather = type(side.kv).gather
+    monkeypatch.setattr(type(side.kv), "gather", lambda self, ids, packed: (gate.wait(10), gather(self, ids, packed)))
+    a = make_request("A", PREFIX + [5, 6, 7])
+    eng.add(a)
+    for _ in range(100):
+        eng.step()
+        if a.is_finished():
+            break
+    side.take_counters()
+    threading.Timer(0.45, gate.set).start()
+    t0 = time.monotonic()
+    side.handle_preemptions(KVTierMetadata(preempted={"A"}))
+    assert time.monotonic() - t0 >= 0.4  # it did wait for the gather
+    assert _stalled_waits(caplog, "A", "save of 5 blocks") >= 2
+    assert side.take_counters()["stalled_waits"] >= 2
+    eng.wait_idle_transfers()
+
+
+def test_cancelled_layerwise_load_wait_logs_and_counts(engine, monkeypatch, caplog):
+    eng = engine(load_mode="layerwise", load_timeout_s=0.1)
+    save_a_then_drop_hbm(eng)
+    worker, side = eng.workers[0], worker_side(eng)
+    gate = threading.Event()
+    scatter = type(side.kv).scatter_layer
+    monkeypatch.setattr(type(side.kv), "scatter_layer",
+                        lambda self, layer, ids, packed: (gate.wait(10), scatter(self, layer, ids, packed)))
+    targets = tuple(blk.block_id for blk in eng.scheduler.kv_cache_manager.block_pool.get_new_blocks(5))
+    a_hashes = tuple(make_request("x", PREFIX).block_hashes[:5])
+    worker.bind_connector_metadata(KVTierMetadata(loads=[LoadPlan("B", 999, a_hashes, targets, layerwise=True)]))
+    worker.start_load_kv(None)
+    threading.Timer(0.45, gate.set).start()
+    assert worker.get_block_ids_with_load_errors() == set(targets)  # timed out: cancelled, recomputed
+    assert _stalled_waits(caplog, "B", "cancelled layer-wise load of 5 blocks") >= 2
+    assert side.take_counters()["stalled_waits"] >= 2
+    worker.clear_connector_metadata()

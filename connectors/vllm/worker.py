@@ -79,6 +79,7 @@ class WorkerSide:
         self._save_jobs: dict[str, list[SaveJob]] = {}
         self._awaiting_free: set[str] = set()  # finished requests whose blocks wait for their saves
         self._lookups_served = 0
+        self._stalled_waits = 0  # load_timeout_s periods the engine thread waited on a copy thread
 
     # ---- set-up -----------------------------------------------------------------------------------------
 
@@ -166,7 +167,8 @@ class WorkerSide:
             with self._lock:
                 jobs = list(self._save_jobs.get(req_id, ()))
             for job in jobs:
-                job.gathered.wait()
+                self._wait(job.gathered, req_id, f"save of {len(job.keys)} blocks to stop reading the engine "
+                                                 "blocks vLLM frees for the preemption")
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose saves are all done, asynchronous loads done since the last call)."""
@@ -188,7 +190,8 @@ class WorkerSide:
         for job in self._step_loads:
             if not job.done.wait(self.settings.load_timeout_s):
                 job.cancel()  # a cancelled job stops at its next layer; all its blocks count as failed
-                job.done.wait()
+                self._wait(job.done, job.req_id, f"cancelled layer-wise load of {len(job.keys)} blocks to stop "
+                                                 "writing the engine's blocks")
         with self._lock:
             for job in self._step_loads:
                 self._load_errors.update(job.failed)
@@ -199,6 +202,7 @@ class WorkerSide:
     def take_counters(self) -> dict[str, float]:
         counters = self._transfers.take_counters() if self._transfers is not None else {}
         counters["lookups_served"], self._lookups_served = self._lookups_served, 0
+        counters["stalled_waits"], self._stalled_waits = self._stalled_waits, 0
         return counters
 
     def take_events(self) -> list[Any]:
@@ -211,6 +215,18 @@ class WorkerSide:
             self._transfers.close()
         if self.store is not None:
             self.store.close()
+
+    def _wait(self, done: threading.Event, req_id: str, pending: str) -> None:
+        """Wait for ``done`` with no deadline (vLLM must not reuse engine blocks a copy thread still reads or
+        writes), but never silently: an error every load_timeout_s names the request and what is pending,
+        and each period counts in the worker stats (``stalled_waits``)."""
+        period = self.settings.load_timeout_s
+        waited = 0.0
+        while not done.wait(period):
+            waited += period
+            self._stalled_waits += 1
+            log.error("kvtier: request %s: still waiting after %.1f s for the %s (the engine thread is blocked; "
+                      "a copy thread is stuck or far behind)", req_id, waited, pending)
 
     def _sweep(self) -> None:
         """Release expired leases (the lookup server's idle hook, a few times a second)."""
