@@ -87,12 +87,13 @@ class TieredStore:
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
         self.pins = PinTable()
-        # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
-        self.leases = LeaseTable(self)
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, int] = {}  # key -> number of puts writing it (normally 1)
         self._listeners: list[Listener] = []
+        self._reclaimers: list[Callable[[], int]] = []  # release stale pins (expired leases) when full
+        # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
+        self.leases = LeaseTable(self)  # registers its sweep with add_reclaimer
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
@@ -146,6 +147,11 @@ class TieredStore:
         fresh_keys = [keys[i] for i in fresh]
         try:
             stored = self.tiers[0].put(fresh_keys, _subset(rows, fresh))
+            if not all(stored) and self._reclaim():  # expired leases held the space: try once more
+                retry = [i for i, ok in enumerate(stored) if not ok]
+                again = self.tiers[0].put([fresh_keys[i] for i in retry], _subset(rows, [fresh[i] for i in retry]))
+                for i, ok in zip(retry, again):
+                    stored[i] = ok
         finally:
             with self._lock:
                 for k in fresh_keys:
@@ -281,6 +287,12 @@ class TieredStore:
 
     # ---- events, stats, lifetime ----------------------------------------------------------------------
 
+    def add_reclaimer(self, reclaim: Callable[[], int]) -> None:
+        """Call ``reclaim()`` when a put finds no evictable space (and on ``stats``): it releases pins nobody
+        needs any more, such as expired leases, and returns how many holders it released (> 0: the put is
+        retried once). LeaseTables over this store register their sweep here themselves."""
+        self._reclaimers.append(reclaim)
+
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(StoreEvent)`` whenever a tier gains or loses keys (on the thread that caused it;
         keep it short and never call back into the store from it)."""
@@ -291,6 +303,7 @@ class TieredStore:
         return True if self._offload is None else self._offload.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
+        self._reclaim()  # pinned_keys counts live pins only
         extra = {"offload": self._offload.stats()} if self._offload is not None else {}
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
                 **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}, **extra}
@@ -325,6 +338,15 @@ class TieredStore:
             self._emit("removed", tier_name, list(keys))
 
         return on_evict
+
+    def _reclaim(self) -> int:
+        released = 0
+        for reclaim in self._reclaimers:
+            try:
+                released += reclaim()
+            except Exception:
+                log.exception("store reclaimer %r failed", reclaim)
+        return released
 
     def _emit(self, kind: str, tier: str, keys: list[bytes]) -> None:
         if keys and self._listeners:
