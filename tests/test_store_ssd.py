@@ -92,6 +92,22 @@ def test_second_hit_counts_zero_copy_borrows_as_hits(tmp_path):
     store.close()
 
 
+def test_damaged_ssd_blocks_are_removed_events(tmp_path):
+    """A block the SSD drops as damaged must leave the master's directory and the KV events like an eviction."""
+    store = make_store(tmp_path, ssd_offload="write_through", ssd_promote=False, ssd_staging_bytes=0)
+    events = []
+    store.add_listener(events.append)
+    keys, data = KEYS[:4], blocks_for(KEYS[:4], BB)
+    store.put(keys, data)
+    ssd = store.tiers[1]
+    segment = ssd._files.path(ssd._files.place(ssd._slot_of[keys[2]])[0])
+    segment.unlink()  # behind the tier's back: check() drops what lived in that segment file
+    assert ssd.check() >= 1
+    removed = [k for e in events if e.kind == "removed" and e.tier == "ssd" for k in e.keys]
+    assert keys[2] in removed and sorted(removed) == sorted(k for k in keys if not ssd.contains([k])[0])
+    store.close()
+
+
 def test_promotion_brings_ssd_hits_back_to_dram(tmp_path):
     store = make_store(tmp_path)
     keys, data = KEYS[:8], blocks_for(KEYS[:8], BB)

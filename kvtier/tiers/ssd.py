@@ -125,8 +125,8 @@ class DiskTier(WritePath):
     # ---- Tier protocol ---------------------------------------------------------------------------------
 
     def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
-        """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions (no views: the bytes are on
-        disk, nothing below this tier to demote them to)."""
+        """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions and blocks dropped as damaged
+        (failed checksums or reads, ``check()``) (no views: nothing below this tier to demote them to)."""
         with self._lock:
             self._pins = pins
             self._protected.pins = pins
@@ -298,6 +298,7 @@ class DiskTier(WritePath):
                     self._busy[f.slot] += 1  # held until unindexed
             self._policy.remove(dropped)
             self._free_idle_doomed()
+        self._report_gone(dropped)
         if failures:
             f = failures[0]
             log.warning("SSD tier: %d blocks failed (%s), served as misses and dropped; first: key %s slot %d%s",
