@@ -85,3 +85,9 @@ def test_every_kvtier_variable_in_the_tree_is_a_key_or_reserved():
     assert found, "the scan found no KVTIER_ names at all: the tree layout changed"
     stray = sorted((name, file) for name, file in found if name not in keys | ENV_NOT_CONFIG)
     assert not stray, f"KVTIER_ variables that are neither config keys nor in ENV_NOT_CONFIG: {stray}"
+
+
+def test_readme_has_a_row_for_every_key():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [f.name for f in fields(Config) if f"| `{f.name}` |" not in readme]
+    assert not missing, f"README's configuration table lacks {missing}"
