@@ -242,10 +242,11 @@ class TieredStore:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
         """How many leading keys are held, and by which tier each (the highest tier that holds it)."""
+        # Every tier is asked about all the keys the tiers above it lack: where the prefix ends is known only
+        # after the last tier answered (a batch call per tier beats asking key by key).
         names: list[str | None] = [None] * len(keys)
-        end = len(keys)  # keys[end:] need not be looked at: a key before them is missing everywhere
         for tier in self.tiers:
-            todo = [i for i in range(end) if names[i] is None]
+            todo = [i for i, n in enumerate(names) if n is None]
             if not todo:
                 break
             for i, h in zip(todo, tier.contains([keys[i] for i in todo])):

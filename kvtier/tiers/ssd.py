@@ -46,8 +46,8 @@ from kvtier.pins import PinTable
 from kvtier.policies import make_policy
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
-from kvtier.tiers.ssd_index import DiskIndex, IndexEntry, IndexFault
-from kvtier.tiers.ssd_io import (ALIGN, STAGE_TIMEOUT_S, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
+from kvtier.tiers.ssd_index import DiskIndex, IndexFault
+from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
                                  probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
 from kvtier.tiers.ssd_restore import restore_index
