@@ -513,3 +513,17 @@ def test_cancelled_layerwise_load_wait_logs_and_counts(engine, monkeypatch, capl
     assert _stalled_waits(caplog, "B", "cancelled layer-wise load of 5 blocks") >= 2
     assert side.take_counters()["stalled_waits"] >= 2
     worker.clear_connector_metadata()
+
+
+def test_a_router_computes_the_keys_the_connector_stored(engine, model):
+    """vllm_namespace + VllmBlockHasher from token ids alone give, for every rank, the keys in its store."""
+    from kvtier.hashers import VllmBlockHasher, vllm_namespace
+
+    eng = engine(tp=2)
+    save_a_then_drop_hbm(eng)
+    hashes = VllmBlockHasher(BLOCK).hashes(PREFIX)
+    for rank in (0, 1):
+        side = worker_side(eng, rank)
+        ns = vllm_namespace(model, side.kv.layout.fingerprint, rank=rank, world_size=2)  # revision: none given
+        assert ns == side.namespace
+        assert side.store.contains(ns.keys(hashes)) == [True] * 5

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvtier.config import Config
+from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
 from kvtier.store import TieredStore
@@ -50,7 +51,8 @@ class WorkerIdentity:
     engine_id: str
     dp_rank: int = 0
     block_size: int = 16
-    extra: str = ""  # e.g. the model revision and the block hash function
+    revision: str | None = None  # the model revision (part of the namespace)
+    hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (part of the namespace)
 
 
 class WorkerSide:
@@ -91,8 +93,9 @@ class WorkerSide:
         self.kv = PagedKV(kv_caches, self._layer_names, ident.block_size, self._mla)
         config = Config.load(self._store_config)  # also reads KVTIER_* variables and KVTIER_CONFIG
         model = config.model or ident.model
-        self.namespace = Namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
-                                   world_size=ident.world_size, cache_group=0, extra=ident.extra)
+        self.namespace = vllm_namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
+                                        world_size=ident.world_size, revision=ident.revision,
+                                        hash_algo=ident.hash_algo)
         self.store = TieredStore.from_config(config, self.kv.layout)
         dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
         self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
