@@ -76,6 +76,29 @@ def keys_of(eng: Engine, req, rank: int = 0) -> list[bytes]:
     return worker_side(eng, rank).namespace.keys(req.block_hashes)
 
 
+def hold_saves(side, monkeypatch) -> threading.Event:
+    """Saves stop at their gather (the engine's blocks are still being read) until the returned gate is set."""
+    gate = threading.Event()
+    gather = type(side.kv).gather
+
+    def slow_gather(self, ids, packed):
+        assert gate.wait(10)
+        gather(self, ids, packed)
+
+    monkeypatch.setattr(type(side.kv), "gather", slow_gather)
+    return gate
+
+
+def run_until_finished(eng: Engine, req, max_steps: int = 100) -> None:
+    """Step until ``req`` finished (unlike Engine.run, not until its saves are done and vLLM freed it)."""
+    eng.add(req)
+    for _ in range(max_steps):
+        eng.step()
+        if req.is_finished():
+            return
+    raise AssertionError(f"request {req.request_id} not finished after {max_steps} steps")
+
+
 # ---- creation -------------------------------------------------------------------------------------------
 
 
@@ -279,21 +302,9 @@ def test_block_gone_between_lookup_and_load_is_reported_and_recomputed(engine):
 def test_finished_request_keeps_its_blocks_until_its_saves_are_done(engine, monkeypatch):
     eng = engine()
     side = worker_side(eng)
-    gate = threading.Event()
-    gather = type(side.kv).gather
-
-    def slow_gather(self, ids, packed):
-        assert gate.wait(10)
-        gather(self, ids, packed)
-
-    monkeypatch.setattr(type(side.kv), "gather", slow_gather)
+    gate = hold_saves(side, monkeypatch)
     a = make_request("A", PREFIX + [5, 6, 7])
-    eng.add(a)
-    for _ in range(100):
-        eng.step()
-        if a.is_finished():
-            break
-    assert a.is_finished()
+    run_until_finished(eng, a)
     free_before = eng.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     for _ in range(3):
         eng.step()
@@ -477,15 +488,8 @@ def test_preemption_wait_for_a_stuck_save_logs_and_counts(engine, monkeypatch, c
     """handle_preemptions must wait for the save's gather (vLLM reuses the blocks next), but never silently."""
     eng = engine(load_timeout_s=0.1)
     side = worker_side(eng)
-    gate = threading.Event()
-    gather = type(side.kv).gather
-    monkeypatch.setattr(type(side.kv), "gather", lambda self, ids, packed: (gate.wait(10), gather(self, ids, packed)))
-    a = make_request("A", PREFIX + [5, 6, 7])
-    eng.add(a)
-    for _ in range(100):
-        eng.step()
-        if a.is_finished():
-            break
+    gate = hold_saves(side, monkeypatch)
+    run_until_finished(eng, make_request("A", PREFIX + [5, 6, 7]))
     side.take_counters()
     threading.Timer(0.45, gate.set).start()
     t0 = time.monotonic()
