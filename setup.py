@@ -13,8 +13,11 @@ ROOTS = {
     "kvtier.connectors": "connectors",
     "kvtier.bench": "bench",
 }
+# The CUDA sources travel in the wheel (nvcc builds them on the user's machine on first use, native_build.py):
+# native/cuda is the data-only package kvtier._cuda_src (its files: pyproject.toml's package-data).
+NATIVE_SRC = {"kvtier._cuda_src": "native/cuda"}
 
-packages: list[str] = []
+packages: list[str] = [*NATIVE_SRC]
 for name, folder in ROOTS.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(folder)]
@@ -30,7 +33,7 @@ native_cpu = Extension(
 
 setup(
     packages=packages,
-    package_dir=ROOTS,
+    package_dir={**ROOTS, **NATIVE_SRC},
     ext_modules=[native_cpu],
     include_package_data=True,
 )

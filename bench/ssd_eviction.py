@@ -1,59 +1,75 @@
 """Why the SSD tier evicts per block: a key-level simulation of its eviction choices on the agentic-cc traces.
 
-``python -m kvtier.bench.ssd_eviction [--traces 120 --lanes 64 --ssd 0.05,0.1,0.2]`` replays conversations
-(lanes play one conversation each, requests ordered by think and API time, subagents inline) through an LRU
-DRAM tier of 10% of the working set with an SSD tier under it (on_evict offload, promotion on hit), and prints,
-per SSD size and eviction scheme, the share of block reads served by each tier and the SSD writes per block
-offered by DRAM: the write amplification a log-structured design pays for reinsertion.
+``kvtier bench ssd-eviction --traces /work/shared/traces/agentic-cc [--conversations 120 --lanes 64
+--ssd 0.05,0.1,0.2]`` replays conversations (lanes play one conversation each, requests ordered by their
+think time plus a nominal second of API time, subagents inline) through an LRU DRAM tier of 10% of the
+working set with an SSD tier under it (on_evict offload, promotion on hit), and prints, per SSD size and
+eviction scheme, the share of block reads served by each tier and the SSD writes per block offered by DRAM:
+the write amplification a log-structured design pays for reinsertion.
 
 Schemes: per-block slots with a policy from kvtier.policies (what DiskTier does), and segment FIFO (CacheLib
 Navy-style regions of ``--segment`` blocks reclaimed oldest first) with and without reinsertion of blocks hit
-since they were written. A study, not a speed benchmark: no bytes move. Its trace reading is deliberately
-small; the replay tool (issue 3) is the general one.
+since they were written. A study, not a speed benchmark: no bytes move. Traces are read by kvtier.replay's
+reader (agentic-cc format; the replay tool is the general simulator).
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import heapq
-import json
 import random
+import sys
 from collections import OrderedDict
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvtier.policies import make_policy
+from kvtier.replay.traces import Request, Step, TraceError, expand_paths, read_trace
 
-TRACES = Path("/work/shared/traces/agentic-cc")
-
-
-def _flatten(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for r in requests:
-        out += _flatten(r["requests"]) if r.get("type") == "subagent" else [r]
-    return out
+API_TIME_S = 1.0  # a request's service time in the lane schedule (the parsed trace keeps think times only)
+MAX_THINK_S = 60.0  # longer pauses only reorder lanes; capped as in the first study
+Conversation = list[tuple[np.ndarray, float]]  # (block ids, delay before the request) per request
 
 
-def requests(files: list[Path], lanes: int) -> Iterator[list[int]]:
-    """Block ids of each request, conversations interleaved by lane; ids made unique per trace."""
+def _inline(steps: Sequence[Step]) -> Iterator[Request]:
+    """A conversation's requests in order, each subagent's requests where it was spawned."""
+    for step in steps:
+        if isinstance(step, Request):
+            yield step
+        else:
+            for agent in step.agents:
+                yield from _inline(agent)
+
+
+def load_conversations(paths: Sequence[str], count: int) -> list[Conversation]:
+    """A fixed random sample of ``count`` agentic-cc traces from ``paths`` (files or directories); block
+    ids are made unique per trace."""
+    files = expand_paths(paths)
+    random.Random(0).shuffle(files)
     convs = []
-    for n, f in enumerate(files):
-        reqs = _flatten(json.load(gzip.open(f))["requests"])
-        convs.append([([(n << 32) | h for h in r["hash_ids"]], r.get("api_time", 1.0) + min(r.get("think_time", 0.0),
-                                                                                            60.0)) for r in reqs])
+    for n, f in enumerate(files[:count]):
+        trace = read_trace(f)
+        if trace.timed:
+            raise TraceError(f"{f}: a timed (Mooncake) trace; this study replays agentic-cc conversations")
+        convs.append([((n << 32) | trace.raw_ids[r.blocks], min(r.delay, MAX_THINK_S))
+                      for r in _inline(trace.steps)])
+    return convs
+
+
+def requests(convs: list[Conversation], lanes: int) -> Iterator[np.ndarray]:
+    """Block ids of each request, conversations interleaved by lane."""
     todo = list(range(len(convs)))[::-1]
     heap = [(0.0, lane, todo.pop(), 0) for lane in range(min(lanes, len(todo)))]
     heapq.heapify(heap)
     while heap:
         t, lane, c, i = heapq.heappop(heap)
-        ids, delay = convs[c][i]
-        yield ids
+        yield convs[c][i][0]
         if i + 1 < len(convs[c]):
-            heapq.heappush(heap, (t + delay, lane, c, i + 1))
+            heapq.heappush(heap, (t + API_TIME_S + convs[c][i + 1][1], lane, c, i + 1))
         elif todo:
-            heapq.heappush(heap, (t + delay, lane, todo.pop(), 0))
+            heapq.heappush(heap, (t + API_TIME_S, lane, todo.pop(), 0))
 
 
 class PerBlock:
@@ -115,12 +131,12 @@ class SegmentFIFO:
         self.writes += 1
 
 
-def simulate(files: list[Path], lanes: int, dram: int, ssd: Any) -> dict[str, float]:
+def simulate(convs: list[Conversation], lanes: int, dram: int, ssd: Any) -> dict[str, float]:
     dram_lru: OrderedDict[int, None] = OrderedDict()
     served = {"dram": 0, "ssd": 0, "miss": 0}
     offered = 0
-    for ids in requests(files, lanes):
-        for k in ids:
+    for ids in requests(convs, lanes):
+        for k in ids.tolist():
             if k in dram_lru:
                 dram_lru.move_to_end(k)
                 served["dram"] += 1
@@ -132,38 +148,52 @@ def simulate(files: list[Path], lanes: int, dram: int, ssd: Any) -> dict[str, fl
                 if not ssd.holds(victim):
                     offered += 1
                     ssd.write(victim)
-    total = sum(served.values())
+    total = max(sum(served.values()), 1)
     return {"dram_hit": served["dram"] / total, "ssd_hit": served["ssd"] / total,
             "total_hit": (served["dram"] + served["ssd"]) / total, "ssd_writes": ssd.writes,
             "writes_per_offered": ssd.writes / max(offered, 1)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--traces", type=int, default=60, help="conversations (a fixed random sample)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
+                   help="agentic-cc trace files or directories (e.g. /work/shared/traces/agentic-cc)")
+    p.add_argument("--conversations", type=int, default=60, help="conversations (a fixed random sample)")
     p.add_argument("--lanes", type=int, default=32, help="conversations in flight at once")
     p.add_argument("--ssd", default="0.05,0.1,0.2", help="SSD sizes as fractions of the working set")
     p.add_argument("--segment", type=int, default=64, help="blocks per segment for the segment schemes")
     p.add_argument("--schemes", default="block-lru,block-fifo,block-s3fifo,segment-fifo,segment-fifo+reinsert")
-    args = p.parse_args(argv)
-    files = sorted(TRACES.glob("*.json.gz"))
-    random.Random(0).shuffle(files)
-    files = files[: args.traces]
-    working_set = len({k for ids in requests(files, args.lanes) for k in ids})
-    dram = working_set // 10
-    print(f"{len(files)} conversations, {args.lanes} lanes, working set {working_set} blocks, DRAM LRU {dram}")
+
+
+def run(args: argparse.Namespace) -> int:
+    convs = load_conversations(args.traces, args.conversations)
+    working_set = len({k for ids in requests(convs, args.lanes) for k in ids.tolist()})
+    if not working_set:
+        raise TraceError(f"{', '.join(args.traces)}: the traces hold no full blocks")
+    dram = max(1, working_set // 10)
+    print(f"{len(convs)} conversations, {args.lanes} lanes, working set {working_set} blocks, DRAM LRU {dram}")
     for frac in (float(x) for x in args.ssd.split(",")):
-        cap = int(working_set * frac)
+        cap = max(1, int(working_set * frac))
         for scheme in args.schemes.split(","):
             if scheme.startswith("block-"):
                 ssd: Any = PerBlock(cap, scheme.removeprefix("block-"))
             else:
                 ssd = SegmentFIFO(cap, args.segment, reinsert=scheme.endswith("+reinsert"))
-            r = simulate(files, args.lanes, dram, ssd)
+            r = simulate(convs, args.lanes, dram, ssd)
             print(f"ssd {frac:>4.0%} of WS  {scheme:<24} dram {r['dram_hit']:.3f}  ssd {r['ssd_hit']:.3f}  "
                   f"total {r['total_hit']:.3f}  ssd writes {r['ssd_writes']:>9}  "
                   f"per offered {r['writes_per_offered']:.2f}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.bench.ssd_eviction", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except (TraceError, ValueError) as e:
+        print(f"kvtier: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

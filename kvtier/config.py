@@ -28,6 +28,13 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"  # names a file; not a config key itself
+# KVTIER_* variables that are not config keys. ``from_env`` skips exactly these, so a typo of a real key is
+# still an error; a new non-config variable must be named here (tests/test_config.py scans the tree for them).
+ENV_CACHE_DIR = "KVTIER_CACHE_DIR"  # where native_build.py caches the compiled CUDA library
+ENV_CUDA_ARCH = "KVTIER_CUDA_ARCH"  # GPU architectures native_build.py compiles for when none is visible
+ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": hostcopy.py and master/table.py skip the native CPU library
+ENV_RDMA_DEVICE = "KVTIER_RDMA_DEVICE"  # name[:port[:gid_index]]: the device kvtier/transport/rdma.py opens
+ENV_NOT_CONFIG = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_NATIVE_CPU, ENV_RDMA_DEVICE})
 
 
 class ConfigError(ValueError):
@@ -141,10 +148,11 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, base: Config | None = None) -> Config:
-        """Apply KVTIER_<KEY> variables (e.g. KVTIER_DRAM_CAPACITY=64GiB) over ``base``."""
+        """Apply KVTIER_<KEY> variables (e.g. KVTIER_DRAM_CAPACITY=64GiB) over ``base``; the variables of
+        ENV_NOT_CONFIG (a file path, build and library switches) are not keys and are skipped."""
         environ = os.environ if environ is None else environ
         values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
-                  if k.startswith(ENV_PREFIX) and k != ENV_CONFIG_FILE}
+                  if k.startswith(ENV_PREFIX) and k not in ENV_NOT_CONFIG}
         try:
             return cls.from_dict(values, base)
         except ConfigError as e:

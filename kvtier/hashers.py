@@ -2,7 +2,8 @@
 
 A router that wants to ask "who holds this prompt's prefix" must name the blocks exactly as the engine that
 stored them did. Connectors fold the engine's own block hashes into kvtier keys (``Namespace.keys``), so a
-router does ``ns.keys(hasher.hashes(token_ids))`` with the hasher of that engine and gets the same keys.
+router does ``ns.keys(hasher.hashes(token_ids))`` with the hasher of that engine and the namespace the
+connector used (``vllm_namespace`` for KVTierConnector) and gets the same keys.
 
 * vLLM 0.33 (v1, ``--prefix-caching-hash-algo sha256``, the default): block i's hash is
   ``sha256(pickle.dumps((parent, tuple(tokens_i), extra_keys), HIGHEST_PROTOCOL))`` with parent = the
@@ -32,6 +33,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
+
+from kvtier.keys import Namespace
 
 VLLM_DEFAULT_SEED = "vllm-none-hash"
 
@@ -95,6 +98,19 @@ class VllmBlockHasher:
             prev = vllm_sha256((prev, tuple(ids[start : start + bs]), extra))
             out.append(prev)
         return out
+
+
+def vllm_namespace(model: str, layout_fingerprint: str, *, rank: int = 0, world_size: int = 1,
+                   revision: str | None = None, hash_algo: str = "sha256") -> Namespace:
+    """The namespace KVTierConnector's worker of TP/PP ``rank`` (of ``world_size``) stores its keys under.
+
+    ``model`` is the ``model`` config key if set, else the served model as vLLM names it (``--model``);
+    ``layout_fingerprint`` is that rank's ``BlockLayout.fingerprint`` (the worker logs it); ``revision`` the
+    model revision (None when not given) and ``hash_algo`` vLLM's ``--prefix-caching-hash-algo``. The one
+    place this fold is written: the connector builds its namespace here too.
+    """
+    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=0,
+                     extra=f"revision={revision};hash={hash_algo}")
 
 
 class SglangPageHasher:

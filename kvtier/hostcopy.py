@@ -16,6 +16,8 @@ import os
 
 import numpy as np
 
+from kvtier.config import ENV_NATIVE_CPU
+
 log = logging.getLogger(__name__)
 
 _u64p = ctypes.POINTER(ctypes.c_uint64)
@@ -23,7 +25,7 @@ _i64p = ctypes.POINTER(ctypes.c_int64)
 
 
 def _load_native() -> ctypes.CDLL | None:
-    if os.environ.get("KVTIER_NATIVE_CPU", "1") == "0":
+    if os.environ.get(ENV_NATIVE_CPU, "1") == "0":
         return None
     spec = importlib.util.find_spec("kvtier._native_cpu")
     if spec is None or not spec.origin:

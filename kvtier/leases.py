@@ -12,8 +12,10 @@ Two users, one mechanism:
 A lease pins each of its keys once in the store's ``PinTable`` (per-block reference counts), so leases
 compose with every other pin holder. ``max_keys`` caps the keys held by all leases together: past it,
 whole leases are released lowest priority first, then soonest to expire (an agent that hints everything
-cannot pin the whole cache). Expired leases are released on the next call that touches the table, or by
-``sweep()``; time comes from an injectable clock, so tests never sleep.
+cannot pin the whole cache). Expired leases are released on the next call that touches the table (lease,
+keys_of, len, in, leased_keys), by ``sweep()``, and by the store when a put finds no evictable space (the
+table registers its sweep with a store that has ``add_reclaimer``); a call with nothing due costs O(1). Time
+comes from an injectable clock, so tests never sleep.
 
 Thread-safe. Runs in the process that owns the store.
 """
@@ -38,6 +40,9 @@ class Pinnable(Protocol):
     def unpin(self, keys: Sequence[bytes]) -> None: ...
 
 
+Reclaimer = Callable[[], int]  # releases pins nobody needs any more (expired leases); returns how many holders
+
+
 @dataclass
 class Lease:
     """Keys pinned under one name until ``expires`` (clock seconds)."""
@@ -58,8 +63,12 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._total = 0  # keys held by all leases
+        self._earliest = float("inf")  # no lease expires before this (a lower bound: extensions only raise)
         self.released_by_budget = 0  # leases dropped to honour max_keys
         self.expired = 0
+        add_reclaimer: Callable[[Reclaimer], None] | None = getattr(store, "add_reclaimer", None)
+        if add_reclaimer is not None:  # a full store releases expired leases before it refuses a put
+            add_reclaimer(self.sweep)
 
     def lease(self, name: str, keys: Sequence[bytes], ttl_s: float, priority: float = 0.0) -> list[bool]:
         """Pin the held ``keys`` under ``name`` until now + ``ttl_s``; True where the key is leased afterwards.
@@ -83,11 +92,13 @@ class LeaseTable:
             lease.keys.update(pinned)
             self._total += len(pinned)
             lease.expires = max(lease.expires, now + ttl_s)
+            self._earliest = min(self._earliest, lease.expires)
             lease.priority = max(lease.priority, priority)
-            result = [k in lease.keys for k in keys]
             victims = self._over_budget()
             for victim in victims:
                 self._unpin(victim)
+            # This lease itself may have gone for the budget: then none of its keys is leased any more.
+            result = [k in lease.keys for k in keys] if self._leases.get(name) is lease else [False] * len(keys)
         for victim in victims:
             log.info("lease %r released early (%d keys, priority %s): leases held more than max_keys=%d keys",
                      victim.name, len(victim.keys), victim.priority, self.max_keys)
@@ -109,30 +120,37 @@ class LeaseTable:
         return self._release_expired()
 
     def keys_of(self, name: str) -> set[bytes]:
+        self._release_expired()
         with self._lock:
             lease = self._leases.get(name)
             return set(lease.keys) if lease is not None else set()
 
     def __contains__(self, name: object) -> bool:
+        self._release_expired()
         return name in self._leases
 
     def __len__(self) -> int:
+        self._release_expired()
         return len(self._leases)
 
     @property
     def leased_keys(self) -> int:
+        self._release_expired()
         return self._total
 
     # ---- internals -------------------------------------------------------------------------------------
 
     def _release_expired(self) -> int:
         now = self._clock()
+        if now < self._earliest:  # nothing due (a float read: no lock needed)
+            return 0
         with self._lock:
             gone = [lease for lease in self._leases.values() if lease.expires <= now]
             for lease in gone:
                 del self._leases[lease.name]
                 self._total -= len(lease.keys)
             self.expired += len(gone)
+            self._earliest = min((lease.expires for lease in self._leases.values()), default=float("inf"))
         for lease in gone:
             self._unpin(lease)
         return len(gone)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.resources
 import logging
 import os
 import shutil
@@ -24,11 +25,14 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvtier.config import ENV_CACHE_DIR, ENV_CUDA_ARCH
+
 log = logging.getLogger(__name__)
 
 CUDA_SOURCES = ("packcopy.cu",)
 LIBRARY = "libkvtier_cuda"
 DEFAULT_ARCHS = ("80", "90")
+NVCC_TIMEOUT_S = 300.0  # a two-architecture build takes well under a minute; a hung nvcc must not hang a worker
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden")
 
 
@@ -37,7 +41,14 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    """native/cuda of this checkout (editable installs and source trees)."""
+    """The CUDA sources: shipped in the wheel as package data (kvtier._cuda_src), else native/cuda of this
+    checkout (source trees, and editable installs made before the sources became package data)."""
+    try:
+        shipped = importlib.resources.files("kvtier._cuda_src")
+        if shipped.is_dir():
+            return Path(str(shipped))
+    except ModuleNotFoundError:
+        pass
     return Path(__file__).resolve().parent.parent / "native" / "cuda"
 
 
@@ -49,12 +60,12 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
     return Path(root) / "native"
 
 
 def target_archs() -> list[str]:
-    env = os.environ.get("KVTIER_CUDA_ARCH", "")
+    env = os.environ.get(ENV_CUDA_ARCH, "")
     if env.strip():
         return [a.strip().replace(".", "") for a in env.replace(",", ";").split(";") if a.strip()]
     try:
@@ -77,7 +88,8 @@ def build_cuda_library(archs: Sequence[str] | None = None, *, out_dir: Path | No
     sources = [source_dir() / name for name in CUDA_SOURCES]
     missing = [str(s) for s in sources if not s.is_file()]
     if missing:
-        raise BuildError(f"CUDA sources not found: {', '.join(missing)} (install kvtier from a source checkout)")
+        raise BuildError(f"CUDA sources not found: {', '.join(missing)} (this kvtier install lacks its "
+                         "package data; reinstall it, or install from a source checkout)")
     archs = list(archs or target_archs())
     flags = [*NVCC_FLAGS]
     for arch in archs:
@@ -99,7 +111,12 @@ def build_cuda_library(archs: Sequence[str] | None = None, *, out_dir: Path | No
     cmd = [nvcc, *flags, "-o", tmp, *map(str, sources)]
     log.info("building the kvtier CUDA kernels for sm_%s: %s", ",".join(archs), " ".join(cmd))
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"nvcc did not finish building {target.name} within {NVCC_TIMEOUT_S:.0f} s (killed); "
+                             "a hung or overloaded compiler? build ahead of time: python -m kvtier.native_build"
+                             ) from None
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-4000:]
             raise BuildError(f"nvcc failed (exit {proc.returncode}) building {target.name}:\n{tail}")

@@ -72,6 +72,11 @@ class Offloader:
         if wanted:
             self._offload([keys[i] for i in wanted], [views[i] for i in wanted], wait=False)
 
+    def after_borrow(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were hits read in place from the top tier (a connector's zero-copy borrow)."""
+        if self.policy == "second_hit":
+            self._see(keys)
+
     def after_get(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
         """``served[i]`` is the index of the tier that served key i (-1: a miss); ``rows`` hold the bytes.
         Promotes what this offloader's lower tier served."""

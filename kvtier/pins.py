@@ -39,12 +39,6 @@ class PinTable:
                     unknown.append(k)
         return unknown
 
-    def drop(self, keys: Iterable[bytes]) -> None:
-        """Forget every pin of these keys (the blocks were removed)."""
-        with self._lock:
-            for k in keys:
-                self._counts.pop(k, None)
-
     def count(self, key: bytes) -> int:
         return self._counts.get(key, 0)
 

@@ -87,12 +87,13 @@ class TieredStore:
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
         self.pins = PinTable()
-        # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
-        self.leases = LeaseTable(self)
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, int] = {}  # key -> number of puts writing it (normally 1)
         self._listeners: list[Listener] = []
+        self._reclaimers: list[Callable[[], int]] = []  # release stale pins (expired leases) when full
+        # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
+        self.leases = LeaseTable(self)  # registers its sweep with add_reclaimer
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
@@ -165,6 +166,11 @@ class TieredStore:
         fresh_keys = [keys[i] for i in fresh]
         try:
             stored = self.tiers[0].put(fresh_keys, _subset(rows, fresh))
+            if not all(stored) and self._reclaim():  # expired leases held the space: try once more
+                retry = [i for i, ok in enumerate(stored) if not ok]
+                again = self.tiers[0].put([fresh_keys[i] for i in retry], _subset(rows, [fresh[i] for i in retry]))
+                for i, ok in zip(retry, again):
+                    stored[i] = ok
         finally:
             with self._lock:
                 for k in fresh_keys:
@@ -187,9 +193,12 @@ class TieredStore:
         return result
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop keys from every tier (and their pins); return how many blocks were dropped in all."""
+        """Drop keys from every tier; return how many blocks were dropped in all.
+
+        Pins stay: each belongs to a holder (a lease, a load in flight) that will unpin it, and a pin on a
+        key no tier holds is harmless (it keeps a block put again under that key until its holder lets go).
+        """
         check_keys(keys)
-        self.pins.drop(keys)
         total = 0
         for tier in self.tiers:
             present = [k for k, h in zip(keys, tier.contains(keys)) if h] if self._listeners else []
@@ -237,6 +246,8 @@ class TieredStore:
             return
         with acquire(keys) as addresses:
             self._count(get_hits=sum(a is not None for a in addresses))
+            if self._offload is not None:  # a hit like a get's: second_hit counts it as a sighting
+                self._offload.after_borrow([k for k, a in zip(keys, addresses) if a is not None])
             yield addresses
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -252,10 +263,11 @@ class TieredStore:
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
         """How many leading keys are held, and by which tier each (the highest tier that holds it)."""
+        # Every tier is asked about all the keys the tiers above it lack: where the prefix ends is known only
+        # after the last tier answered (a batch call per tier beats asking key by key).
         names: list[str | None] = [None] * len(keys)
-        end = len(keys)  # keys[end:] need not be looked at: a key before them is missing everywhere
         for tier in self.tiers:
-            todo = [i for i in range(end) if names[i] is None]
+            todo = [i for i, n in enumerate(names) if n is None]
             if not todo:
                 break
             for i, h in zip(todo, tier.contains([keys[i] for i in todo])):
@@ -297,6 +309,12 @@ class TieredStore:
 
     # ---- events, stats, lifetime ----------------------------------------------------------------------
 
+    def add_reclaimer(self, reclaim: Callable[[], int]) -> None:
+        """Call ``reclaim()`` when a put finds no evictable space (and on ``stats``): it releases pins nobody
+        needs any more, such as expired leases, and returns how many holders it released (> 0: the put is
+        retried once). LeaseTables over this store register their sweep here themselves."""
+        self._reclaimers.append(reclaim)
+
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(StoreEvent)`` whenever a tier gains or loses keys (on the thread that caused it;
         keep it short and never call back into the store from it)."""
@@ -307,6 +325,7 @@ class TieredStore:
         return all([offload.flush(timeout) for offload in self._offloads])
 
     def stats(self) -> dict[str, Any]:
+        self._reclaim()  # pinned_keys counts live pins only
         extra = {"offload": self._offloads[0].stats(),  # the tier right under the top one
                  "offloads": {o.lower.name: o.stats() for o in self._offloads}} if self._offloads else {}
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
@@ -342,6 +361,15 @@ class TieredStore:
             self._emit("removed", tier_name, list(keys))
 
         return on_evict
+
+    def _reclaim(self) -> int:
+        released = 0
+        for reclaim in self._reclaimers:
+            try:
+                released += reclaim()
+            except Exception:
+                log.exception("store reclaimer %r failed", reclaim)
+        return released
 
     def _emit(self, kind: str, tier: str, keys: list[bytes]) -> None:
         if keys and self._listeners:

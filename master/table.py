@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvtier.config import ENV_NATIVE_CPU
+
 log = logging.getLogger(__name__)
 
 EMPTY, LIVE, TOMBSTONE = 0, 1, 2
@@ -40,7 +42,7 @@ _WINDOW_STEPS = np.arange(WINDOW, dtype=np.int64)
 
 def _load_native() -> ctypes.CDLL | None:
     """The probe loops of native/cpu/keytable.c (in kvtier's native CPU library), or None: numpy does them."""
-    if os.environ.get("KVTIER_NATIVE_CPU", "1") == "0":
+    if os.environ.get(ENV_NATIVE_CPU, "1") == "0":
         return None
     spec = importlib.util.find_spec("kvtier._native_cpu")
     lib = ctypes.CDLL(spec.origin) if spec is not None and spec.origin else None

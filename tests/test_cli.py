@@ -14,6 +14,29 @@ def test_help_lists_subcommands():
         assert name in r.stdout
 
 
+_PROBE = """
+import json, sys
+from kvtier.cli import build_parser
+args = build_parser().parse_args(sys.argv[1:]) if len(sys.argv) > 1 else build_parser()
+benches = sorted(m for m in sys.modules if m.startswith("kvtier.bench.") and m != "kvtier.bench.cli")
+print(json.dumps({"torch": "torch" in sys.modules, "benches": benches, "keys": getattr(args, "keys", None)}))
+"""
+
+
+def test_bench_modules_load_only_when_chosen():
+    """`kvtier --help` must not import every benchmark (and torch with them); a chosen one gets its options."""
+    r = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"torch": False, "benches": [], "keys": None}
+    r = subprocess.run([sys.executable, "-c", _PROBE, "bench", "master", "--keys", "10"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["keys"] == 10 and "kvtier.bench.master" in got["benches"] and "kvtier.bench.tiers" not in got["benches"]
+    r = kvtier("bench", "ssd-eviction", "--help")
+    assert r.returncode == 0 and "--traces PATH" in r.stdout
+
+
 def test_bench_tiers_dram_writes_rows(tmp_path):
     out = tmp_path / "dram.json"
     r = kvtier("bench", "tiers", "--tier", "dram", "--sizes", "64KiB,1MiB", "--total", "8MiB", "--rounds", "1",

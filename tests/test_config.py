@@ -1,8 +1,11 @@
 import json
+import re
+from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from kvtier.config import Config, ConfigError
+from kvtier.config import ENV_NOT_CONFIG, Config, ConfigError
 
 
 def test_defaults_validate():
@@ -60,3 +63,31 @@ def test_env_and_precedence(tmp_path):
     assert (c.eviction, c.dram_capacity, c.copy_threads) == ("s3fifo", 2 * 2**30, 4)
     with pytest.raises(ConfigError, match="environment: unknown config key 'dram_capacty'.*KVTIER_"):
         Config.load(None, environ={"KVTIER_DRAM_CAPACTY": "1GiB"})
+
+
+def test_non_config_variables_are_not_keys():
+    # The build and library switches live in the same KVTIER_ namespace; a store must still start with them set.
+    env = {"KVTIER_CACHE_DIR": "/tmp/x", "KVTIER_CUDA_ARCH": "90", "KVTIER_NATIVE_CPU": "0",
+           "KVTIER_DRAM_CAPACITY": "2GiB"}
+    assert Config.load(None, environ=env).dram_capacity == 2 * 2**30
+    assert ENV_NOT_CONFIG == {"KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_CUDA_ARCH", "KVTIER_NATIVE_CPU"}
+
+
+def test_every_kvtier_variable_in_the_tree_is_a_key_or_reserved():
+    """A new KVTIER_ variable read anywhere must be a config key or listed in ENV_NOT_CONFIG, or every store
+    started with it set would fail with 'unknown config key'."""
+    root = Path(__file__).resolve().parent.parent
+    keys = {f"KVTIER_{f.name.upper()}" for f in fields(Config)}
+    found = set()
+    for folder in ("kvtier", "master", "connectors", "bench"):
+        for path in (root / folder).rglob("*.py"):
+            found.update((m, path.name) for m in re.findall(r"\bKVTIER_[A-Z][A-Z0-9_]*", path.read_text()))
+    assert found, "the scan found no KVTIER_ names at all: the tree layout changed"
+    stray = sorted((name, file) for name, file in found if name not in keys | ENV_NOT_CONFIG)
+    assert not stray, f"KVTIER_ variables that are neither config keys nor in ENV_NOT_CONFIG: {stray}"
+
+
+def test_readme_has_a_row_for_every_key():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [f.name for f in fields(Config) if f"| `{f.name}` |" not in readme]
+    assert not missing, f"README's configuration table lacks {missing}"

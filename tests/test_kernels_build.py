@@ -91,3 +91,40 @@ def test_triton_kernel_compiles_for_nvidia_and_amd():
     assert len(lines) == 4
     assert all("cubin" in x for x in lines if x.startswith("cuda")), lines
     assert all("hsaco" in x for x in lines if x.startswith("hip")), lines
+
+
+def test_a_hung_nvcc_is_killed_with_a_clear_error(tmp_path, monkeypatch):
+    nvcc = tmp_path / "nvcc"  # answers --version like nvcc, then hangs on the build
+    nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Cuda compilation tools, release 0.0'; exit 0; }\n"
+                    "exec sleep 30\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setattr(native_build, "NVCC_TIMEOUT_S", 0.5)
+    with pytest.raises(native_build.BuildError, match=r"nvcc did not finish building .* within 0 s \(killed\)"):
+        native_build.build_cuda_library(["90"], out_dir=tmp_path / "out", nvcc=str(nvcc))
+    assert not any((tmp_path / "out").iterdir())  # no half-written library left behind
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_cuda_sources_and_finds_them(tmp_path):
+    """A non-editable install must still build its kernels: the .cu files are package data, and source_dir()
+    finds them inside the installed package, not in a checkout."""
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path / "dist"), str(root)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("kvtier-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "site")
+    assert {f"kvtier/_cuda_src/{name}" for name in native_build.CUDA_SOURCES} <= names
+    # The extracted wheel first on the path (as an installed one would be), run from elsewhere.
+    probe = "from kvtier import native_build as n; print(n.source_dir())"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = Path(r.stdout.strip())
+    assert found == tmp_path / "site" / "kvtier" / "_cuda_src"
+    assert all((found / name).is_file() for name in native_build.CUDA_SOURCES)

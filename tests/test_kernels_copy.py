@@ -11,7 +11,6 @@ import importlib.util
 import os
 import zlib
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

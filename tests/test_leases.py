@@ -55,6 +55,21 @@ def test_leases_compose_with_other_pins(store):
     assert [store.pins.count(k) for k in KEYS[:3]] == [1, 2, 1]
 
 
+def test_remove_leaves_a_leases_pins_to_the_lease(store):
+    """A removed and re-put block keeps the lease's pin; the lease's release takes its own pin, not the one a
+    loader added meanwhile (which would make a block being loaded evictable)."""
+    table = LeaseTable(store)
+    table.lease("session:a", KEYS[:1], ttl_s=600)
+    store.remove(KEYS[:1])
+    store.put(KEYS[:1], blocks_for(KEYS[:1], BLOCK))
+    assert store.pin(KEYS[:1]) == [True]  # a loader pins the block put again
+    assert store.pins.count(KEYS[0]) == 2
+    assert table.release("session:a") == 1
+    assert store.pins.count(KEYS[0]) == 1  # the loader's pin
+    store.unpin(KEYS[:1])
+    assert len(store.pins) == 0
+
+
 def test_pinned_blocks_survive_eviction():
     store = TieredStore.from_config({"dram_capacity": 4 * BLOCK}, BLOCK)
     try:
@@ -74,6 +89,36 @@ def test_budget_releases_lowest_priority_first(store):
     assert "low" not in table and "high" in table and "mid" in table
     assert table.leased_keys == 4 == len(store.pins)
     assert table.released_by_budget == 1
+
+
+def test_a_lease_released_for_the_budget_reports_nothing_leased(store):
+    table = LeaseTable(store, max_keys=2)
+    assert table.lease("high", KEYS[0:2], ttl_s=100, priority=5) == [True, True]
+    assert table.lease("low", KEYS[2:4], ttl_s=100, priority=0) == [False, False]  # it went at once
+    assert "low" not in table and store.pins.count(KEYS[2]) == 0
+
+
+def test_expired_leases_end_without_an_explicit_sweep():
+    clock = Clock()
+    store = TieredStore.from_config({"dram_capacity": 4 * BLOCK}, BLOCK)
+    try:
+        table = LeaseTable(store, clock=clock)
+        store.put(KEYS[:4], blocks_for(KEYS[:4], BLOCK))
+        table.lease("session", KEYS[:4], ttl_s=10)
+        assert store.put(KEYS[4:5], blocks_for(KEYS[4:5], BLOCK)).rejected == KEYS[4:5]  # all pinned
+        clock.now = 10
+        # The full store releases the expired lease itself and stores the block.
+        assert store.put(KEYS[4:5], blocks_for(KEYS[4:5], BLOCK)).stored == 1
+        assert table.expired == 1 and len(store.pins) == 0
+        table.lease("again", KEYS[1:3], ttl_s=5)
+        clock.now = 15
+        assert store.stats()["pinned_keys"] == 0  # stats count live pins only
+        table.lease("third", KEYS[1:2], ttl_s=5)
+        clock.now = 20
+        assert "third" not in table and table.keys_of("third") == set() and len(table) == 0
+        assert table.leased_keys == 0
+    finally:
+        store.close()
 
 
 def test_ttl_must_be_positive(store):
@@ -103,11 +148,11 @@ def test_pin_counts_always_equal_live_leases(ops, budget):
                 _, name, idx, ttl, prio = op
                 got = table.lease(name, [KEYS[i] for i in idx], ttl, prio)
                 assert all(not g for g, i in zip(got, idx) if i >= 10)  # never pins what the store lacks
+                assert got == [KEYS[i] in table.keys_of(name) for i in idx]  # True: leased afterwards
             elif op[0] == "release":
                 table.release(op[1])
             else:
-                clock.now += op[1]
-                table.sweep()
+                clock.now += op[1]  # no sweep: the table's own calls below release what expired
             if budget:
                 assert table.leased_keys <= budget
             live = {n: table.keys_of(n) for n in "abcd" if n in table}

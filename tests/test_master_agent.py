@@ -95,6 +95,8 @@ def test_master_restarted_without_state_gets_everything_again(tmp_path):
                 while m.lookup(KEYS[:30], touch=False).for_node("n1") != {"dram": 30}:
                     assert time.monotonic() < deadline, "the node never re-registered and resent its inventory"
                     time.sleep(0.05)
+            # The master applies the inventory before the agent counts its reply: wait for the agent's side.
+            assert agent.wait_synced()
             assert agent.counters["registrations"] >= 2 and agent.counters["inventories"] >= 2
         finally:
             agent.close(), s.close()

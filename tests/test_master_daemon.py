@@ -13,8 +13,8 @@ import pytest
 
 from conftest import blocks_for
 from kvtier import TieredStore
-from kvtier.client import (AsyncMasterClient, MasterClient, MasterTimeout, MasterUnknownNode, NodeAgent,
-                           Router)
+from kvtier.client import (AsyncMasterClient, MasterClient, MasterError, MasterTimeout, MasterUnknownNode,
+                           NodeAgent, Router)
 from kvtier.client import api
 from kvtier.hashers import VllmBlockHasher
 from kvtier.keys import Namespace
@@ -117,7 +117,8 @@ def test_dead_node_placements_vanish_when_its_lease_ends(master):
         agent.close()  # heartbeats stop; the process holding the blocks is "gone"
         t0 = time.monotonic()
         wait_for(lambda: held(m, keys) == 0, timeout=5.0, what="placements to vanish")
-        assert time.monotonic() - t0 <= 1.0 + 0.5, "placements outlived the 1 s lease"
+        # The lease plus the master's sweep, with slack for a loaded CI machine.
+        assert time.monotonic() - t0 <= 1.0 + 1.5, "placements outlived the 1 s lease"
         assert {n["node"]: n["state"] for n in m.nodes()}["w1"] == "dead"
         # A heartbeat from the dead node is refused: it must register again (and then resync).
         with pytest.raises(MasterUnknownNode):
@@ -148,7 +149,8 @@ def test_kill9_restart_answers_correctly_within_one_lease(tmp_path):
 
                 wait_for(correct, timeout=5.0, what="lookups to be correct after the restart")
                 elapsed = time.monotonic() - t0
-                assert elapsed <= master.lease_s + 0.25, f"resync took {elapsed:.2f} s, lease {master.lease_s} s"
+                # Within a lease, plus the agent's retry backoff (up to 0.5 s) and slack for a loaded machine.
+                assert elapsed <= master.lease_s + 1.25, f"resync took {elapsed:.2f} s, lease {master.lease_s} s"
                 # Never a wrong answer meanwhile: nothing (not confirmed yet) or the truth, never the stale
                 # snapshot's 38 blocks.
                 assert set(seen) <= {0, 48}, seen
@@ -213,7 +215,7 @@ def test_metrics_endpoint_counts_requests_and_nodes(master):
         m.call(api.heartbeat("mx", "i", 0, {"dram": 250}, {"dram": 5e9}, {}, 0.001))
         for _ in range(7):
             m.lookup(keys)
-        with pytest.raises(Exception):
+        with pytest.raises(MasterError, match="unknown_op"):
             m.call(api.Call("no_such_op", {}, dict))
     text = urllib.request.urlopen(f"http://127.0.0.1:{master.metrics_port}/metrics", timeout=5).read().decode()
 

@@ -10,6 +10,7 @@ from kvtier import wire
 from kvtier.keys import Namespace
 from kvtier.master import ops_node, ops_router
 from kvtier.master.cost import CostDefaults
+from kvtier.master.hints import HintTable
 from kvtier.master.service import MasterSettings, MasterState
 from kvtier.wire import WireError
 
@@ -220,6 +221,41 @@ def test_hints_expire_and_bump_the_version(st_):
     ops_router.unpin(st_, {"keys": b"".join(KEYS[:3]), "session": "agent-7"})
     h3 = ops_router.hints(st_, {})
     assert h3["pins"]["keys"] == b"" and h3["session_pins"] == {} and r["count"] == 3
+
+
+def test_hint_budget_counts_only_new_keys():
+    h = HintTable(max_keys=10)
+    h.pin(KEYS[:6], None, 60, now=0)
+    h.pin(KEYS[:6], None, 60, now=1)  # re-pinning the same keys adds none
+    h.pin(KEYS[2:8] + KEYS[2:4], None, 60, now=1)  # two new keys (repeats in a batch count once)
+    with pytest.raises(WireError, match="exceed 10 keyed hints"):
+        h.pin(KEYS[:11], None, 60, now=1)
+    h.set_priority(KEYS[:2], None, level=2, ttl_s=60, now=1)
+    h.set_priority(KEYS[:2], None, level=3, ttl_s=60, now=1)
+    assert len(h.key_pins) == 8 and len(h.key_priority) == 2
+
+
+class _NoWalk(dict):
+    def items(self):
+        raise AssertionError("expire() walked every hint")
+
+
+def test_hint_expiry_walks_only_what_is_due():
+    h = HintTable()
+    h.pin(KEYS[:4], "s1", 10, now=0)
+    h.pin(KEYS[:1], None, 50, now=0)  # extended: its first expiry is stale
+    h.pin(KEYS[4:5], None, 0, now=0)  # never expires
+    h.set_priority(KEYS[5:6], "s2", level=2, ttl_s=5, now=0)
+    h.set_priority(KEYS[5:6], None, level=0, ttl_s=0, now=1)  # removed before it was due
+    h.key_pins, h.key_priority = _NoWalk(h.key_pins), _NoWalk(h.key_priority)
+    version = h.version
+    assert not h.expire(4.0) and h.version == version  # nothing due: no walk, no new version
+    assert h.expire(5.0) and h.session_priority == {} and h.version == version + 1
+    assert h.expire(10.0) and set(h.key_pins) == {KEYS[0], KEYS[4]} and h.session_pins == {}
+    h.key_pins, h.key_priority = dict(h.key_pins), dict(h.key_priority)
+    restored = HintTable.from_wire(h.to_wire())  # the schedule is rebuilt from the tables
+    assert restored.expire(50.0) and set(restored.key_pins) == {KEYS[4]}
+    assert not restored.expire(1e12)
 
 
 def test_wrong_types_name_the_field(st_):

@@ -93,3 +93,35 @@ def test_fifo_ignores_hits():
     assert p.victims(1, set()) == [k(1)]  # LRU would take k(2)
     assert p.victims(5, {k(3)}) == [k(2)]
     assert len(p) == 1
+
+
+class CountingSet(set):
+    """A protected set that counts membership checks (how many keys an eviction looked at)."""
+
+    checks = 0
+
+    def __contains__(self, key: object) -> bool:
+        self.checks += 1
+        return super().__contains__(key)
+
+
+@pytest.mark.parametrize("name", ["lru", "fifo"])
+def test_protected_head_is_not_rescanned(name):
+    p = make_policy(name, 2000)
+    keys = [k(i) for i in range(2000)]
+    p.insert(keys)
+    protected = CountingSet(keys[:1000])  # the oldest half is pinned
+    assert p.victims(4, protected) == keys[1000:1004]
+    first, protected.checks = protected.checks, 0
+    assert first == 1004
+    assert p.victims(4, protected) == keys[1004:1008]
+    assert protected.checks == 4  # the pinned keys went to the back: not looked at again
+    assert p.victims(2000, protected) == keys[1008:]  # the rest, each looked at once
+    assert p.victims(1, protected) == [] and len(p) == 1000
+
+
+def test_lru_protected_keys_count_as_recently_used():
+    p = make_policy("lru", 4)
+    p.insert([k(1), k(2), k(3)])
+    assert p.victims(1, {k(1)}) == [k(2)]
+    assert p.victims(1, set()) == [k(3)]  # k(1), passed while pinned, is now the most recently used

@@ -165,7 +165,8 @@ def test_deleted_and_truncated_segment_files_become_misses(tmp_path, make_keys):
 
 
 def test_segment_damaged_while_open(tmp_path, make_keys):
-    t = open_tier(tmp_path, 8, BB)
+    gone = []  # what the store's eviction listener hears: it turns these into "removed" events
+    t = open_tier(tmp_path, 8, BB, on_evict=lambda keys, views: gone.extend(keys))
     keys = make_keys(8)
     data = blocks_for(keys, BB)
     t.put(keys, data)
@@ -174,9 +175,11 @@ def test_segment_damaged_while_open(tmp_path, make_keys):
     hit = t.get(keys[4:8], out[4:8])
     assert hit == [True, False, False, False] and torch.equal(out[4], data[4])
     assert t.stats().extra["short_reads"] == 3 and t.contains(keys[5:8]) == [False] * 3
+    assert gone == keys[5:8]
     _segment_of(t, keys[0]).unlink()  # deleted: still readable through our descriptor, dropped by check()
     assert t.check() == 4
     assert t.contains(keys[:4]) == [False] * 4
+    assert sorted(gone) == sorted(keys[:4] + keys[5:8])
     t.close()
 
 
@@ -193,7 +196,8 @@ def _flip_byte(t, key, at):
 
 
 def test_corrupted_bytes_are_a_counted_miss_never_data(tmp_path, make_keys):
-    t = open_tier(tmp_path, 8, BB)
+    gone = []
+    t = open_tier(tmp_path, 8, BB, on_evict=lambda keys, views: gone.extend(keys))
     keys = make_keys(4)
     data = blocks_for(keys, BB)
     t.put(keys, data)
@@ -204,11 +208,11 @@ def test_corrupted_bytes_are_a_counted_miss_never_data(tmp_path, make_keys):
         assert hit == [True, False, True, True]
         assert torch.equal(out[0], data[0]) and torch.equal(out[2], data[2])
         assert not torch.equal(out[1], data[1])  # the corrupted bytes were never handed out as the block
-        assert t.contains(keys[1:2]) == [False]  # dropped
+        assert t.contains(keys[1:2]) == [False] and gone[-1:] == keys[1:2]  # dropped, and the store is told
         assert t.put(keys[1:2], data[1:2]) == [True]
         out2 = torch.zeros(1, BB, dtype=torch.uint8)
         assert t.get(keys[1:2], out2) == [True] and torch.equal(out2[0], data[1])
-    assert t.stats().extra["checksum_failures"] == 2
+    assert t.stats().extra["checksum_failures"] == 2 and gone == [keys[1]] * 2
     t.close()
 
 
@@ -354,10 +358,8 @@ class DiskModel(RuleBasedStateMachine):
     def remove(self, idx):
         ks = {self.keys[i] for i in idx}
         assert self.t.remove(list(ks)) == len(ks & set(self.model))
-        self.pins.drop(ks)  # as the store does
-        for k in ks:
+        for k in ks:  # pins stay with their holders, as in the store
             self.model.pop(k, None)
-            self.pinned.pop(k, None)
 
     @rule(i=st.integers(0, N - 1))
     def pin(self, i):
@@ -384,7 +386,7 @@ class DiskModel(RuleBasedStateMachine):
         assert s.used_bytes <= s.capacity_bytes == self.CAP * 4096
         held = {k for k, h in zip(self.keys, self.t.contains(self.keys)) if h}
         assert held == set(self.model)
-        assert all(k in held for k, c in self.pinned.items() if c)
+        assert all(k in held for k, c in self.pinned.items() if c and k in self.model)
 
 
 TestDiskModel = DiskModel.TestCase

@@ -79,6 +79,35 @@ def test_second_hit_writes_only_blocks_seen_twice(tmp_path):
     store.close()
 
 
+def test_second_hit_counts_zero_copy_borrows_as_hits(tmp_path):
+    """The vLLM connector reads DRAM hits through borrow(), not get(): those hits are sightings too."""
+    store = make_store(tmp_path, dram_blocks=2, ssd_offload="second_hit", ssd_promote=False)
+    keys, data = KEYS[:4], blocks_for(KEYS[:4], BB)
+    store.put(keys[:1], data[:1])
+    with store.borrow(keys[:2]) as addresses:
+        assert addresses[0] is not None and addresses[1] is None
+    store.put(keys[1:4], data[1:4])  # evicts key 0 (seen twice: a put and a borrowed hit) and key 1
+    store.flush(10)
+    assert held_in(store, "ssd", keys) == keys[:1]
+    store.close()
+
+
+def test_damaged_ssd_blocks_are_removed_events(tmp_path):
+    """A block the SSD drops as damaged must leave the master's directory and the KV events like an eviction."""
+    store = make_store(tmp_path, ssd_offload="write_through", ssd_promote=False, ssd_staging_bytes=0)
+    events = []
+    store.add_listener(events.append)
+    keys, data = KEYS[:4], blocks_for(KEYS[:4], BB)
+    store.put(keys, data)
+    ssd = store.tiers[1]
+    segment = ssd._files.path(ssd._files.place(ssd._slot_of[keys[2]])[0])
+    segment.unlink()  # behind the tier's back: check() drops what lived in that segment file
+    assert ssd.check() >= 1
+    removed = [k for e in events if e.kind == "removed" and e.tier == "ssd" for k in e.keys]
+    assert keys[2] in removed and sorted(removed) == sorted(k for k in keys if not ssd.contains([k])[0])
+    store.close()
+
+
 def test_promotion_brings_ssd_hits_back_to_dram(tmp_path):
     store = make_store(tmp_path)
     keys, data = KEYS[:8], blocks_for(KEYS[:8], BB)

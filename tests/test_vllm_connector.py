@@ -76,6 +76,29 @@ def keys_of(eng: Engine, req, rank: int = 0) -> list[bytes]:
     return worker_side(eng, rank).namespace.keys(req.block_hashes)
 
 
+def hold_saves(side, monkeypatch) -> threading.Event:
+    """Saves stop at their gather (the engine's blocks are still being read) until the returned gate is set."""
+    gate = threading.Event()
+    gather = type(side.kv).gather
+
+    def slow_gather(self, ids, packed):
+        assert gate.wait(10)
+        gather(self, ids, packed)
+
+    monkeypatch.setattr(type(side.kv), "gather", slow_gather)
+    return gate
+
+
+def run_until_finished(eng: Engine, req, max_steps: int = 100) -> None:
+    """Step until ``req`` finished (unlike Engine.run, not until its saves are done and vLLM freed it)."""
+    eng.add(req)
+    for _ in range(max_steps):
+        eng.step()
+        if req.is_finished():
+            return
+    raise AssertionError(f"request {req.request_id} not finished after {max_steps} steps")
+
+
 # ---- creation -------------------------------------------------------------------------------------------
 
 
@@ -279,21 +302,9 @@ def test_block_gone_between_lookup_and_load_is_reported_and_recomputed(engine):
 def test_finished_request_keeps_its_blocks_until_its_saves_are_done(engine, monkeypatch):
     eng = engine()
     side = worker_side(eng)
-    gate = threading.Event()
-    gather = type(side.kv).gather
-
-    def slow_gather(self, ids, packed):
-        assert gate.wait(10)
-        gather(self, ids, packed)
-
-    monkeypatch.setattr(type(side.kv), "gather", slow_gather)
+    gate = hold_saves(side, monkeypatch)
     a = make_request("A", PREFIX + [5, 6, 7])
-    eng.add(a)
-    for _ in range(100):
-        eng.step()
-        if a.is_finished():
-            break
-    assert a.is_finished()
+    run_until_finished(eng, a)
     free_before = eng.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     for _ in range(3):
         eng.step()
@@ -391,3 +402,132 @@ def test_worker_stats_count_what_moved(engine):
     assert got["load_blocks"] == 5 and got["load_bytes"] == 5 * block_bytes
     assert got["lookups_served"] >= 2 and "load_GBps" in got and "save_GBps" in got
     assert type(KVTierConnector.build_kv_connector_stats(eng.stats.data)) is type(eng.stats)
+
+
+def test_ssd_events_survive_dram_evicting_before_the_write_lands(tmp_path):
+    """on_evict with write-behind: DRAM reports "removed" before the SSD's "stored" arrives; the recorder must
+    still know the block's engine hash then (the store holds it, staged for the disk)."""
+    import torch
+
+    from kvtier.connectors.vllm.events import EventRecorder
+    from kvtier.keys import Namespace
+    from kvtier.store import TieredStore
+
+    bb = 64 << 10
+    store = TieredStore.from_config({"dram_capacity": 4 * bb, "ssd_path": str(tmp_path), "ssd_capacity": 64 * bb,
+                                     "ssd_segment_bytes": 16 * bb, "ssd_staging_bytes": 8 * bb}, bb)
+    rec = EventRecorder(16, holds=store.contains)
+    store.add_listener(rec.on_store_event)
+    hashes = [bytes([i]) * 32 for i in range(8)]
+    keys = Namespace("m").keys(hashes)
+    with store:
+        for i in range(8):
+            with rec.naming(keys[i : i + 1], hashes[i : i + 1]):
+                store.put(keys[i : i + 1], torch.zeros(1, bb, dtype=torch.uint8))
+        assert store.flush(10)
+        events = rec.take()
+        on_ssd = [h for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE" for h in e.block_hashes]
+        assert on_ssd == [maybe_convert_block_hash(h) for h in hashes[:4]]  # the four DRAM evicted
+        assert store.tiers[1].contains(keys[:4]) == [True] * 4
+        store.remove(keys[:1])  # gone everywhere: reported from the SSD too, then forgotten
+        removed = [(e.medium, e.block_hashes) for e in rec.take() if isinstance(e, BlockRemoved)]
+        assert removed == [("STORAGE", [maybe_convert_block_hash(hashes[0])])]
+        assert keys[0] not in rec._known and keys[0] not in rec._in_transit
+
+
+def test_event_quorum_counts_blocks_not_whole_events():
+    from kvtier.connectors.vllm.events import EventQuorum
+
+    def stored(*hs, medium="STORAGE"):
+        return BlockStored(block_hashes=list(hs), parent_block_hash=None, token_ids=[], block_size=16,
+                           lora_id=None, medium=medium, lora_name=None, group_idx=0)
+
+    q = EventQuorum(ranks=2)
+    q.add([stored(1, 2), stored(1, medium="CPU")])  # rank 0 wrote 1 and 2 in one batch; CPU is another medium
+    assert q.take() == []
+    q.add([stored(1)])  # rank 1 writes them one by one
+    assert q.take() == [stored(1)]
+    q.add([stored(2), stored(2)])  # a repeated report adds nothing new
+    assert q.take() == [stored(2)]
+    q.add([BlockRemoved(block_hashes=[1, 2], medium="STORAGE", group_idx=0)])
+    assert q.take() == [BlockRemoved(block_hashes=[1, 2], medium="STORAGE", group_idx=0)]
+    q.add([BlockRemoved(block_hashes=[2], medium="STORAGE", group_idx=0), stored(1)])  # rank 1; rank 1 re-stores
+    assert q.take() == []  # the removal of 2 was published already; one rank's store of 1 is not a quorum
+    q.add([BlockRemoved(block_hashes=[1], medium="STORAGE", group_idx=0)])  # 1 stored-again then lost
+    assert q.take() == [BlockRemoved(block_hashes=[1], medium="STORAGE", group_idx=0)]
+
+
+def test_kv_events_report_ssd_blocks_with_default_offload(engine, tmp_path):
+    """Default settings (on_evict, write-behind): blocks DRAM evicts to the SSD are published as STORAGE."""
+    # One rank: ranks sharing one ssd_path is refused (DirectoryInUse); the quorum across ranks is tested above.
+    eng = engine(events=True, dram_capacity="48KiB", ssd_path=str(tmp_path / "ssd"),
+                 ssd_capacity="16MiB", ssd_segment_bytes="1MiB", ssd_staging_bytes="1MiB")
+    a = make_request("A", PREFIX + [5, 6, 7])
+    eng.add(a)
+    eng.run([a])
+    eng.wait_idle_transfers()
+    c = make_request("C", [900 + i for i in range(5 * BLOCK)] + [1])  # five other blocks: DRAM evicts A's
+    eng.add(c)
+    eng.run([c])
+    eng.wait_idle_transfers()
+    assert worker_side(eng).store.flush(10)
+    eng.step()  # carries the SSD's stored events to the scheduler
+    storage = [h for e in eng.events if isinstance(e, BlockStored) and e.medium == "STORAGE" for h in e.block_hashes]
+    expect = [maybe_convert_block_hash(h) for h in a.block_hashes[:5]]
+    held = worker_side(eng, 0).store.tiers[1].contains(keys_of(eng, a))
+    assert sum(held) > 0, "the test's DRAM is too large: nothing was evicted to the SSD"
+    assert sorted(storage) == sorted(h for h, on in zip(expect, held[:5]) if on)  # each once
+
+
+def _stalled_waits(caplog, req_id: str, what: str) -> int:
+    return sum(1 for r in caplog.records if r.levelname == "ERROR" and f"request {req_id}: still waiting" in
+               r.getMessage() and what in r.getMessage())
+
+
+def test_preemption_wait_for_a_stuck_save_logs_and_counts(engine, monkeypatch, caplog):
+    """handle_preemptions must wait for the save's gather (vLLM reuses the blocks next), but never silently."""
+    eng = engine(load_timeout_s=0.1)
+    side = worker_side(eng)
+    gate = hold_saves(side, monkeypatch)
+    run_until_finished(eng, make_request("A", PREFIX + [5, 6, 7]))
+    side.take_counters()
+    threading.Timer(0.45, gate.set).start()
+    t0 = time.monotonic()
+    side.handle_preemptions(KVTierMetadata(preempted={"A"}))
+    assert time.monotonic() - t0 >= 0.4  # it did wait for the gather
+    assert _stalled_waits(caplog, "A", "save of 5 blocks") >= 2
+    assert side.take_counters()["stalled_waits"] >= 2
+    eng.wait_idle_transfers()
+
+
+def test_cancelled_layerwise_load_wait_logs_and_counts(engine, monkeypatch, caplog):
+    eng = engine(load_mode="layerwise", load_timeout_s=0.1)
+    save_a_then_drop_hbm(eng)
+    worker, side = eng.workers[0], worker_side(eng)
+    gate = threading.Event()
+    scatter = type(side.kv).scatter_layer
+    monkeypatch.setattr(type(side.kv), "scatter_layer",
+                        lambda self, layer, ids, packed: (gate.wait(10), scatter(self, layer, ids, packed)))
+    targets = tuple(blk.block_id for blk in eng.scheduler.kv_cache_manager.block_pool.get_new_blocks(5))
+    a_hashes = tuple(make_request("x", PREFIX).block_hashes[:5])
+    worker.bind_connector_metadata(KVTierMetadata(loads=[LoadPlan("B", 999, a_hashes, targets, layerwise=True)]))
+    worker.start_load_kv(None)
+    threading.Timer(0.45, gate.set).start()
+    assert worker.get_block_ids_with_load_errors() == set(targets)  # timed out: cancelled, recomputed
+    assert _stalled_waits(caplog, "B", "cancelled layer-wise load of 5 blocks") >= 2
+    assert side.take_counters()["stalled_waits"] >= 2
+    worker.clear_connector_metadata()
+
+
+def test_a_router_computes_the_keys_the_connector_stored(engine, model):
+    """vllm_namespace + VllmBlockHasher from token ids alone give, for every rank, the keys in its store."""
+    from kvtier.hashers import VllmBlockHasher, vllm_namespace
+
+    eng = engine(tp=2)
+    save_a_then_drop_hbm(eng)
+    hashes = VllmBlockHasher(BLOCK).hashes(PREFIX)
+    for rank in (0, 1):
+        side = worker_side(eng, rank)
+        ns = vllm_namespace(model, side.kv.layout.fingerprint, rank=rank, world_size=2)  # revision: none given
+        assert ns == side.namespace
+        assert side.store.contains(ns.keys(hashes)) == [True] * 5

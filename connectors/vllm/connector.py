@@ -100,8 +100,8 @@ class KVTierConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             identity = WorkerIdentity(
                 model=str(model.model), rank=int(parallel.rank) % ranks, world_size=ranks, engine_id=engine_id,
-                dp_rank=dp_rank, block_size=int(spec.block_size),
-                extra=f"revision={model.revision};hash={vllm_config.cache_config.prefix_caching_hash_algo}")
+                dp_rank=dp_rank, block_size=int(spec.block_size), revision=model.revision,
+                hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo))
             self._worker = WorkerSide(settings, store_config, identity, list(groups[0].layer_names),
                                       mla=isinstance(spec, MLAAttentionSpec), events=events)
         self._events: list[KVCacheEvent] = []

@@ -42,7 +42,8 @@ class ConnectorSettings:
     lease_ttl_s: float = 60.0
     # Per worker and direction: host staging memory between the engine's KV and the store (whole blocks).
     staging_bytes: int = 256 << 20
-    # A layer-wise load not finished this long after the forward needs it is a failed load (recomputed).
+    # A layer-wise load not finished this long after the forward needs it is a failed load (recomputed); a
+    # wait that cannot end early (a save still reading blocks vLLM frees) logs an error each period.
     load_timeout_s: float = 30.0
     # Session hints (kv_transfer_params) may pin at most this fraction of the store's DRAM blocks.
     hint_max_fraction: float = 0.5

@@ -18,7 +18,8 @@ GB = 1e9
 @dataclass
 class KVTierConnectorStats(KVConnectorStats):
     """Counters summed over workers and steps: ``load_*`` / ``save_*`` (blocks, bytes, seconds on the copy
-    threads), ``lookup_*`` (scheduler: lookups, blocks found, seconds waited; worker: lookups served)."""
+    threads), ``lookup_*`` (scheduler: lookups, blocks found, seconds waited; worker: lookups served),
+    ``stalled_waits`` (worker: load_timeout_s periods the engine thread waited on a stuck copy thread)."""
 
     data: dict[str, Any] = field(default_factory=dict)
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvtier.config import Config
+from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
 from kvtier.store import TieredStore
@@ -50,7 +51,8 @@ class WorkerIdentity:
     engine_id: str
     dp_rank: int = 0
     block_size: int = 16
-    extra: str = ""  # e.g. the model revision and the block hash function
+    revision: str | None = None  # the model revision (part of the namespace)
+    hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (part of the namespace)
 
 
 class WorkerSide:
@@ -79,6 +81,7 @@ class WorkerSide:
         self._save_jobs: dict[str, list[SaveJob]] = {}
         self._awaiting_free: set[str] = set()  # finished requests whose blocks wait for their saves
         self._lookups_served = 0
+        self._stalled_waits = 0  # load_timeout_s periods the engine thread waited on a copy thread
 
     # ---- set-up -----------------------------------------------------------------------------------------
 
@@ -90,15 +93,16 @@ class WorkerSide:
         self.kv = PagedKV(kv_caches, self._layer_names, ident.block_size, self._mla)
         config = Config.load(self._store_config)  # also reads KVTIER_* variables and KVTIER_CONFIG
         model = config.model or ident.model
-        self.namespace = Namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
-                                   world_size=ident.world_size, cache_group=0, extra=ident.extra)
+        self.namespace = vllm_namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
+                                        world_size=ident.world_size, revision=ident.revision,
+                                        hash_algo=ident.hash_algo)
         self.store = TieredStore.from_config(config, self.kv.layout)
         dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
         self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
         self.lookup_leases = LeaseTable(self.store)
         if self._events_enabled:
-            self.recorder = EventRecorder(ident.block_size)
+            self.recorder = EventRecorder(ident.block_size, holds=self.store.contains)
             self.store.add_listener(self.recorder.on_store_event)
         self._transfers = Transfers(self.store, self.lookup_leases, self.kv, self.settings.staging_bytes,
                                     on_load_done=self._load_done, on_save_done=self._save_done,
@@ -166,7 +170,8 @@ class WorkerSide:
             with self._lock:
                 jobs = list(self._save_jobs.get(req_id, ()))
             for job in jobs:
-                job.gathered.wait()
+                self._wait(job.gathered, req_id, f"save of {len(job.keys)} blocks to stop reading the engine "
+                                                 "blocks vLLM frees for the preemption")
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose saves are all done, asynchronous loads done since the last call)."""
@@ -188,7 +193,8 @@ class WorkerSide:
         for job in self._step_loads:
             if not job.done.wait(self.settings.load_timeout_s):
                 job.cancel()  # a cancelled job stops at its next layer; all its blocks count as failed
-                job.done.wait()
+                self._wait(job.done, job.req_id, f"cancelled layer-wise load of {len(job.keys)} blocks to stop "
+                                                 "writing the engine's blocks")
         with self._lock:
             for job in self._step_loads:
                 self._load_errors.update(job.failed)
@@ -199,6 +205,7 @@ class WorkerSide:
     def take_counters(self) -> dict[str, float]:
         counters = self._transfers.take_counters() if self._transfers is not None else {}
         counters["lookups_served"], self._lookups_served = self._lookups_served, 0
+        counters["stalled_waits"], self._stalled_waits = self._stalled_waits, 0
         return counters
 
     def take_events(self) -> list[Any]:
@@ -211,6 +218,18 @@ class WorkerSide:
             self._transfers.close()
         if self.store is not None:
             self.store.close()
+
+    def _wait(self, done: threading.Event, req_id: str, pending: str) -> None:
+        """Wait for ``done`` with no deadline (vLLM must not reuse engine blocks a copy thread still reads or
+        writes), but never silently: an error every load_timeout_s names the request and what is pending,
+        and each period counts in the worker stats (``stalled_waits``)."""
+        period = self.settings.load_timeout_s
+        waited = 0.0
+        while not done.wait(period):
+            waited += period
+            self._stalled_waits += 1
+            log.error("kvtier: request %s: still waiting after %.1f s for the %s (the engine thread is blocked; "
+                      "a copy thread is stuck or far behind)", req_id, waited, pending)
 
     def _sweep(self) -> None:
         """Release expired leases (the lookup server's idle hook, a few times a second)."""

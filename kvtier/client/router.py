@@ -1,7 +1,7 @@
 """Router: rank candidate workers for a prompt by what the master estimates each would cost.
 
-    router = Router(MasterClient("tcp://master:7300"), Namespace("meta-llama/Llama-3.1-8B", layout.fingerprint),
-                    hasher=VllmBlockHasher(16), prefill_tokens_per_s=20_000)
+    ns = vllm_namespace("meta-llama/Llama-3.1-8B", layout_fingerprint)  # what KVTierConnector stores under
+    router = Router(MasterClient("tcp://master:7300"), ns, hasher=VllmBlockHasher(16), prefill_tokens_per_s=20_000)
     best = router.rank(token_ids, ["w1", "w2", "w3"])[0]      # Plan: worker, total_s, load/recompute split
 
 Keys are computed the way the engine computed them (an engine hasher from kvtier.hashers, folded into the

@@ -16,6 +16,8 @@ from kvtier.policies.registry import register_policy
 
 @register_policy("fifo")
 class FIFOPolicy(LRUPolicy):
+    """FIFO order; like LRU, a protected key that eviction passes goes to the back of the queue."""
+
     name = "fifo"
 
     def access(self, keys: Sequence[bytes]) -> None:

@@ -1,4 +1,9 @@
-"""Least recently used: evict the block whose last put or hit is oldest."""
+"""Least recently used: evict the block whose last put or hit is oldest.
+
+A protected key (pinned, or being copied) that eviction passes goes to the most recently used end, as S3-FIFO
+reinserts it: it is in use, so "recently used" is honest, and the next eviction does not scan it again (with
+half of a 512K-slot tier pinned at the head, rescanning cost 63 ms per eviction under the tier's lock).
+"""
 
 from __future__ import annotations
 
@@ -31,14 +36,18 @@ class LRUPolicy:
 
     def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
         out: list[bytes] = []
-        if n <= 0:
-            return out
-        for k in self._order:
-            if k not in protected:
+        order = self._order
+        move = order.move_to_end
+        # Each key is looked at most once per call: a fully protected queue is scanned once, not cycled.
+        for _ in range(len(order)):
+            if len(out) >= n:
+                break
+            k = next(iter(order))
+            if k in protected:
+                move(k)
+            else:
+                del order[k]
                 out.append(k)
-                if len(out) == n:
-                    break
-        self.remove(out)
         return out
 
     def __len__(self) -> int:

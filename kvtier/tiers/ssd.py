@@ -46,8 +46,8 @@ from kvtier.pins import PinTable
 from kvtier.policies import make_policy
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
-from kvtier.tiers.ssd_index import DiskIndex, IndexEntry, IndexFault
-from kvtier.tiers.ssd_io import (ALIGN, STAGE_TIMEOUT_S, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
+from kvtier.tiers.ssd_index import DiskIndex, IndexFault
+from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
                                  probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
 from kvtier.tiers.ssd_restore import restore_index
@@ -125,8 +125,8 @@ class DiskTier(WritePath):
     # ---- Tier protocol ---------------------------------------------------------------------------------
 
     def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
-        """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions (no views: the bytes are on
-        disk, nothing below this tier to demote them to)."""
+        """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions and blocks dropped as damaged
+        (failed checksums or reads, ``check()``) (no views: nothing below this tier to demote them to)."""
         with self._lock:
             self._pins = pins
             self._protected.pins = pins
@@ -298,6 +298,7 @@ class DiskTier(WritePath):
                     self._busy[f.slot] += 1  # held until unindexed
             self._policy.remove(dropped)
             self._free_idle_doomed()
+        self._report_gone(dropped)
         if failures:
             f = failures[0]
             log.warning("SSD tier: %d blocks failed (%s), served as misses and dropped; first: key %s slot %d%s",

@@ -115,6 +115,15 @@ class WritePath:
         def _unindex(self, keys: list[bytes], held_slots: Sequence[int] = ()) -> None: ...
         def _free_idle_doomed(self) -> None: ...
 
+    def _report_gone(self, keys: list[bytes]) -> None:
+        """Tell the store's eviction listener that ``keys`` are no longer held (evicted, or dropped as damaged):
+        it emits their "removed" events, which keep the master and the engines' KV events honest."""
+        if keys and self._on_evict is not None:
+            try:
+                self._on_evict(keys, [])
+            except Exception:
+                log.exception("SSD eviction listener failed for %d blocks", len(keys))
+
     def store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
         """Write the blocks at ``ptrs``; return (held mask, keys newly stored). Bounces unaligned sources.
 
@@ -164,11 +173,7 @@ class WritePath:
             index, slots, victims, refused = self._reserve(keys, staged)
         for i in refused:
             held[i] = False
-        if victims and self._on_evict is not None:
-            try:
-                self._on_evict(victims, [])
-            except Exception:
-                log.exception("SSD eviction listener failed for %d blocks", len(victims))
+        self._report_gone(victims)
         if not slots:
             return held, []
         try:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
+from kvtier.config import ENV_RDMA_DEVICE
 from kvtier.hostcopy import copy_rows
 from kvtier.pool import protocol as P
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
@@ -71,7 +72,7 @@ def unavailable_reason(device: str | None = None) -> str | None:
 
 def _spec(device: str | None) -> tuple[str | None, int, int]:
     """``name[:port[:gid_index]]`` (default: $KVTIER_RDMA_DEVICE) -> (name or None, port, gid index)."""
-    device = device or os.environ.get("KVTIER_RDMA_DEVICE")
+    device = device or os.environ.get(ENV_RDMA_DEVICE)
     if not device:
         return None, 1, 0
     parts = device.split(":")
