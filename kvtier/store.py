@@ -246,8 +246,10 @@ class TieredStore:
             return
         with acquire(keys) as addresses:
             self._count(get_hits=sum(a is not None for a in addresses))
-            if self._offload is not None:  # a hit like a get's: second_hit counts it as a sighting
-                self._offload.after_borrow([k for k, a in zip(keys, addresses) if a is not None])
+            if self._offloads:  # a hit like a get's: second_hit counts it as a sighting
+                borrowed = [k for k, a in zip(keys, addresses) if a is not None]
+                for offload in self._offloads:
+                    offload.after_borrow(borrowed)
             yield addresses
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
