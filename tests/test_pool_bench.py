@@ -1,0 +1,29 @@
+"""``kvtier bench tiers --tier pool`` end to end at a small size: real pool and raw-socket peer processes, every
+path's rows beside their baselines, bytes checked inside the bench, and the Mooncake note when it is absent."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_pool_writes_every_path_beside_its_baseline(tmp_path):
+    out = tmp_path / "pool.json"
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "tiers", "--tier", "pool", "--sizes", "64KiB,1MiB",
+                        "--total", "16MiB", "--rounds", "1", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())
+    paths = {(row["path"], row["op"], row["block_bytes"]) for row in rows}
+    for bb in (64 << 10, 1 << 20):
+        for path in ("raw-socket", "stream", "tcp", "shm"):
+            assert {(path, "put", bb), (path, "get", bb)} <= paths
+    for row in rows:
+        assert row["gbps"] > 0 and row["baseline_gbps"] > 0
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"], rel=0.01)
+        if row["path"] == "raw-socket":
+            assert row["ratio"] == 1.0
+    if not any(row["path"] == "mooncake" for row in rows):
+        assert "Mooncake Store: not measured" in r.stdout
