@@ -14,6 +14,7 @@ from kvtier.client.master import AsyncMasterClient, MasterClient, MasterError, M
 from kvtier.client.router import Router
 
 __all__ = [
-    "AsyncMasterClient", "CostResult", "HeatResult", "Hints", "LocateResult", "LookupResult", "MasterClient", "MasterError",
-    "MasterTimeout", "MasterUnknownNode", "NodeAgent", "Plan", "PrefixHit", "Router", "StorePins", "TopResult",
+    "AsyncMasterClient", "CostResult", "HeatResult", "Hints", "LocateResult", "LookupResult", "MasterClient",
+    "MasterError", "MasterTimeout", "MasterUnknownNode", "NodeAgent", "Plan", "PrefixHit", "Router", "StorePins",
+    "TopResult",
 ]
