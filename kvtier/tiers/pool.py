@@ -2,7 +2,8 @@
 
 Runs in the engine process. Where blocks go and where they are found is the route's business
 (kvtier/tiers/pool_route.py: a static list of pools, or kvtier-master); moving them is the transport's
-(kvtier/transport: zmq TCP frames, RDMA, or the pool's shared-memory file for a pool on this host).
+(kvtier/transport: raw TCP data sockets, zmq frames, RDMA, or the pool's shared-memory file for a pool on
+this host).
 
 Never a hang, never wrong bytes: every pool call has a timeout (``timeout_s``, default 0.5 s, measured as time
 without progress); a pool that misses it, refuses, or speaks another protocol version turns that call's
@@ -64,7 +65,8 @@ class _Pool:
 
 
 class PoolTier:
-    """Blocks in one or more kvtier-pools. ``transport``: auto, tcp, rdma or shm (kvtier.transport.connect)."""
+    """Blocks in one or more kvtier-pools. ``transport``: auto, stream, tcp, rdma or shm (see
+    kvtier.transport.connection.connect)."""
 
     name = "pool"
     remote = True  # a NodeAgent for the engine does not report this tier as the engine's own
