@@ -62,9 +62,9 @@ class Offloader:
 
     def on_top_evict(self, keys: Sequence[bytes], views: Sequence[Any]) -> None:
         """The top tier evicts ``keys``; ``views`` of their bytes are valid during this call only."""
-        # This runs under the top tier's lock: a remote tier's contains is a network round trip, so it is not
-        # asked (the pool skips what it holds already, at the cost of sending those bytes again).
-        held = [False] * len(keys) if getattr(self.lower, "remote", False) else self.lower.contains(keys)
+        # This runs under the top tier's lock: a remote tier's contains is a network round trip, so it answers
+        # from what it knows locally (``held_locally``: sent or fetched recently); the pool skips the rest if held.
+        held = self.lower.held_locally(keys) if getattr(self.lower, "remote", False) else self.lower.contains(keys)
         if self.policy == "second_hit":
             with self._lock:
                 wanted = [i for i, k in enumerate(keys) if not held[i] and self._seen.get(k, 0) >= 2]

@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import blocks_for
 from kvtier.config import ConfigError
@@ -136,3 +138,29 @@ def held_in(pool: PoolProcess, keys: list[bytes]) -> list[bool]:
         return tier.contains(keys)
     finally:
         tier.close()
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "drop"]), st.lists(st.integers(0, 63), max_size=8)),
+                    max_size=30))
+@settings(max_examples=200, deadline=None)
+def test_recently_held_keys_never_claim_a_key_that_was_not_added(ops):
+    """The local filter may forget (a slot taken by another key) but never invents: a key reported held was
+    added and not dropped since."""
+    from kvtier.keys import Namespace
+    from kvtier.tiers.pool import _Recent
+
+    keys = Namespace("recent").keys(range(64))
+    recent = _Recent(slots=16)  # tiny: collisions happen
+    truth: set[bytes] = set()
+    for op, idx in ops:
+        batch = [keys[i] for i in idx]
+        if op == "add":
+            recent.add(batch)
+            truth.update(batch)
+        else:
+            recent.drop(batch)
+            truth.difference_update(batch)
+        for k, h in zip(keys, recent.has(keys)):
+            assert not h or k in truth
+    recent.add(keys[:1])
+    assert recent.has(keys[:1]) == [True]  # the latest key of a slot is always remembered

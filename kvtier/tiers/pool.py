@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvtier import wire
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
@@ -47,6 +48,37 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKOFF_S = (0.5, 10.0)  # first and longest back-off after a pool fails
 PROTOCOL_BACKOFF_S = 60.0
+
+
+class _Recent:
+    """Keys this process recently saw held by a pool (stored or fetched), as a direct-mapped table of their first
+    8 bytes (keys are already hashes). Local and cheap (``slots`` x 8 bytes), never authoritative: a key can
+    drop out (another key took its slot) or be gone from the pool since. It answers "was this sent already?"
+    where asking the pool would be a network round trip (an eviction, under the DRAM tier's lock)."""
+
+    def __init__(self, slots: int = 1 << 20) -> None:
+        self._table = np.zeros(slots, np.uint64)
+        self._mask = np.uint64(slots - 1)
+
+    def _prints(self, keys: Sequence[bytes]) -> np.ndarray:
+        return np.frombuffer(wire.pack_keys(keys), "<u8")[::2] | np.uint64(1)  # never 0: 0 marks an empty slot
+
+    def add(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            fp = self._prints(keys)
+            self._table[fp & self._mask] = fp
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            fp = self._prints(keys)
+            slots = fp & self._mask
+            self._table[slots[self._table[slots] == fp]] = 0
+
+    def has(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        fp = self._prints(keys)
+        return (self._table[fp & self._mask] == fp).tolist()
 
 
 class _Pool:
@@ -86,6 +118,7 @@ class PoolTier:
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
         self._writer = PoolWriter(self._put, block_bytes, staging_bytes) if staging_bytes else None
         self._stats = TierStats(self.name, 0, 0, 0)
+        self._recent = _Recent()
         self._bad = RateLimitedLog(log, 10.0)
         self._closed = False
 
@@ -131,6 +164,12 @@ class PoolTier:
             held[i] = bool(h)
         return held
 
+    def held_locally(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys this process knows a pool holds without asking one (staged for sending, or recently
+        stored or fetched): what the store's offloader checks before sending an evicted block again."""
+        staged = self._writer.held(keys) if self._writer is not None else [False] * len(keys)
+        return [a or b for a, b in zip(staged, self._recent.has(keys))]
+
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
         return self._put(list(keys), rows.ptrs)
@@ -145,6 +184,7 @@ class PoolTier:
                                  lambda conn, ks, idx: conn.get(ks, ptrs[idx]), "get")
             for i, h in zip(todo, got):
                 hit[i] = bool(h)
+            self._recent.add([keys[i] for i in todo if hit[i]])
         hits = sum(hit)
         with self._lock:
             s = self._stats
@@ -155,6 +195,7 @@ class PoolTier:
 
     def remove(self, keys: Sequence[bytes]) -> int:
         keys = list(keys)
+        self._recent.drop(keys)
         if self.route.authoritative:
             targets = {e for e in self._locate(keys) if e is not None}
         else:
@@ -215,6 +256,7 @@ class PoolTier:
             self._bad("place", logging.WARNING, "pool put of %d blocks not placed: %s", len(keys), e)
             where = [None] * len(keys)
         held = [bool(h) for h in self._per_pool(keys, where, lambda conn, ks, idx: conn.put(ks, ptrs[idx]), "put")]
+        self._recent.add([k for k, h in zip(keys, held) if h])
         stored = sum(held)
         with self._lock:
             self._stats.puts += stored

@@ -95,12 +95,22 @@ class Channel:
         return out[0]
 
     def notify(self, op: str, body: dict[str, Any]) -> None:
-        """Send a request the pool does not answer (``noreply``); best effort, never waits long."""
-        lane = self._take(1, time.monotonic() + self.timeout_s)[0]
+        """Send a request the pool does not answer (``noreply``), waiting at most ``timeout_s`` for a connection
+        (a lane opened just now connects asynchronously); not sent then, the pool's lease expires instead."""
+        deadline = time.monotonic() + self.timeout_s
+        lane = self._take(1, deadline)[0]
+        frame = wire.encode_request(next(self._ids), op, {**body, "noreply": True})
         try:
-            lane.sock.send(wire.encode_request(next(self._ids), op, {**body, "noreply": True}), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # not connected: the lease expires on the pool's side instead
+            while True:
+                try:
+                    lane.sock.send(frame, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not lane.sock.poll(max(1, int(left * 1000)), zmq.POLLOUT):
+                        log.info("pool %s: %s not sent within %.3g s; the pool's lease will expire instead",
+                                 self.endpoint, op, self.timeout_s)
+                        return
         finally:
             self._give([lane])
 

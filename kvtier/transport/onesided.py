@@ -4,9 +4,11 @@
     get:  acquire (the pool keeps the blocks from eviction) -> read them into rows -> release
 
 Shared memory (shm.py: the client copies into and out of the pool's mapped file) and RDMA (rdma.py: one-sided
-RDMA WRITE and READ into the pool's registered memory) differ only in ``_write`` and ``_read``. Between the
-two requests the pool holds a lease (``lease_s``); a get that finishes well inside it releases without
-waiting for the answer, so a get costs one round trip and one transfer. A get whose lease expired before its
+RDMA WRITE and READ into the pool's registered memory) differ only in ``_write`` and ``_read``. A batch is cut
+into requests of ``REQUEST_BYTES``, several in flight over parallel connections, so the pool reserves or looks
+up the next chunk while this process copies the current one. Between the two requests the pool holds a lease
+(``lease_s``); a get that finishes well inside it releases without waiting for the answer, so a get costs
+one round trip and one transfer. A get whose lease expired before its
 release (this process stalled) counts those blocks as misses and zeroes their rows: the pool may have reused
 the slots meanwhile. A put whose lease expired reports those keys not stored.
 
@@ -20,14 +22,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from kvtier.pool import protocol as P
+from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
 
 log = logging.getLogger(__name__)
+
+REQUEST_BYTES = 16 << 20  # blocks per reserve/acquire: the next request is served while this one is copied
 
 
 class OneSidedConnection(ConnectionBase):
@@ -46,50 +51,71 @@ class OneSidedConnection(ConnectionBase):
         self._check_fits(n)
         rows = np.asarray(rows, dtype=np.uint64)
         held = [False] * n
-        for a, b in self._chunks(n, self.info.max_keys):
-            ans = self._call(P.RESERVE, self._body(keys[a:b]))
-            got = P.unbitmap(ans.body["held"], b - a)
-            fresh = np.flatnonzero(P.unbitmap(ans.body["fresh"], b - a))
-            lease = int(ans.body["lease"])
-            if lease:
-                ok = False
-                try:
-                    self._write(P.unoffsets(ans.body["offsets"], len(fresh)), rows[a + fresh], ans.epoch)
-                    ok = True
-                finally:
-                    done = self._call(P.COMMIT, {"lease": lease, "ok": ok, "block_bytes": bb})
-                if not done.body["valid"]:  # the lease expired mid-copy: those slots were taken back
-                    for i in fresh.tolist():
-                        got[i] = False
-            held[a:b] = got
+        written: list[tuple[int, int, np.ndarray, bool]] = []  # (lease, chunk start, fresh indices, copied)
+
+        def reserves() -> Iterator[Request]:
+            for a, b in self._chunks(n, self._per_request()):
+                def on_reply(ans: Answer, a: int = a, b: int = b) -> None:
+                    held[a:b] = P.unbitmap(ans.body["held"], b - a)
+                    fresh = np.flatnonzero(P.unbitmap(ans.body["fresh"], b - a))
+                    lease = int(ans.body["lease"])
+                    if not lease:
+                        return
+                    copied = False
+                    try:  # copied while the pool reserves the next chunk
+                        self._write(P.unoffsets(ans.body["offsets"], len(fresh)), rows[a + fresh], ans.epoch)
+                        copied = True
+                    finally:
+                        written.append((lease, a, fresh, copied))
+                yield Request(P.RESERVE, self._body(keys[a:b]), (), on_reply)
+
+        def commits() -> Iterator[Request]:
+            for lease, a, fresh, copied in written:
+                def on_reply(ans: Answer, a: int = a, fresh: np.ndarray = fresh) -> None:
+                    if not ans.body["valid"]:  # the lease expired mid-copy: those slots were taken back
+                        for i in fresh.tolist():
+                            held[a + i] = False
+                yield Request(P.COMMIT, {"lease": lease, "ok": copied, "block_bytes": bb}, (), on_reply)
+        try:
+            self._batch(reserves(), self._count(n, self._per_request()), 0)
+        finally:
+            if written:  # commit what was copied (and give back what was not), even after a failure
+                self._batch(commits(), len(written), 0)
         return held
 
     def get(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
         n, bb = len(keys), self.block_bytes
         rows = np.asarray(rows, dtype=np.uint64)
         hit = [False] * n
-        for a, b in self._chunks(n, self.info.max_keys):
-            t0 = time.monotonic()
-            ans = self._call(P.ACQUIRE, self._body(keys[a:b]))
-            lease = int(ans.body["lease"])
-            if not lease:
-                continue  # all misses
-            offsets = P.unoffsets(ans.body["offsets"], b - a)
-            index = np.flatnonzero(offsets >= 0)
-            dst = rows[a + index]
-            try:
-                self._read(dst, offsets[index], ans.epoch)
-            except BaseException:
-                self.channel.notify(P.RELEASE, {"lease": lease})
-                raise
-            if time.monotonic() - t0 < self.info.lease_s / 2:
-                self.channel.notify(P.RELEASE, {"lease": lease})  # well inside the lease: no need to wait
-            elif not self._call(P.RELEASE, {"lease": lease}).body["valid"]:
-                log.warning("pool %s: a get took longer than the pool's %.3g s lease; %d blocks count as misses",
-                            self.endpoint, self.info.lease_s, len(index))
-                for d in dst.tolist():
-                    ctypes.memset(d, 0, bb)
-                continue
-            for i in index.tolist():
-                hit[a + i] = True
+
+        def acquires() -> Iterator[Request]:
+            for a, b in self._chunks(n, self._per_request()):
+                def on_reply(ans: Answer, a: int = a, b: int = b) -> None:
+                    lease = int(ans.body["lease"])
+                    if not lease:
+                        return  # all misses
+                    t0 = time.monotonic()
+                    offsets = P.unoffsets(ans.body["offsets"], b - a)
+                    index = np.flatnonzero(offsets >= 0)
+                    dst = rows[a + index]
+                    try:  # copied while the pool looks up the next chunk
+                        self._read(dst, offsets[index], ans.epoch)
+                    except BaseException:
+                        self.channel.notify(P.RELEASE, {"lease": lease})
+                        raise
+                    if time.monotonic() - t0 < self.info.lease_s / 2:
+                        self.channel.notify(P.RELEASE, {"lease": lease})  # well inside the lease: no need to wait
+                    elif not self._call(P.RELEASE, {"lease": lease}).body["valid"]:
+                        log.warning("pool %s: a get took longer than the pool's %.3g s lease; %d blocks count as "
+                                    "misses", self.endpoint, self.info.lease_s, len(index))
+                        for d in dst.tolist():
+                            ctypes.memset(d, 0, bb)
+                        return
+                    for i in index.tolist():
+                        hit[a + i] = True
+                yield Request(P.ACQUIRE, self._body(keys[a:b]), (), on_reply)
+        self._batch(acquires(), self._count(n, self._per_request()), 0)
         return hit
+
+    def _per_request(self) -> int:
+        return max(1, min(self.info.max_keys, REQUEST_BYTES // self.block_bytes))
