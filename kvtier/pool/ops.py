@@ -113,30 +113,59 @@ def get(st: PoolState, body: Body, data: list[Any]) -> Reply:
 
 
 def reserve(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    """Reserve slots for ``keys``; first commit the leases a pipelined client piggybacks (``leases``/``oks``, as
+    ``commit`` takes them: the chunks it finished copying), so commits overlap its copies. Their validity comes
+    back as ``valid``."""
     tier = st.tier_for(body)
     keys = st.keys(body)
     check_fits(len(keys), tier.block_bytes, tier.capacity_bytes)
+    committed = _commit(st, tier, body) if "leases" in body else {}
     res = tier.reserve(keys)
     fresh = np.zeros(len(keys), dtype=bool)
     fresh[res.index] = True
     lease = st.leases.add(P.RESERVE, res, lambda: tier.commit(res, success=False)) if res.slots else 0
     base = np.uint64(tier.buffer.ptr)
     return Reply({"lease": lease, "held": P.bitmap(res.held), "fresh": P.bitmap(fresh),
-                  "offsets": P.offsets((res.addresses - base).astype(np.int64))})
+                  "offsets": P.offsets((res.addresses - base).astype(np.int64)), **committed})
 
 
 def commit(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    """One lease (``lease``, ``ok``) or several at once (``leases``, ``oks``); ``valid`` (per lease for a list)
+    is False where the lease had expired: its slots were taken back."""
     tier = st.tier_for(body)
+    if "leases" in body:
+        return Reply(_commit(st, tier, body))
     lease = wire.int_field(body, "lease", 0, 1 << 62)
-    ok = wire.field(body, "ok", bool, True)
-    res = st.leases.take(lease, P.RESERVE)
-    if res is None:
-        return Reply({"published": 0, "valid": lease == 0})
-    tier.commit(res, success=ok)
-    if ok:
-        st.emit("stored", res.keys)
-        st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * tier.block_bytes)
-    return Reply({"published": len(res.keys) if ok else 0, "valid": True})
+    done = _commit(st, tier, {"leases": [lease], "oks": [wire.field(body, "ok", bool, True)]})
+    return Reply({"published": done["published"], "valid": done["valid"][0]})
+
+
+def _commit(st: PoolState, tier: Any, body: Body) -> dict[str, Any]:
+    leases = _int_list(body, "leases", st.settings.max_keys)
+    oks = wire.field(body, "oks", list)
+    if len(oks) != len(leases) or not all(isinstance(x, bool) for x in oks):
+        raise WireError(ERR_BAD_REQUEST, "field 'oks': one bool per lease")
+    valid, published = [], 0
+    for lease, ok in zip(leases, oks):
+        res = st.leases.take(lease, P.RESERVE)
+        valid.append(res is not None or lease == 0)
+        if res is None:
+            continue
+        tier.commit(res, success=ok)
+        if ok:
+            published += len(res.keys)
+            st.emit("stored", res.keys)
+    st.count(put_blocks=published, put_bytes=published * tier.block_bytes)
+    return {"published": published, "valid": valid}
+
+
+def _int_list(body: Body, name: str, max_len: int) -> list[int]:
+    v = wire.field(body, name, list)
+    if len(v) > max_len:
+        raise WireError(ERR_TOO_LARGE, f"field {name!r}: {len(v)} entries, the limit is {max_len}")
+    if not all(type(x) is int and 0 <= x < 1 << 62 for x in v):  # noqa: E721 - bool is not a lease
+        raise WireError(ERR_BAD_REQUEST, f"field {name!r}: expected lease numbers")
+    return v
 
 
 def acquire(st: PoolState, body: Body, data: list[Any]) -> Reply:

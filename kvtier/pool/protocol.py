@@ -21,8 +21,10 @@ Ops (request body -> reply body):
   get       {keys}               -> {hit: bitmap} + data  data: the hits' bytes in key order, same framing rule
   reserve   {keys}               -> {lease, held: bitmap, offsets}   one-sided writes (shm, rdma): ``offsets``
             are the byte offsets in the pool's buffer of the reserved keys (held, but not held before), in key
-            order; the client fills them, then
-  commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back)
+            order; the client fills them, then commits (a pipelined client piggybacks the commits of the chunks
+            it has copied on its next reserve: {keys, leases, oks} -> {..., valid: [bool]})
+  commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back);
+            {leases, oks}        -> {published: int, valid: [bool]}  several reservations in one round trip
   acquire   {keys}               -> {lease, offsets}     one-sided reads: offset per key, -1 for a miss; the
             blocks stay put until
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may

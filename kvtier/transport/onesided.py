@@ -23,6 +23,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,36 +52,42 @@ class OneSidedConnection(ConnectionBase):
         self._check_fits(n)
         rows = np.asarray(rows, dtype=np.uint64)
         held = [False] * n
-        written: list[tuple[int, int, np.ndarray, bool]] = []  # (lease, chunk start, fresh indices, copied)
+        copied: list[tuple[int, int, np.ndarray, bool]] = []  # not committed yet: (lease, chunk start, fresh, ok)
+
+        def settle(done: list[tuple[int, int, np.ndarray, bool]], valid: list[bool]) -> None:
+            for (_, a, fresh, _), ok in zip(done, valid):
+                if not ok:  # the lease expired mid-copy: those slots were taken back
+                    for i in fresh.tolist():
+                        held[a + i] = False
+
+        def commit_body(done: list[tuple[int, int, np.ndarray, bool]]) -> dict[str, Any]:
+            return {"leases": [d[0] for d in done], "oks": [d[3] for d in done]}
 
         def reserves() -> Iterator[Request]:
             for a, b in self._chunks(n, self._per_request()):
-                def on_reply(ans: Answer, a: int = a, b: int = b) -> None:
+                piggyback, copied[:] = list(copied), []  # chunks copied by now: committed by this request
+
+                def on_reply(ans: Answer, a: int = a, b: int = b, piggyback: list = piggyback) -> None:
+                    settle(piggyback, ans.body.get("valid", []))
                     held[a:b] = P.unbitmap(ans.body["held"], b - a)
                     fresh = np.flatnonzero(P.unbitmap(ans.body["fresh"], b - a))
                     lease = int(ans.body["lease"])
                     if not lease:
                         return
-                    copied = False
+                    ok = False
                     try:  # copied while the pool reserves the next chunk
                         self._write(P.unoffsets(ans.body["offsets"], len(fresh)), rows[a + fresh], ans.epoch)
-                        copied = True
+                        ok = True
                     finally:
-                        written.append((lease, a, fresh, copied))
-                yield Request(P.RESERVE, self._body(keys[a:b]), (), on_reply)
-
-        def commits() -> Iterator[Request]:
-            for lease, a, fresh, copied in written:
-                def on_reply(ans: Answer, a: int = a, fresh: np.ndarray = fresh) -> None:
-                    if not ans.body["valid"]:  # the lease expired mid-copy: those slots were taken back
-                        for i in fresh.tolist():
-                            held[a + i] = False
-                yield Request(P.COMMIT, {"lease": lease, "ok": copied, "block_bytes": bb}, (), on_reply)
+                        copied.append((lease, a, fresh, ok))
+                body = self._body(keys[a:b], **commit_body(piggyback)) if piggyback else self._body(keys[a:b])
+                yield Request(P.RESERVE, body, (), on_reply)
         try:
             self._batch(reserves(), self._count(n, self._per_request()), 0)
         finally:
-            if written:  # commit what was copied (and give back what was not), even after a failure
-                self._batch(commits(), len(written), 0)
+            if copied:  # the last chunks (and, after a failure, whatever was reserved) in one round trip
+                last = list(copied)
+                settle(last, self._call(P.COMMIT, {**commit_body(last), "block_bytes": bb}).body["valid"])
         return held
 
     def get(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
