@@ -16,7 +16,7 @@ import numpy as np
 from kvtier import wire
 from kvtier.master.cost import CostRequest
 from kvtier.master.directory import WORD_BITS, location_words
-from kvtier.master.placement import PlacementError, PlacementRequest
+from kvtier.master.placement import PlacementError, PlacementRequest, known_placements
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, WireError, field, float_field, int_field, keys_field
 
@@ -88,6 +88,11 @@ def route_put(st: MasterState, body: Body) -> dict[str, Any]:
     requester = field(body, "requester", str, default=None)
     spec = field(body, "policy", str, default=None)
     labels = _labels(body)
+    # Over the wire only registered names: an import path would let any client make the daemon import (and
+    # run) an arbitrary module. Import paths are for the operator's --placement.
+    if spec is not None and spec != st.settings.placement and spec not in known_placements():
+        raise WireError(ERR_BAD_REQUEST, f"field 'policy': unknown placement policy {spec[:64]!r}; known: "
+                                         f"{', '.join(known_placements())}")
     try:
         policy = st.placement(spec)
     except ValueError as e:

@@ -81,7 +81,7 @@ class MasterServer:
             reply = wire.encode_error(req_id, e)
             status = e.code
             self._bad(e.code, logging.WARNING, "bad request (op %s): %s", op[:64], e)
-        except Exception as e:  # a bug in an op: answer, log, keep serving
+        except (Exception, SystemExit) as e:  # a bug in an op (even a sys.exit in it): answer, log, keep serving
             status = wire.ERR_INTERNAL
             reply = wire.encode_error(req_id, WireError(wire.ERR_INTERNAL, f"{type(e).__name__} in op {op[:64]}: "
                                                         f"{e}"[:500]))

@@ -1,7 +1,10 @@
 """The master's ops in-process, with injected clocks: the node protocol (register, inventory, events, gaps,
 leases), cost plans, placement policies and hints. The daemon tests run the same ops over real sockets."""
 
+import sys
+
 import numpy as np
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -202,6 +205,11 @@ def test_route_put_policies(st_):
         ops_router.route_put(st_, {"sizes": [1], "policy": "rendezvous"})
     with pytest.raises(WireError, match="unknown placement policy 'nope'"):
         ops_router.route_put(st_, {"sizes": [1], "policy": "nope"})
+    # A client can name a registered policy, never make the daemon import a module.
+    for spec in ("unittest.__main__:X", "kvtier.master.placement:MostAvailable", "os:system"):
+        with pytest.raises(WireError, match="unknown placement policy"):
+            ops_router.route_put(st_, {"sizes": [1], "policy": spec})
+    assert "unittest.__main__" not in sys.modules
     # Everything is promised away: nothing more fits until a heartbeat reports real usage.
     full = ops_router.route_put(st_, {"sizes": [200 * MiB]})
     assert full["targets"] == [None] and full["placed"] == 0
