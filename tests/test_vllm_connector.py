@@ -7,8 +7,6 @@ pure function of (rank, layer, position, token), so every load is checked bit-ex
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 
@@ -25,55 +23,21 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from kvtier.connectors.vllm import KVTierConnector  # noqa: E402
 from kvtier.connectors.vllm.metadata import KVTierMetadata, LoadPlan  # noqa: E402
 from kvtier.connectors.vllm.transfer import session_lease  # noqa: E402
-from vllm_engine import BLOCK, Engine, RequestStatus, expected_kv, make_request, tiny_model, vllm_config  # noqa: E402
-
-PREFIX = list(range(100, 100 + 5 * BLOCK))  # five full blocks shared by A and B
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def ipc_dir():
-    """A short directory for the lookup sockets (a Unix socket path has at most 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="kvt", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def engine(model, ipc_dir):
-    engines = []
-
-    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", num_blocks: int = 64,
-             kv_role: str = "kv_both", **extra):
-        config = vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir,
-                                     **extra}, tp=tp, events=events, kv_layout=kv_layout, kv_role=kv_role)
-        eng = Engine(config, tp=tp, num_blocks=num_blocks)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        eng.close()
-
-
-def save_a_then_drop_hbm(eng: Engine, **params) -> None:
-    """Request A computes and saves the prefix; then HBM forgets it (as eviction would)."""
-    a = make_request("A", PREFIX + [5, 6, 7], **params)
-    eng.add(a)
-    eng.run([a])
-    assert eng.scheduler.reset_prefix_cache()
-
-
-def worker_side(eng: Engine, rank: int = 0):
-    return eng.workers[rank]._worker
-
-
-def keys_of(eng: Engine, req, rank: int = 0) -> list[bytes]:
-    return worker_side(eng, rank).namespace.keys(req.block_hashes)
+from vllm_engine import (  # noqa: E402
+    BLOCK,
+    PREFIX,
+    Engine,
+    RequestStatus,
+    engine,  # noqa: F401  (a fixture)
+    expected_kv,
+    ipc_dir,  # noqa: F401  (a fixture)
+    keys_of,
+    make_request,
+    model,  # noqa: F401  (a fixture)
+    save_a_then_drop_hbm,
+    vllm_config,
+    worker_side,
+)
 
 
 def hold_saves(side, monkeypatch) -> threading.Event:
@@ -459,8 +423,8 @@ def test_event_quorum_counts_blocks_not_whole_events():
 
 def test_kv_events_report_ssd_blocks_with_default_offload(engine, tmp_path):
     """Default settings (on_evict, write-behind): blocks DRAM evicts to the SSD are published as STORAGE."""
-    # One rank: ranks sharing one ssd_path is refused (DirectoryInUse); the quorum across ranks is tested above.
-    eng = engine(events=True, dram_capacity="48KiB", ssd_path=str(tmp_path / "ssd"),
+    # Two ranks, each on its own subdirectory of ssd_path: a block is published once both ranks stored it.
+    eng = engine(tp=2, events=True, dram_capacity="48KiB", ssd_path=str(tmp_path / "ssd"),
                  ssd_capacity="16MiB", ssd_segment_bytes="1MiB", ssd_staging_bytes="1MiB")
     a = make_request("A", PREFIX + [5, 6, 7])
     eng.add(a)
@@ -470,11 +434,11 @@ def test_kv_events_report_ssd_blocks_with_default_offload(engine, tmp_path):
     eng.add(c)
     eng.run([c])
     eng.wait_idle_transfers()
-    assert worker_side(eng).store.flush(10)
+    assert all(worker_side(eng, rank).store.flush(10) for rank in (0, 1))
     eng.step()  # carries the SSD's stored events to the scheduler
     storage = [h for e in eng.events if isinstance(e, BlockStored) and e.medium == "STORAGE" for h in e.block_hashes]
     expect = [maybe_convert_block_hash(h) for h in a.block_hashes[:5]]
-    held = worker_side(eng, 0).store.tiers[1].contains(keys_of(eng, a))
+    held = [all(on) for on in zip(*(worker_side(eng, r).store.tiers[1].contains(keys_of(eng, a, r)) for r in (0, 1)))]
     assert sum(held) > 0, "the test's DRAM is too large: nothing was evicted to the SSD"
     assert sorted(storage) == sorted(h for h, on in zip(expect, held[:5]) if on)  # each once
 

@@ -3,6 +3,7 @@ ipc sockets), kv_connector_extra_config parsing, and agent hints from kv_transfe
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -12,11 +13,14 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import zmq
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier import wire
-from kvtier.config import ConfigError
+from kvtier.config import Config, ConfigError
 from kvtier.connectors.vllm.hints import Hints, hints_of
 from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, PrefixReply, endpoint
+from kvtier.connectors.vllm.paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
 from kvtier.connectors.vllm.settings import CONNECTOR_KEYS, split_extra_config
 
 
@@ -222,3 +226,41 @@ def test_bench_vllm_writes_rows_beside_memcpy(tmp_path):
         assert x["blocks"] == 4 and x["gbps"] > 0 and x["baseline_gbps"] > 0
         assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
     assert "np.copyto" in r.stdout
+
+
+# ---- per-worker paths (paths.py) ------------------------------------------------------------------------
+
+
+@given(tp=st.integers(1, 8), pcp=st.integers(1, 3), pp=st.integers(1, 4), dp_size=st.integers(1, 4))
+def test_every_worker_of_a_deployment_gets_its_own_directory(tp, pcp, pp, dp_size):
+    names = [rank_dir(r, tp=tp, pcp=pcp, pp=pp, dp_rank=d, dp_size=dp_size)
+             for d in range(dp_size) for r in range(tp * pcp * pp)]
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[a-z0-9-]+", n) for n in names)
+
+
+def test_rank_dir_names_tp_pcp_pp_and_dp_in_vllms_rank_order():
+    assert rank_dir(0, tp=1) == "tp0of1"
+    assert rank_dir(3, tp=2, pp=2) == "tp1of2-pp1of2"  # vLLM: rank = pp_rank * tp + tp_rank
+    assert rank_dir(5, tp=2, pcp=3) == "tp1of2-pcp2of3"
+    assert rank_dir(1, tp=2, dp_rank=3, dp_size=4) == "tp1of2-dp3"
+    with pytest.raises(ValueError, match="rank 4 is outside tp 2 x pcp 1 x pp 2"):
+        rank_dir(4, tp=2, pp=2)
+
+
+def test_model_dir_is_readable_safe_and_tells_models_and_revisions_apart():
+    name = model_dir("meta-llama/Llama-3.1-8B")
+    assert re.fullmatch(r"Llama-3\.1-8B-[0-9a-f]{8}", name)
+    assert name == model_dir("meta-llama/Llama-3.1-8B")  # stable: a restart finds its directories
+    assert name != model_dir("other-org/Llama-3.1-8B") != model_dir("meta-llama/Llama-3.1-8B", "v2")
+    assert "/" not in model_dir("/models/../llama 8b/") and model_dir("").startswith("model-")
+
+
+def test_per_worker_moves_only_the_paths_that_are_set():
+    config = Config.from_dict({"ssd_path": "/nvme/kvtier"})
+    moved = per_worker(config, "m-1234", "tp1of2")
+    assert moved.ssd_path == "/nvme/kvtier/m-1234/tp1of2" and moved.dram_shm_path == ""
+    assert config.ssd_path == "/nvme/kvtier"  # the caller's config is not changed
+    both = per_worker(Config.from_dict({"ssd_path": "/a", "dram_shm_path": "/dev/shm/k"}), "m", "tp0of1")
+    assert (both.ssd_path, both.dram_shm_path) == ("/a/m/tp0of1", "/dev/shm/k/m/tp0of1")
+    assert set(PER_WORKER_KEYS) <= {f for f in Config.__dataclass_fields__}

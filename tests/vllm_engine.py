@@ -13,6 +13,8 @@ import copy
 import functools
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -54,6 +57,7 @@ LAYERS = 3
 HEADS = 2  # per rank
 HEAD_SIZE = 16
 EOS = 2
+PREFIX = list(range(100, 100 + 5 * BLOCK))  # five full blocks shared by the tests' requests A and B
 
 
 def tiny_model(directory: Path) -> str:
@@ -141,6 +145,7 @@ class Engine:
         self.load_errors: set[int] = set()
         self.stats: Any = None  # every worker's connector stats, summed over all steps
         self.verified_tokens = 0
+        self.closed = False
 
     @property
     def connector(self) -> Any:
@@ -243,9 +248,64 @@ class Engine:
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.scheduler.connector.shutdown()
         for w in self.workers:
             w.shutdown()
 
 
-__all__ = ["BLOCK", "Engine", "RequestStatus", "expected_kv", "make_request", "tiny_model", "vllm_config"]
+# ---- what the connector tests share: fixtures (import them into a test module) and helpers ---------------
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def ipc_dir():
+    """A short directory for the lookup sockets (a Unix socket path has at most 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="kvt", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def engine(model, ipc_dir):
+    """``engine(tp=1, **extra)``: an Engine whose kv_connector_extra_config is a small DRAM plus ``extra``
+    (closed at the end of the test, or earlier by the test)."""
+    engines = []
+
+    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", num_blocks: int = 64,
+             kv_role: str = "kv_both", **extra):
+        config = vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir,
+                                     **extra}, tp=tp, events=events, kv_layout=kv_layout, kv_role=kv_role)
+        eng = Engine(config, tp=tp, num_blocks=num_blocks)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.close()
+
+
+def save_a_then_drop_hbm(eng: Engine, **params) -> None:
+    """Request A computes and saves the prefix; then HBM forgets it (as eviction would)."""
+    a = make_request("A", PREFIX + [5, 6, 7], **params)
+    eng.add(a)
+    eng.run([a])
+    assert eng.scheduler.reset_prefix_cache()
+
+
+def worker_side(eng: Engine, rank: int = 0):
+    return eng.workers[rank]._worker
+
+
+def keys_of(eng: Engine, req, rank: int = 0) -> list[bytes]:
+    return worker_side(eng, rank).namespace.keys(req.block_hashes)
+
+
+__all__ = ["BLOCK", "PREFIX", "Engine", "RequestStatus", "engine", "expected_kv", "ipc_dir", "keys_of",
+           "make_request", "model", "save_a_then_drop_hbm", "tiny_model", "vllm_config", "worker_side"]

@@ -27,6 +27,8 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.config import Config
+
 from .events import EventQuorum, KVTierKVEvents
 from .lookup import LookupClient, endpoint
 from .metadata import KVTierMetadata
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Where a hit's blocks were, by kvtier tier name, for vLLM's per-source prefix-cache stats.
+# Where a hit's blocks were, by kvtier tier name, for vLLM's per-source prefix-cache stats. The pool is
+# another node's DRAM in distributed mode, and this host's DRAM in standalone mode (see __init__).
 TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "pool": CacheHitSource.P2P}
 
 
@@ -88,6 +91,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._quorum: EventQuorum | None = None
         self._step_loaded = self._step_saved = False
+        self._tier_source = dict(TIER_SOURCE)
         if role == KVConnectorRole.SCHEDULER:
             block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
             client = LookupClient([endpoint(settings.socket_dir(), engine_id, dp_rank, r) for r in range(ranks)],
@@ -95,13 +99,17 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(settings, client, block_size, hash_block_size,
                                             load=transfer.is_kv_consumer, save=transfer.is_kv_producer)
             self._quorum = EventQuorum(ranks) if events else None
+            if Config.load(store_config).mode == "standalone":
+                self._tier_source["pool"] = CacheHitSource.HOST
         else:
             spec = groups[0].kv_cache_spec
             model = vllm_config.model_config
             identity = WorkerIdentity(
                 model=str(model.model), rank=int(parallel.rank) % ranks, world_size=ranks, engine_id=engine_id,
                 dp_rank=dp_rank, block_size=int(spec.block_size), revision=model.revision,
-                hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo))
+                hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
+                tp_size=parallel.tensor_parallel_size, pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
+                dp_size=int(getattr(parallel, "data_parallel_size", 1)))
             self._worker = WorkerSide(settings, store_config, identity, list(groups[0].layer_names),
                                       mla=isinstance(spec, MLAAttentionSpec), events=events)
         self._events: list[KVCacheEvent] = []
@@ -134,7 +142,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return {self._cache_hit_source: num_external_tokens}
         out: dict[CacheHitSource, int] = {}
         for tier, n in blocks.items():
-            source = TIER_SOURCE.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            source = self._tier_source.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
             out[source] = out.get(source, 0) + num_external_tokens * n // total
         first = next(iter(out))
         out[first] += num_external_tokens - sum(out.values())  # rounding: the counts must add up

@@ -30,11 +30,13 @@ from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
 from kvtier.store import TieredStore
+from kvtier.tiers.ssd import DirectoryInUse
 
 from .events import EventRecorder
 from .lookup import LookupServer, PrefixReply, endpoint
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
+from .paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
 from .settings import ConnectorSettings
 from .transfer import LoadJob, SaveJob, Transfers, lookup_lease
 
@@ -53,6 +55,17 @@ class WorkerIdentity:
     block_size: int = 16
     revision: str | None = None  # the model revision (part of the namespace)
     hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (part of the namespace)
+    # How ``rank`` (of ``world_size`` = tp x pcp x pp) splits, and the engine's DP size: they name the
+    # worker's own directories (paths.py), not its keys.
+    tp_size: int = 0  # 0: world_size (plain tensor parallelism)
+    pcp_size: int = 1
+    dp_size: int = 1
+
+    @property
+    def rank_dir(self) -> str:
+        tp = self.tp_size or self.world_size
+        return rank_dir(self.rank, tp=tp, pcp=self.pcp_size, pp=self.world_size // (tp * self.pcp_size),
+                        dp_rank=self.dp_rank, dp_size=self.dp_size)
 
 
 class WorkerSide:
@@ -96,7 +109,13 @@ class WorkerSide:
         self.namespace = vllm_namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
                                         world_size=ident.world_size, revision=ident.revision,
                                         hash_algo=ident.hash_algo)
-        self.store = TieredStore.from_config(config, self.kv.layout)
+        # Every rank is its own process with its own store: paths a store owns get the rank's subdirectory.
+        config = per_worker(config, model_dir(model, ident.revision), ident.rank_dir)
+        try:
+            self.store = TieredStore.from_config(config, self.kv.layout)
+        except DirectoryInUse as e:
+            raise DirectoryInUse(f"kvtier worker {ident.rank_dir}: {e}; is another vLLM server of this model "
+                                 "on this host using the same ssd_path? Give each server its own ssd_path") from None
         dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
         self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
@@ -109,8 +128,10 @@ class WorkerSide:
                                     naming=self.recorder.naming if self.recorder is not None else None)
         address = endpoint(self.settings.socket_dir(), ident.engine_id, ident.dp_rank, ident.rank)
         self._server = LookupServer(address, self._lookup, on_idle=self._sweep)
-        log.info("kvtier worker rank %d/%d: %s; namespace %s (%s), store %s", ident.rank, ident.world_size,
-                 self.kv.describe(), self.namespace.digest.hex()[:12], model, [t.name for t in self.store.tiers])
+        log.info("kvtier worker rank %d/%d (%s): %s; namespace %s (%s), store %s%s", ident.rank, ident.world_size,
+                 ident.rank_dir, self.kv.describe(), self.namespace.digest.hex()[:12], model,
+                 [t.name for t in self.store.tiers],
+                 "".join(f", {k} {getattr(config, k)}" for k in PER_WORKER_KEYS if getattr(config, k)))
 
     # ---- lookups (the lookup server's thread) --------------------------------------------------------------
 

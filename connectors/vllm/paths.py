@@ -1,0 +1,58 @@
+"""Per-worker paths: each vLLM worker process owns its store, so a path the store opens as its own gets a
+subdirectory naming the worker.
+
+vLLM starts one worker per TP/PCP/PP rank (and one engine per DP rank), all from the same
+``kv_connector_extra_config``. Two of the store's paths must never be shared by two processes: ``ssd_path``
+(the SSD tier locks its directory; a second rank would fail with DirectoryInUse) and ``dram_shm_path`` (the
+DRAM tier maps the file as its private slots; two ranks would overwrite each other's blocks). The worker
+therefore opens
+
+    <ssd_path>/<model dir>/<rank dir>/        e.g. /nvme/kvtier/Llama-3.1-8B-5d41402a/tp1of4/
+    <dram_shm_path>/<model dir>/<rank dir>    e.g. /dev/shm/kvtier/Llama-3.1-8B-5d41402a/tp1of4
+
+The names are stable across restarts (no process id, no engine id), so a restarted server finds each rank's
+SSD blocks again. ``<model dir>``: the model's last path component and a short hash of the whole name and
+revision. ``<rank dir>``: ``tp{r}of{n}``, then ``-pcp{r}of{n}`` and ``-pp{r}of{n}`` when those are > 1, then
+``-dp{r}`` when data parallelism is on. Two servers of one model on one host need different ``ssd_path``s
+(their ranks would have the same names).
+
+Pure functions; no vLLM import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from pathlib import Path
+
+from kvtier.config import Config
+
+PER_WORKER_KEYS = ("ssd_path", "dram_shm_path")  # store keys naming something one process owns
+
+
+def model_dir(model: str, revision: str | None = None) -> str:
+    """A readable, filesystem-safe, collision-free directory name for a model (and revision)."""
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rstrip("/").rsplit("/", 1)[-1]).strip("-.")[:48] or "model"
+    digest = hashlib.sha256(f"{model}\x1f{revision or ''}".encode()).hexdigest()[:8]
+    return f"{tail}-{digest}"
+
+
+def rank_dir(rank: int, *, tp: int, pcp: int = 1, pp: int = 1, dp_rank: int = 0, dp_size: int = 1) -> str:
+    """The directory name of the worker of engine-local ``rank`` (vLLM orders ranks PP, PCP, TP, TP innermost)."""
+    if not 0 <= rank < tp * pcp * pp:
+        raise ValueError(f"rank {rank} is outside tp {tp} x pcp {pcp} x pp {pp}")
+    name = f"tp{rank % tp}of{tp}"
+    if pcp > 1:
+        name += f"-pcp{rank // tp % pcp}of{pcp}"
+    if pp > 1:
+        name += f"-pp{rank // (tp * pcp)}of{pp}"
+    if dp_size > 1:
+        name += f"-dp{dp_rank}"
+    return name
+
+
+def per_worker(config: Config, model: str, rank: str) -> Config:
+    """``config`` with every path of PER_WORKER_KEYS that is set moved to ``<path>/<model>/<rank>``."""
+    moved = {key: str(Path(getattr(config, key)) / model / rank) for key in PER_WORKER_KEYS if getattr(config, key)}
+    return dataclasses.replace(config, **moved) if moved else config
