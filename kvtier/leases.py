@@ -6,16 +6,23 @@ Two users, one mechanism:
   evicted in between would turn a hit into a recompute), under a lease that expires in case the load
   never comes (the request was aborted, the scheduler died);
 * an agent framework tells the store to keep a session's blocks for a while ("the next turn comes within
-  10 minutes"): ``lease("session:abc", keys, ttl_s=600, priority=1)``. A repeated lease of the same name
-  adds keys and extends the expiry, so a session that keeps growing stays pinned as one lease.
+  10 minutes"): ``lease(session_lease("abc"), keys, ttl_s=600, priority=1)``. A repeated lease of the same
+  name adds keys and extends the expiry, so a session that keeps growing stays pinned as one lease.
+
+A *hold* is someone else's say over a lease they did not create: ``hold(name, ttl_s, priority)`` keeps lease
+``name`` (the one there now, or the one a later ``lease(name, ...)`` creates) alive until now + ``ttl_s`` and
+ranks it at least ``priority``, without pinning anything itself. kvtier-master's session pins reach a node
+this way ("session abc comes back within 5 minutes": every node that holds abc's lease keeps it). A hold is
+replaced by the next hold of the name (it can shorten: the holder restates its wish) and ends at its expiry or
+at ``unhold``; the lease then lives by its own expiry and priority again. ``keep=False`` holds only rank.
 
 A lease pins each of its keys once in the store's ``PinTable`` (per-block reference counts), so leases
 compose with every other pin holder. ``max_keys`` caps the keys held by all leases together: past it,
 whole leases are released lowest priority first, then soonest to expire (an agent that hints everything
 cannot pin the whole cache). Expired leases are released on the next call that touches the table (lease,
-keys_of, len, in, leased_keys), by ``sweep()``, and by the store when a put finds no evictable space (the
-table registers its sweep with a store that has ``add_reclaimer``); a call with nothing due costs O(1). Time
-comes from an injectable clock, so tests never sleep.
+hold, keys_of, len, in, leased_keys), by ``sweep()``, and by the store when a put finds no evictable space
+(the table registers its sweep with a store that has ``add_reclaimer``); a call with nothing due costs O(1).
+Time comes from an injectable clock, so tests never sleep.
 
 Thread-safe. Runs in the process that owns the store.
 """
@@ -43,14 +50,30 @@ class Pinnable(Protocol):
 Reclaimer = Callable[[], int]  # releases pins nobody needs any more (expired leases); returns how many holders
 
 
+def session_lease(session: str) -> str:
+    """The lease that keeps an agent session's blocks: the connectors lease under it, the master's session
+    pins hold it."""
+    return f"session:{session}"
+
+
 @dataclass
 class Lease:
-    """Keys pinned under one name until ``expires`` (clock seconds)."""
+    """Keys pinned under one name until ``expires`` (clock seconds; a hold may keep them longer)."""
 
     name: str
     expires: float
     priority: float
     keys: set[bytes] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One party's hold on a lease name: the lease lives at least until ``until`` (clock seconds; only with
+    ``keep``) and ranks at least ``priority`` until then."""
+
+    until: float
+    priority: float
+    keep: bool = True
 
 
 class LeaseTable:
@@ -62,8 +85,10 @@ class LeaseTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._holds: dict[str, Hold] = {}
         self._total = 0  # keys held by all leases
-        self._earliest = float("inf")  # no lease expires before this (a lower bound: extensions only raise)
+        # No lease or hold ends before this (a lower bound, lowered by every call that can bring an end closer).
+        self._earliest = float("inf")
         self.released_by_budget = 0  # leases dropped to honour max_keys
         self.expired = 0
         add_reclaimer: Callable[[Reclaimer], None] | None = getattr(store, "add_reclaimer", None)
@@ -92,7 +117,7 @@ class LeaseTable:
             lease.keys.update(pinned)
             self._total += len(pinned)
             lease.expires = max(lease.expires, now + ttl_s)
-            self._earliest = min(self._earliest, lease.expires)
+            self._earliest = min(self._earliest, self._until(lease))
             lease.priority = max(lease.priority, priority)
             victims = self._over_budget()
             for victim in victims:
@@ -105,7 +130,8 @@ class LeaseTable:
         return result
 
     def release(self, name: str) -> int:
-        """Unpin every key of lease ``name``; return how many (0 for an unknown or already released lease)."""
+        """Unpin every key of lease ``name``; return how many (0 for an unknown or already released lease).
+        A hold on ``name`` stays: it applies to the next lease of that name."""
         with self._lock:
             lease = self._leases.pop(name, None)
             if lease is not None:
@@ -115,8 +141,48 @@ class LeaseTable:
         self._unpin(lease)
         return len(lease.keys)
 
+    def release_keys(self, name: str, keys: Sequence[bytes]) -> int:
+        """Unpin ``keys`` from lease ``name``, which keeps the rest (and ends when it has none left); return
+        how many of them it held."""
+        with self._lock:
+            lease = self._leases.get(name)
+            gone = [k for k in dict.fromkeys(keys) if k in lease.keys] if lease is not None else []
+            if lease is not None:
+                lease.keys.difference_update(gone)
+                self._total -= len(gone)
+                if not lease.keys:
+                    del self._leases[name]
+        if gone:
+            self._store.unpin(gone)
+        return len(gone)
+
+    def hold(self, name: str, ttl_s: float, priority: float = 0.0, *, keep: bool = True) -> None:
+        """Keep lease ``name`` (now or once created) until now + ``ttl_s`` (``keep``) and rank it at least
+        ``priority`` until then, in place of any earlier hold of ``name``. ``ttl_s`` may be inf (until
+        ``unhold``). Raises ValueError for ttl_s <= 0."""
+        if not ttl_s > 0:
+            raise ValueError(f"hold {name!r}: ttl_s must be > 0, got {ttl_s}")
+        self._release_expired()
+        until = self._clock() + ttl_s
+        with self._lock:  # the budget is enforced when keys are added; a new rank counts from then on
+            self._holds[name] = Hold(until, priority, keep)
+            lease = self._leases.get(name)
+            # The lease now ends at its own expiry (keep=False) or later: both bound its end from below.
+            self._earliest = min(self._earliest, until, lease.expires if lease is not None else until)
+        self._release_expired()  # a shortened hold may have ended the lease's life already
+
+    def unhold(self, name: str) -> bool:
+        """Drop the hold on ``name`` (the lease lives by its own expiry again); False if there was none."""
+        with self._lock:
+            hold = self._holds.pop(name, None)
+            lease = self._leases.get(name)
+            if lease is not None:
+                self._earliest = min(self._earliest, lease.expires)
+        self._release_expired()
+        return hold is not None
+
     def sweep(self) -> int:
-        """Release expired leases; return how many."""
+        """Release expired leases (and forget expired holds); return how many leases."""
         return self._release_expired()
 
     def keys_of(self, name: str) -> set[bytes]:
@@ -124,6 +190,13 @@ class LeaseTable:
         with self._lock:
             lease = self._leases.get(name)
             return set(lease.keys) if lease is not None else set()
+
+    def expires_in(self, name: str) -> float | None:
+        """Seconds until lease ``name`` ends, holds included; None if there is no such lease."""
+        self._release_expired()
+        with self._lock:
+            lease = self._leases.get(name)
+            return self._until(lease) - self._clock() if lease is not None else None
 
     def __contains__(self, name: object) -> bool:
         self._release_expired()
@@ -140,17 +213,31 @@ class LeaseTable:
 
     # ---- internals -------------------------------------------------------------------------------------
 
+    def _until(self, lease: Lease) -> float:
+        """When ``lease`` ends: its own expiry, or its hold's if that keeps it longer (lock held)."""
+        hold = self._holds.get(lease.name)
+        return max(lease.expires, hold.until) if hold is not None and hold.keep else lease.expires
+
+    def _rank(self, lease: Lease) -> tuple[float, float]:
+        """Budget order, lowest released first: priority (its own or its hold's), then end (lock held)."""
+        hold = self._holds.get(lease.name)
+        priority = max(lease.priority, hold.priority) if hold is not None else lease.priority
+        return priority, self._until(lease)
+
     def _release_expired(self) -> int:
         now = self._clock()
         if now < self._earliest:  # nothing due (a float read: no lock needed)
             return 0
         with self._lock:
-            gone = [lease for lease in self._leases.values() if lease.expires <= now]
+            for name in [n for n, h in self._holds.items() if h.until <= now]:
+                del self._holds[name]
+            gone = [lease for lease in self._leases.values() if self._until(lease) <= now]
             for lease in gone:
                 del self._leases[lease.name]
                 self._total -= len(lease.keys)
             self.expired += len(gone)
-            self._earliest = min((lease.expires for lease in self._leases.values()), default=float("inf"))
+            self._earliest = min(min((self._until(x) for x in self._leases.values()), default=float("inf")),
+                                 min((h.until for h in self._holds.values()), default=float("inf")))
         for lease in gone:
             self._unpin(lease)
         return len(gone)
@@ -160,7 +247,7 @@ class LeaseTable:
         if self.max_keys <= 0 or self._total <= self.max_keys:
             return []
         victims = []
-        for lease in sorted(self._leases.values(), key=lambda x: (x.priority, x.expires)):
+        for lease in sorted(self._leases.values(), key=self._rank):
             if self._total <= self.max_keys:
                 break
             del self._leases[lease.name]

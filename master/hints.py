@@ -1,7 +1,8 @@
-"""HintTable: pins and priorities that routers set on keys or sessions, kept for the nodes' policies to read.
+"""HintTable: pins and priorities that routers set on keys or sessions, kept for the nodes to apply.
 
 A router that knows an agent session comes back in 30 s pins that session (or its prefix keys) with a TTL;
-a node's eviction policy keeps pinned blocks and prefers evicting low-priority ones. The master does not
+each node turns the hints into leases of its store (kvtier/client/store_hints.py): pinned keys and the
+blocks of pinned sessions stay, under the node's lease budget, ranked by priority. The master does not
 enforce hints (the nodes own their memory); it keeps them, persists them, expires them, and serves them
 with a version number that heartbeat replies carry, so nodes refetch only when something changed.
 

@@ -323,6 +323,37 @@ def test_session_hints_lease_the_blocks_in_the_store(engine):
     assert len(side.store.pins) == 0
 
 
+def test_a_master_session_pin_keeps_the_sessions_blocks_past_the_requests_own_hint(engine, tmp_path):
+    """End to end: a router tells kvtier-master "agent-7 comes back within a minute" before the turn; the
+    turn's own hint (kv_transfer_params) asks for 0.3 s only; the worker's store, reporting to the master
+    through a NodeAgent, keeps the session's blocks for the minute, and lets them go when the router unpins."""
+    from kvtier.client import MasterClient, NodeAgent
+    from masterproc import MasterProcess
+
+    eng = engine()
+    side = worker_side(eng)
+    with MasterProcess(tmp_path) as master, MasterClient(master.endpoint) as m:
+        agent = NodeAgent.for_store(side.store, master.endpoint, "w0", heartbeat_s=0.05).start()
+        try:
+            m.pin(session="agent-7", ttl_s=60)
+            deadline = time.monotonic() + 10
+            while agent.hints is None or "agent-7" not in agent.hints.session_pins:
+                assert time.monotonic() < deadline, "the session pin never reached the node"
+                time.sleep(0.02)
+            save_a_then_drop_hbm(eng, kvtier={"ttl_s": 0.3, "session": "agent-7"})
+            a_keys = side.namespace.keys(make_request("x", PREFIX).block_hashes)
+            time.sleep(0.4)  # the request's own 0.3 s are over
+            assert side.store.leases.sweep() == 0 and side.store.leases.expires_in(session_lease("agent-7")) > 50
+            assert all(side.store.pins.count(k) == 1 for k in a_keys)
+            m.unpin(session="agent-7")
+            while side.store.pins.count(a_keys[0]):
+                assert time.monotonic() < deadline + 10, "the unpin never released the session's blocks"
+                time.sleep(0.02)
+            assert session_lease("agent-7") not in side.store.leases and len(side.store.pins) == 0
+        finally:
+            agent.close()
+
+
 def test_kv_events_report_stored_and_removed_blocks_once_for_all_ranks(engine):
     eng = engine(tp=2, events=True)
     a = make_request("A", PREFIX + [5, 6, 7])

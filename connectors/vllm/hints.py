@@ -6,7 +6,8 @@ keeps the request's blocks pinned in the store for ``ttl_s`` seconds under one l
 of the session extends it), so the next turn finds its prefix even if DRAM is busy; ``priority`` decides
 which sessions keep their pins when hints pin more than ``hint_max_fraction`` of the DRAM blocks. Read on
 the scheduler (``hints_of``), carried in each SavePlan, applied by the worker after the save
-(``TieredStore.leases``). No vLLM import.
+(``TieredStore.leases``, lease ``kvtier.leases.session_lease(session)``: the one a kvtier-master session pin
+holds, so a router can extend a session on every node). No vLLM import.
 """
 
 from __future__ import annotations

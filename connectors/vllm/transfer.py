@@ -35,7 +35,7 @@ import torch
 
 from kvtier.blocks import BlockRows
 from kvtier.hostmem import HostBuffer
-from kvtier.leases import LeaseTable
+from kvtier.leases import LeaseTable, session_lease
 from kvtier.kernels import SKIP
 from kvtier.store import TieredStore
 
@@ -46,10 +46,6 @@ log = logging.getLogger(__name__)
 
 def lookup_lease(lease: int) -> str:
     return f"lookup:{lease}"
-
-
-def session_lease(session: str) -> str:
-    return f"session:{session}"
 
 
 @dataclass(eq=False)  # a job is an identity, not a value

@@ -18,8 +18,8 @@ What it does, all on its own thread with its own socket (the store's threads onl
   ``record_transfer``) and the EWMA of its own RPC round trips to the master;
 * re-registers when the master says it does not know the node (a restart that lost the registry, a lease
   that expired while the node was partitioned);
-* fetches hints when their version changes and passes them to ``on_hints`` (for a store: pins the keys the
-  master pins, unpins them when the master drops them).
+* fetches hints when their version changes and passes them to ``on_hints`` (for a store: ``StoreHints``
+  turns the master's pins and priorities into leases of the store, kvtier/client/store_hints.py).
 
 Inventories come from ``list_keys`` (tier name -> the keys it holds now) where the node can list its tiers
 (kvtier-pool does: its DRAM tier has ``keys()``). Otherwise the agent keeps a set of the keys each tier holds
@@ -44,6 +44,7 @@ from kvtier import wire
 from kvtier.client import api
 from kvtier.client.api import Hints
 from kvtier.client.master import MasterClient, MasterError, MasterUnknownNode
+from kvtier.client.store_hints import StoreHints
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +109,19 @@ class NodeAgent:
     @classmethod
     def for_store(cls, store: Any, master: str, node_id: str, **kw: Any) -> NodeAgent:
         """An agent for a TieredStore: its tiers, their used bytes, inventory checks against the tiers, and
-        master pins applied as store pins. Attaches to the store's events; call ``start()`` next. Remote tiers
-        (a PoolTier: blocks in kvtier-pool daemons, which report them themselves) are not the node's own."""
+        the master's hints applied as leases of the store (``StoreHints``; ``hint_max_fraction`` is the lease
+        budget the store gets if it has none yet). Attaches to the store's events; call ``start()`` next.
+        Remote tiers (a PoolTier: blocks in kvtier-pool daemons, which report them themselves) are not the
+        node's own."""
         local = [t for t in store.tiers if not getattr(t, "remote", False)]
         by_name = {t.name: t for t in local}
-        pins = StorePins(store)
+        on_hints = kw.pop("on_hints", None)
+        if on_hints is None:
+            on_hints = StoreHints(store, hint_max_fraction=kw.pop("hint_max_fraction", 0.5)).apply
         agent = cls(master, node_id, [(t.name, t.stats().capacity_bytes) for t in local],
                     block_bytes=store.block_bytes,
                     used=lambda: {t.name: t.stats().used_bytes for t in local},
-                    verify=lambda tier, keys: by_name[tier].contains(keys),
-                    on_hints=kw.pop("on_hints", pins.apply), **kw)
+                    verify=lambda tier, keys: by_name[tier].contains(keys), on_hints=on_hints, **kw)
         store.add_listener(agent.on_event)
         return agent
 
@@ -324,27 +328,6 @@ class NodeAgent:
                     self._on_hints(hints)
                 except Exception:
                     log.exception("node %s: on_hints callback failed", self.node_id)
-
-
-class StorePins:
-    """Applies the master's key pins to a TieredStore as store pins (one pin per master-pinned held key),
-    and drops them when the master unpins or they expire. Keys the store does not hold when the hints
-    arrive are not pinned. Called on the agent thread."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.pinned: set[bytes] = set()
-
-    def apply(self, hints: Hints) -> None:
-        wanted = set(hints.key_pins)
-        gone = [k for k in self.pinned if k not in wanted]
-        if gone:
-            self.store.unpin(gone)
-            self.pinned.difference_update(gone)
-        new = [k for k in wanted if k not in self.pinned]
-        if new:
-            held = self.store.pin(new)
-            self.pinned.update(k for k, h in zip(new, held) if h)
 
 
 def _parts(snapshot: Mapping[str, list[bytes]], per_part: int) -> Iterable[dict[str, list[bytes]]]:
