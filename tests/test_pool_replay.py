@@ -21,6 +21,7 @@ BASE = ["replay", str(SAMPLE), "--limit", "3", "--lanes", "2", "--hbm", "4GiB", 
 BB = 4096
 
 
+@pytest.mark.slow  # two replays with pool processes: ~10 s here
 def test_a_pool_tier_extends_dram_and_runs_of_a_sweep_do_not_leak_into_each_other(tmp_path):
     out = tmp_path / "pool.json"
     assert main([*BASE, "--pool", "0,40%", "--policy", "lru,s3fifo", "--json", str(out)]) == 0
@@ -55,13 +56,12 @@ def first_evicted(endpoint: str, keys: list[bytes]) -> list[bytes]:
         c.close()
 
 
-@pytest.mark.parametrize("policy,evicted", [("lru", 1), ("fifo", 0)])
-def test_each_run_gets_a_fresh_pool_evicting_by_the_runs_policy(policy, evicted, make_keys):
+def test_each_run_gets_a_fresh_pool_evicting_by_the_runs_policy(make_keys):
     keys = make_keys(5)
     endpoints = []
-    for _ in range(2):  # two runs: each on a fresh pool (the second finds none of the first's blocks)
+    for policy, evicted in (("lru", 1), ("fifo", 0)):  # one sweep point, two policies
         with build_store(policy, {"dram_capacity": 2, "pool_capacity": 4}, {}, BB) as store:
             endpoint = store.tiers[1].route.endpoints()[0]
             endpoints.append(endpoint)
-            assert first_evicted(endpoint, keys) == [keys[evicted]]
-    assert endpoints[0] != endpoints[1]
+            assert first_evicted(endpoint, keys) == [keys[evicted]], policy
+    assert endpoints[0] != endpoints[1]  # a fresh pool for the second run, not the first one emptied
