@@ -2,8 +2,8 @@
 
 ``submit`` copies the blocks into staging memory before it returns (the caller's memory, e.g. a DRAM slot
 being evicted, is free again at once) and queues them; one sender thread (kvtier/writebehind.py's WriteQueue)
-sends queued blocks to the pools in batches. Until a block is sent it stays readable here (``read``), so a block on its way down is never in
-neither place. Thread-safe.
+sends queued blocks to the pools in batches. Until a block is sent it stays readable here (``read``), so a
+block on its way down is never in neither place. Thread-safe.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ class PoolWriter:
         return {k for k, h in zip(keys, self._send(keys, rows)) if h}
 
     def _finish(self, jobs: Sequence[_Job], stored: set[bytes]) -> None:
-        """Unstage and free the jobs' blocks, count them, and complete their futures."""
+        """Unstage and free the jobs' blocks, count them, then complete their futures (outside the lock: a
+        future's callbacks, the store's listeners, may call back into this writer)."""
+        results = []
         with self._lock:
             for job in jobs:
                 for k, c in zip(job.keys, job.chunks):
@@ -112,4 +114,6 @@ class PoolWriter:
                 sent = [k for k in job.keys if k in stored]
                 self.counts["sent"] += len(sent)
                 self.counts["failed"] += len(job.keys) - len(sent)
-                job.future.set_result(sent)
+                results.append((job.future, sent))
+        for future, sent in results:
+            future.set_result(sent)

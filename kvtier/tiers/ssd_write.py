@@ -5,7 +5,8 @@
 the runs spread over the tier's I/O threads, and returns each block's checksum. ``WriteBehind`` lets a caller
 hand blocks over without waiting for the disk: ``put_later`` copies them into aligned staging memory (so they
 no longer depend on the caller's buffer: a DRAM slot may be reused the moment the call returns), and one
-thread (kvtier/writebehind.py's WriteQueue) drains the queue in batches, so many small offloads cost one fsync and one index transaction.
+thread (kvtier/writebehind.py's WriteQueue) drains the queue in batches, so many small offloads cost one
+fsync and one index transaction.
 
 Why fixed slots reused per block and not log-structured segments with reinsertion (CacheLib Navy's regions):
 a tier holds blocks of one size, so freed slots never fragment; every block is written once (segment FIFO
