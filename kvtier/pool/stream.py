@@ -132,6 +132,7 @@ class StreamServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            self._began(c, 0.0)  # dropped once: its thread ends at the shutdown
 
     def _began(self, conn: socket.socket, when: float) -> None:
         with self._lock:
