@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,3 +101,23 @@ def until(fn, timeout: float = 15.0, interval: float = 0.2):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def finishes(fn, timeout: float = 60.0):
+    """fn()'s result (or its exception), run on a thread; AssertionError if it has not returned within the
+    timeout. A guard against a hang, not a speed check: the timeout is far beyond any answer's."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {timeout} s: a hang"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

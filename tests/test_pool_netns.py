@@ -71,6 +71,7 @@ def rx_bytes(ns: str) -> int:
     return sum(link["stats64"]["rx"]["bytes"] for link in stats if link["ifname"] != "lo")
 
 
+@pytest.mark.slow  # three pool processes in network namespaces: ~7 s here
 def test_blocks_cross_a_real_network_between_namespaces(hosts, tmp_path):
     pools = [PoolProcess(tmp_path, name=f"p{i}", capacity="16MiB", host=f"10.77.{i}.2",
                          prefix=("ip", "netns", "exec", ns)) for i, ns in enumerate(POOL_NS, 1)]

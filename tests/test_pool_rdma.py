@@ -3,6 +3,8 @@ rows merge into work requests), and a real round trip that runs where pyverbs an
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -82,3 +84,31 @@ def test_round_trip_over_rdma(tmp_path, make_keys):  # pragma: no cover - needs 
         assert conn.get(keys, np.uint64(out.data_ptr()) + np.arange(64, dtype=np.uint64) * np.uint64(BB)) == [True] * 64
         assert torch.equal(out, src)
         conn.close()
+
+
+def test_queue_pairs_enter_init_with_remote_read_and_write_allowed():
+    # Distinct bits per flag name, so a dropped or swapped flag changes the mask.
+    enums = SimpleNamespace(IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2, IBV_ACCESS_REMOTE_READ=4,
+                            IBV_ACCESS_REMOTE_ATOMIC=8, IBV_ACCESS_MW_BIND=16)
+    assert rdma.remote_access(enums) == 1 | 2 | 4
+    assert rdma.init_fields(enums, 3) == {"port_num": 3, "pkey_index": 0, "qp_access_flags": 1 | 2 | 4}
+
+
+def test_the_access_flags_are_pyverbs_own():
+    e = pytest.importorskip("pyverbs.enums", reason="pyverbs is not installed: its flag values cannot be checked")
+    assert rdma.remote_access(e) == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"a real queue pair: {REASON}")
+def test_a_new_queue_pair_is_in_init_with_remote_access():  # pragma: no cover - needs an RDMA device
+    from pyverbs import enums as e
+
+    port = rdma._Port.open(None)
+    qp = rdma._QueuePair(port)
+    try:
+        attr, _ = qp.qp.query(e.IBV_QP_STATE | e.IBV_QP_ACCESS_FLAGS)
+        assert attr.qp_state == e.IBV_QPS_INIT
+        assert attr.qp_access_flags & rdma.remote_access(e) == rdma.remote_access(e)
+    finally:
+        qp.close()
+        port.close()

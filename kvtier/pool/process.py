@@ -1,7 +1,7 @@
 """PoolDaemon: a kvtier-pool subprocess on this machine, for tools that need a second node's DRAM here (the
 pool benchmark, ``kvtier replay --pool``). Starts it, waits until it serves, stops it (SIGTERM) on exit.
 
-    with PoolDaemon(capacity=1 << 30, block_bytes=65536, ipc=True) as pool:
+    with PoolDaemon(capacity=1 << 30, block_bytes=65536, ipc=True, eviction="s3fifo") as pool:
         pool.endpoint("tcp"), pool.endpoint("ipc")
 
 Runs in the caller's process; not thread-safe (one owner). Its files (ready file, ipc socket, shared-memory
@@ -20,11 +20,13 @@ from pathlib import Path
 
 
 class PoolDaemon:
-    """``python -m kvtier.pool`` bound on loopback tcp (and an ipc socket with ``ipc``), sized to ``capacity``."""
+    """``python -m kvtier.pool`` bound on loopback tcp (and an ipc socket with ``ipc``), sized to ``capacity``,
+    evicting by ``eviction`` (a policy name the pool process knows: a built-in one)."""
 
     def __init__(self, capacity: int, block_bytes: int, *, ipc: bool = False, workers: int = 2,
-                 log_level: str = "warning", start_timeout_s: float = 60.0) -> None:
+                 eviction: str = "lru", log_level: str = "warning", start_timeout_s: float = 60.0) -> None:
         self.capacity, self.block_bytes, self.ipc, self.workers = capacity, block_bytes, ipc, workers
+        self.eviction = eviction
         self.log_level, self.start_timeout_s = log_level, start_timeout_s
         self.endpoints: list[str] = []
         self._dir: Path | None = None
@@ -37,25 +39,13 @@ class PoolDaemon:
                 return e
         raise ValueError(f"the pool serves no {scheme} endpoint (it serves {', '.join(self.endpoints)})")
 
-    def clear(self) -> int:
-        """Drop every block the pool holds (between runs that must not see each other's blocks)."""
-        import zmq
-
-        from kvtier.pool import protocol as P
-        from kvtier.transport.channel import Channel
-
-        channel = Channel(self.endpoint("tcp"), zmq.Context.instance(), timeout_s=30.0)
-        try:
-            return int(channel.call(P.CLEAR, {}).body["removed"])
-        finally:
-            channel.close()
-
     def __enter__(self) -> PoolDaemon:
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-pool-"))
         ready = self._dir / "ready"
         cmd = [sys.executable, "-m", "kvtier.pool", "--bind", "tcp://127.0.0.1:*", "--capacity", str(self.capacity),
                "--block-bytes", str(self.block_bytes), "--shm-dir", str(self._dir), "--ready-file", str(ready),
-               "--rdma", "off", "--workers", str(self.workers), "--log-level", self.log_level]
+               "--rdma", "off", "--workers", str(self.workers), "--eviction", self.eviction,
+               "--log-level", self.log_level]
         if self.ipc:
             cmd += ["--bind", f"ipc://{self._dir}/pool.sock"]
         self._proc = subprocess.Popen(cmd)

@@ -26,7 +26,7 @@ Ops (request body -> reply body):
   commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back);
             {leases, oks}        -> {published: int, valid: [bool]}  several reservations in one round trip
   acquire   {keys}               -> {lease, offsets}     one-sided reads: offset per key, -1 for a miss; the
-            blocks stay put until
+            blocks stay put (not evicted, not reused) until the release, or until the lease expires
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
             have been reused: the client must count those blocks as misses)
   stats     {}                   -> {tier, leases, counters}

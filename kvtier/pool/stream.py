@@ -1,7 +1,15 @@
 """StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client and the framing).
 
-One thread per data connection, blocking I/O with a timeout (a client gone silent mid-message loses its
-connection, never a thread forever). Only the two data ops come here:
+One thread per data connection, blocking I/O with a timeout, and bounded so that idle or slow peers cannot
+exhaust the daemon:
+
+* at most ``max_connections`` data connections at once; one more is accepted and closed at once, with a log
+  line (clients see a failed request: a miss, and the pool's back-off);
+* each socket operation makes progress within ``timeout_s`` (an idle connection is closed after that long);
+* each message, from its first byte to the end of its reply, finishes within ``message_timeout_s``: a peer
+  that sends a header and then trickles a byte at a time has its connection shut down by the watchdog.
+
+Only the two data ops come here:
 
     put: reserve slots, then recv_into() the payload straight into them, run by run (bytes for keys the pool
          already holds go to a scratch buffer), commit; reply {held}
@@ -33,18 +41,28 @@ from kvtier.wire import WireError
 log = logging.getLogger("kvtier.pool")
 
 SCRATCH_BYTES = 4 << 20
+MAX_CONNECTIONS = 256  # data connections at once: a few lanes per engine process, for a node's worth of engines
+WATCHDOG_S = 0.2  # how often the accept thread looks for messages past their deadline
 
 
 class StreamServer:
-    """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything."""
+    """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything.
+    ``timeout_s``: the longest a socket operation may wait without progress; ``message_timeout_s`` (default
+    ``timeout_s``): the longest one message may take; ``max_connections``: data connections served at once.
+    Its threads are its own (one accepting and watching deadlines, one per connection)."""
 
-    def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0) -> None:
+    def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0, *,
+                 message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.state = state
         self.timeout_s = timeout_s
+        self.message_timeout_s = timeout_s if message_timeout_s is None else message_timeout_s
+        self.max_connections = max_connections
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
-        self._listener.settimeout(0.2)
+        self._listener.settimeout(WATCHDOG_S)
         self.port = self._listener.getsockname()[1]
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, float] = {}  # connection -> when its message in progress began (0: idle)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._bad = RateLimitedLog(log)
@@ -74,19 +92,52 @@ class StreamServer:
                     pass
 
     def _accept(self) -> None:
+        swept = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() - swept >= WATCHDOG_S:
+                self._drop_overdue()
+                swept = time.monotonic()
             try:
                 conn, peer = self._listener.accept()
             except socket.timeout:
                 continue
             except OSError:
                 return
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns[conn] = 0.0
+            if full:
+                conn.close()
+                self.state.count(stream_refused=1)
+                self._bad("stream-full", logging.WARNING, "data connection from %s refused: %d connections open, "
+                          "the limit (max_connections)", peer, self.max_connections)
+                continue
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-pool-stream-conn",
                              daemon=True).start()
+
+    def _drop_overdue(self) -> None:
+        """Shut down connections whose message in progress is past its deadline (its thread then sees the end
+        of the stream and exits): a peer trickling bytes makes progress, so the socket timeout never fires."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [c for c, began in self._conns.items() if began and now - began > self.message_timeout_s]
+        for c in overdue:
+            self.state.count(stream_overdue=1)
+            self._bad("stream-overdue", logging.WARNING, "data connection from %s dropped: a message not done "
+                      "within %g s", _peer(c), self.message_timeout_s)
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._began(c, 0.0)  # dropped once: its thread ends at the shutdown
+
+    def _began(self, conn: socket.socket, when: float) -> None:
+        with self._lock:
+            if conn in self._conns:
+                self._conns[conn] = when
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         scratch = np.empty(0, np.uint8)
@@ -94,6 +145,10 @@ class StreamServer:
             while not self._stop.is_set():
                 req_id = 0
                 try:
+                    self._began(conn, 0.0)
+                    if not conn.recv(1, socket.MSG_PEEK):  # idle until a message's first byte
+                        return
+                    self._began(conn, time.monotonic())
                     envelope = read_envelope(conn)
                     if envelope is None:
                         return
@@ -120,7 +175,7 @@ class StreamServer:
             self._bad("stream-internal", logging.ERROR, "internal error on the data port", exc_info=True)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
 
     def _put(self, conn: socket.socket, req_id: int, body: dict[str, Any], scratch: np.ndarray) -> None:
@@ -180,3 +235,10 @@ class StreamServer:
         st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * bb)
         if len(rows) * bb >= 1 << 20:  # smaller gets are all latency: they say nothing about bandwidth
             st.record_read(len(rows) * bb, time.perf_counter() - t0)
+
+
+def _peer(conn: socket.socket) -> Any:
+    try:
+        return conn.getpeername()
+    except OSError:
+        return "a gone peer"

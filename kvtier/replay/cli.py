@@ -66,9 +66,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm", default="40GiB", help="HBM for the engine's prefix cache: bytes or %% of unique blocks")
     g.add_argument("--dram", default="200GiB", help="DRAM tier: bytes or %% of the replayed traces' unique blocks; "
                                                    "a comma list sweeps (e.g. 2%%,5%%,10%%,25%%); 0: HBM only")
-    g.add_argument("--pool", help="a second node's DRAM under this one's (a kvtier-pool process started per run, "
-                                  "reached over loopback TCP): bytes or %% of unique blocks, a comma list sweeps; "
-                                  "--set pool_offload=on_evict makes it a victim cache (default write_through)")
+    g.add_argument("--pool", help="a second node's DRAM under this one's (a fresh kvtier-pool process per run, "
+                                  "evicting by the run's policy, over loopback TCP): bytes or %% of unique blocks, "
+                                  "a comma list sweeps; --set pool_offload=on_evict makes it a victim cache "
+                                  "(default write_through)")
     g.add_argument("--ssd", help="SSD tier under DRAM: bytes or %% of unique blocks, a comma list sweeps; its files "
                                  "go to a fresh directory under --set ssd_path=DIR (default: the temp dir)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

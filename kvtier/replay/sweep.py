@@ -112,34 +112,13 @@ REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False,
 RUN_DIRECTORIES = ("ssd_path",)
 
 
-class PoolCache:
-    """kvtier-pool processes for a sweep's runs, one per size, started once and emptied before each run (a
-    pool starts in seconds; a sweep has many runs). ``close()`` stops them. Single-threaded, like the sweep."""
-
-    def __init__(self) -> None:
-        self._stack = ExitStack()
-        self._pools: dict[tuple[int, int], Any] = {}
-
-    def endpoint(self, capacity: int, block_bytes: int) -> str:
-        from kvtier.pool.process import PoolDaemon
-
-        pool = self._pools.get((capacity, block_bytes))
-        if pool is None:
-            pool = self._pools[capacity, block_bytes] = self._stack.enter_context(PoolDaemon(capacity, block_bytes))
-        else:
-            pool.clear()  # salted keys repeat from run to run: no run may find the blocks of the one before
-        return pool.endpoint("tcp")
-
-    def close(self) -> None:
-        self._stack.close()
-
-
 @contextmanager
 def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str, Any],
-                sim_block_bytes: int = SIM_BLOCK_BYTES, pools: PoolCache | None = None) -> Iterator[TieredStore | None]:
+                sim_block_bytes: int = SIM_BLOCK_BYTES) -> Iterator[TieredStore | None]:
     """A real TieredStore whose tiers hold ``tier_blocks[config key]`` blocks (None when DRAM is 0), closed
-    and its tiers' run directories removed on exit. A pool tier comes from ``pools`` (or a pool process of
-    its own, stopped on exit)."""
+    and its tiers' run directories removed on exit. A pool tier is a kvtier-pool process of its own, evicting
+    by ``policy`` too, stopped on exit: a fresh one per run, since emptying a pool would keep its policy's
+    history (S3-FIFO's ghost queue) and salted keys repeat from run to run."""
     if tier_blocks.get("dram_capacity", 0) <= 0:
         others = [k for k, v in tier_blocks.items() if v > 0 and k != "dram_capacity"]
         if others:
@@ -160,10 +139,10 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
     with ExitStack() as cleanup:
         pool_blocks = tier_blocks.get(POOL_KEY, 0)
         if pool_blocks > 0:  # a second node's DRAM: a real kvtier-pool process, reached over loopback TCP
-            if pools is None:
-                pools = PoolCache()
-                cleanup.callback(pools.close)
-            values.update(mode="distributed", pool=pools.endpoint(pool_blocks * sim_block_bytes, sim_block_bytes))
+            from kvtier.pool.process import PoolDaemon
+
+            pool = cleanup.enter_context(PoolDaemon(pool_blocks * sim_block_bytes, sim_block_bytes, eviction=policy))
+            values.update(mode="distributed", pool=pool.endpoint("tcp"))
         for key in RUN_DIRECTORIES:
             if values.get(key):
                 Path(values[key]).mkdir(parents=True, exist_ok=True)
@@ -198,7 +177,6 @@ class Sweep:
         self.progress, self.sim_block_bytes = progress, sim_block_bytes
         self.namespace = Namespace(f"replay:{model}", layout.fingerprint)
         self.limits = LimitsCache()
-        self._pools = PoolCache()
 
     @property
     def block_bytes(self) -> int:
@@ -212,12 +190,6 @@ class Sweep:
         return grid
 
     def run(self) -> list[SweepPoint]:
-        try:
-            return self._run()
-        finally:
-            self._pools.close()
-
-    def _run(self) -> list[SweepPoint]:
         unique, bb = self.workload.unique_blocks, self.block_bytes
         hbm_blocks = self.hbm.blocks(unique, bb)
         out = []
@@ -237,7 +209,7 @@ class Sweep:
         desc = f"{policy} " + " ".join(f"{k}={v}" for k, v in (labels or {}).items())
         bar = self.progress(desc, self.workload.requests) if self.progress else None
         try:
-            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes, self._pools) as store:
+            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes) as store:
                 replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
                                     self.service, self.config, progress=bar.update if bar is not None else None,
                                     record=record)

@@ -5,16 +5,21 @@
   pool was down sits on the next-ranked pool and is a miss once its own pool is back (a miss, never wrong).
 * ``MasterRoute(master, requester)``: kvtier-master places (``route_put`` among nodes labelled role=pool, so
   engines' own DRAM is never a target) and finds (``locate``: per key, a live pool holding it). Its answers
-  are the directory, so ``contains`` needs no round trip to the pools.
+  are the directory, so ``contains`` needs no round trip to the pools. A master that does not answer is put in
+  a back-off (``MasterBackoff``: 0.5 s doubling to 30 s, reset by the next answer): calls inside it fail at
+  once (the tier turns them into misses) instead of each waiting out the timeout, so a store whose master is
+  down still serves its DRAM and SSD hits at full speed.
 
 Both are thread-safe. A route names pools by endpoint; the tier owns the connections.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -23,6 +28,10 @@ from kvtier.keys import rendezvous_order
 from kvtier.pool.protocol import POOL_LABELS
 from kvtier.transport.base import PoolUnavailable
 
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MASTER_BACKOFF_S = (0.5, 30.0)  # first and longest back-off after kvtier-master fails to answer
 Up = Callable[[str], bool]  # is this pool usable now (not in its back-off after a failure)?
 
 
@@ -37,6 +46,9 @@ class PoolRoute(Protocol):
 
     def endpoints(self) -> list[str]:
         """Every pool this route knows now."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the route itself (the master's health and back-off); empty for a static route."""
 
     def close(self) -> None: ...
 
@@ -67,45 +79,126 @@ class PeerRoute:
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
+    def stats(self) -> dict[str, Any]:
+        return {}
+
     def close(self) -> None:
         pass
 
 
+class MasterBackoff:
+    """Runs calls to kvtier-master one at a time, and fails them at once while the master is in its back-off.
+
+    A call that raises MasterTimeout (no answer) starts a back-off (``first_s``, doubling per failure up to
+    ``max_s``); any answer, even an error reply, ends it. Calls made inside the back-off raise PoolUnavailable
+    (code "backoff") without touching the socket. Callers that queued behind a call that then failed fail with
+    it instead of each waiting out their own timeout in turn. The state change (down, answering again) is
+    logged once; ``stats()`` counts calls, failures and calls skipped. Thread-safe; any thread.
+    """
+
+    def __init__(self, master: str, first_s: float = MASTER_BACKOFF_S[0], max_s: float = MASTER_BACKOFF_S[1]) -> None:
+        self.master = master
+        self.first_s, self.max_s = first_s, max_s
+        self._cond = threading.Condition()
+        self._busy = False
+        self._down_until = 0.0
+        self._backoff = first_s  # the next back-off's length
+        self._current = 0.0  # the length of the back-off now running (0: the master answers)
+        self._down = False
+        self._last_error = ""
+        self._failures = 0  # master calls that got no answer (also the generation waiters compare)
+        self._calls = 0
+        self._skipped = 0
+
+    def call(self, fn: Callable[[], T], what: str) -> T:
+        """``fn()`` (a call on the master client), or PoolUnavailable if the master is not answering."""
+        from kvtier.client import MasterError, MasterTimeout
+
+        with self._cond:
+            generation = self._failures
+            while True:
+                left = self._down_until - time.monotonic()
+                if left > 0 or self._failures != generation:
+                    self._skipped += 1
+                    raise PoolUnavailable(self.master, f"the master is not answering ({self._last_error}); "
+                                                       f"{what} skipped, retrying in {max(left, 0):.1f} s", "backoff")
+                if not self._busy:
+                    break
+                self._cond.wait()
+            self._busy = True
+            self._calls += 1
+        answered = False
+        try:
+            result = fn()
+            answered = True
+            return result
+        except MasterTimeout as e:
+            self._failed(str(e))
+            raise PoolUnavailable(self.master, f"the master cannot {what}: {e}", "master") from None
+        except MasterError as e:  # the master answered, with an error: it is up
+            answered = True
+            raise PoolUnavailable(self.master, f"the master cannot {what}: {e}", "master") from None
+        finally:
+            with self._cond:
+                self._busy = False
+                if answered and self._down:
+                    log.info("kvtier-master %s is answering again; pool lookups and placements resume", self.master)
+                if answered:
+                    self._down, self._backoff, self._current, self._down_until = False, self.first_s, 0.0, 0.0
+                self._cond.notify_all()
+
+    def _failed(self, error: str) -> None:
+        with self._cond:
+            self._failures += 1
+            self._last_error = error
+            self._down_until = time.monotonic() + self._backoff
+            self._current = self._backoff
+            if not self._down:
+                log.warning("kvtier-master %s is not answering (%s); pool blocks are misses and puts skip the pool, "
+                            "retrying after a back-off of %.1f s growing to %.0f s", self.master, error,
+                            self._backoff, self.max_s)
+            self._down = True
+            self._backoff = min(self._backoff * 2, self.max_s)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {"master": self.master, "up": not self._down, "calls": self._calls, "failures": self._failures,
+                    "skipped": self._skipped, "backoff_s": self._current,
+                    "backoff_left_s": max(0.0, self._down_until - time.monotonic()),
+                    "last_error": self._last_error}
+
+
 class MasterRoute:
     """kvtier-master's placements and directory. ``requester`` is this node's id (the local_first policy
-    places on the requester when it is a pool itself)."""
+    places on the requester when it is a pool itself); ``backoff_s``: the first and longest back-off after
+    the master fails to answer."""
 
     authoritative = True
 
-    def __init__(self, master: str, requester: str, timeout_s: float = 0.5) -> None:
+    def __init__(self, master: str, requester: str, timeout_s: float = 0.5,
+                 backoff_s: tuple[float, float] = MASTER_BACKOFF_S) -> None:
         from kvtier.client import MasterClient
 
         self.master = master
         self.requester = requester
         self._client = MasterClient(master, timeout_s)
+        self._backoff = MasterBackoff(master, *backoff_s)
         self._address: dict[str, str] = {}  # node id -> endpoint
         self._lock = threading.Lock()
 
     def place(self, keys: Sequence[bytes], block_bytes: int, up: Up) -> list[str | None]:
-        from kvtier.client import MasterError
-
-        try:
-            targets = self._client.route_put([block_bytes] * len(keys), self.requester, keys, labels=POOL_LABELS)
+        targets = self._backoff.call(
+            lambda: self._client.route_put([block_bytes] * len(keys), self.requester, keys, labels=POOL_LABELS),
+            "place blocks")
+        with self._lock:
             unknown = {t[0] for t in targets if t is not None and t[0] not in self._address}
-            if unknown:
-                self._refresh()
-        except MasterError as e:
-            raise PoolUnavailable(self.master, f"the master cannot place blocks: {e}", "master") from None
+        if unknown:
+            self._refresh()
         out = [self._address.get(t[0]) if t is not None else None for t in targets]
         return [e if e is not None and up(e) else None for e in out]
 
     def locate(self, keys: Sequence[bytes], up: Up) -> list[str | None]:
-        from kvtier.client import MasterError
-
-        try:
-            found = self._client.locate(keys, labels=POOL_LABELS)
-        except MasterError as e:
-            raise PoolUnavailable(self.master, f"the master cannot locate blocks: {e}", "master") from None
+        found = self._backoff.call(lambda: self._client.locate(keys, labels=POOL_LABELS), "locate blocks")
         with self._lock:
             for node, _tier, address in found.holders:
                 self._address[node] = address
@@ -115,8 +208,11 @@ class MasterRoute:
         with self._lock:
             return sorted(set(self._address.values()))
 
+    def stats(self) -> dict[str, Any]:
+        return self._backoff.stats()
+
     def _refresh(self) -> None:
-        nodes = self._client.nodes()
+        nodes = self._backoff.call(self._client.nodes, "list the pools")
         with self._lock:
             for n in nodes:
                 if n.get("labels", {}).get("role") == POOL_LABELS["role"] and n.get("address"):

@@ -1,16 +1,14 @@
 """PoolWriter: write-behind for a PoolTier, so a DRAM eviction or a write-through never waits for the network.
 
 ``submit`` copies the blocks into staging memory before it returns (the caller's memory, e.g. a DRAM slot
-being evicted, is free again at once) and queues them; one sender thread sends queued blocks to the pools in
-batches. Until a block is sent it stays readable here (``read``), so a block on its way down is never in
-neither place. Thread-safe.
+being evicted, is free again at once) and queues them; one sender thread (kvtier/writebehind.py's WriteQueue)
+sends queued blocks to the pools in batches. Until a block is sent it stays readable here (``read``), so a
+block on its way down is never in neither place. Thread-safe.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,8 +17,7 @@ import numpy as np
 
 from kvtier.hostcopy import copy_rows
 from kvtier.tiers.ssd_io import StagingPool
-
-log = logging.getLogger(__name__)
+from kvtier.writebehind import WriteQueue
 
 STAGE_TIMEOUT_S = 10.0  # longest a waiting submit blocks for staging memory before it drops the blocks
 MAX_BATCH_BYTES = 256 << 20  # one send: at most this much
@@ -46,24 +43,21 @@ class PoolWriter:
         self.block_bytes = block_bytes
         self._staging = StagingPool(block_bytes, count)
         self._staged: dict[bytes, int] = {}  # key -> staging chunk
-        self._queue: deque[_Job] = deque()
-        self._cv = threading.Condition()
-        self._active = False
-        self._closing = False
+        self._lock = threading.Lock()  # _staged, counts, and chunks while read() copies from them
         self.counts = {"queued": 0, "sent": 0, "dropped": 0, "failed": 0}
-        self._thread = threading.Thread(target=self._run, name=f"kvtier-{name}-writer", daemon=True)
-        self._thread.start()
+        self._queue = WriteQueue(self._write, self._finish, max_batch=max(1, MAX_BATCH_BYTES // block_bytes),
+                                 name=name, what=name)
 
     def submit(self, keys: Sequence[bytes], ptrs: np.ndarray, *, wait: bool) -> Future[list[bytes]]:
         """Stage and queue the blocks not staged already; the Future gives the keys the pools now hold.
         Without ``wait`` blocks that find no staging memory are dropped (counted), with it the call waits."""
         future: Future[list[bytes]] = Future()
-        with self._cv:
+        with self._lock:
             todo = [i for i, k in enumerate(keys) if k not in self._staged]
             todo = list({keys[i]: i for i in reversed(todo)}.values())[::-1]  # first occurrence of each key
         chunks = self._staging.alloc(len(todo), wait=wait, timeout=STAGE_TIMEOUT_S) if todo else []
         if len(chunks) < len(todo):
-            with self._cv:
+            with self._lock:
                 self.counts["dropped"] += len(todo) - len(chunks)
             todo = todo[: len(chunks)]
         if not todo:
@@ -71,15 +65,12 @@ class PoolWriter:
             return future
         copy_rows(self._staging.addresses(chunks), np.asarray(ptrs, np.uint64)[todo], self.block_bytes)
         job = _Job([keys[i] for i in todo], chunks, future)
-        with self._cv:
+        with self._lock:
             for k, c in zip(job.keys, chunks):
                 self._staged[k] = c
             self.counts["queued"] += len(job.keys)
-            if self._closing:
-                self._finish([job], set())
-                return future
-            self._queue.append(job)
-            self._cv.notify_all()
+        if not self._queue.put(job):  # raced with close(): nothing will send it
+            self._finish([job], set())
         return future
 
     def held(self, keys: Sequence[bytes]) -> list[bool]:
@@ -88,7 +79,7 @@ class PoolWriter:
 
     def read(self, keys: Sequence[bytes], dst: np.ndarray) -> list[bool]:
         """Copy staged blocks into ``dst`` rows; True where one was copied."""
-        with self._cv:  # a chunk cannot be freed (and reused) while we copy from it
+        with self._lock:  # a chunk cannot be freed (and reused) while we copy from it
             index = [i for i, k in enumerate(keys) if k in self._staged]
             if index:
                 src = self._staging.addresses([self._staged[keys[i]] for i in index])
@@ -99,47 +90,30 @@ class PoolWriter:
         return hit
 
     def flush(self, timeout: float | None = None) -> bool:
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._active, timeout)
+        return self._queue.flush(timeout)
 
     def close(self) -> None:
         """Send what is queued, then stop."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join()
+        self._queue.close()
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                jobs, nbytes = [], 0
-                while self._queue and (not jobs or nbytes + len(self._queue[0].keys) * self.block_bytes
-                                       <= MAX_BATCH_BYTES):
-                    jobs.append(self._queue.popleft())
-                    nbytes += len(jobs[-1].keys) * self.block_bytes
-                self._active = True
-            keys = [k for j in jobs for k in j.keys]
-            stored: set[bytes] = set()
-            try:
-                rows = self._staging.addresses([c for j in jobs for c in j.chunks])
-                stored = {k for k, h in zip(keys, self._send(keys, rows)) if h}
-            except Exception:  # a bug, not a pool failure (those come back as False): never wedge the queue
-                log.exception("pool write-behind failed for %d blocks; they are dropped", len(keys))
-            with self._cv:
-                self._finish(jobs, stored)
-                self.counts["sent"] += len(stored)
-                self.counts["failed"] += len(keys) - len(stored)
-                self._active = False
-                self._cv.notify_all()
+    def _write(self, jobs: list[_Job]) -> set[bytes]:
+        keys = [k for j in jobs for k in j.keys]
+        rows = self._staging.addresses([c for j in jobs for c in j.chunks])
+        return {k for k, h in zip(keys, self._send(keys, rows)) if h}
 
-    def _finish(self, jobs: list[_Job], stored: set[bytes]) -> None:
-        """Unstage and free the jobs' blocks (call under the lock) and complete their futures."""
-        for job in jobs:
-            for k, c in zip(job.keys, job.chunks):
-                if self._staged.get(k) == c:
-                    del self._staged[k]
-            self._staging.free(job.chunks)
-            job.future.set_result([k for k in job.keys if k in stored])
+    def _finish(self, jobs: Sequence[_Job], stored: set[bytes]) -> None:
+        """Unstage and free the jobs' blocks, count them, then complete their futures (outside the lock: a
+        future's callbacks, the store's listeners, may call back into this writer)."""
+        results = []
+        with self._lock:
+            for job in jobs:
+                for k, c in zip(job.keys, job.chunks):
+                    if self._staged.get(k) == c:
+                        del self._staged[k]
+                self._staging.free(job.chunks)
+                sent = [k for k in job.keys if k in stored]
+                self.counts["sent"] += len(sent)
+                self.counts["failed"] += len(job.keys) - len(sent)
+                results.append((job.future, sent))
+        for future, sent in results:
+            future.set_result(sent)

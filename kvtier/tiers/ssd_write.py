@@ -5,7 +5,8 @@
 the runs spread over the tier's I/O threads, and returns each block's checksum. ``WriteBehind`` lets a caller
 hand blocks over without waiting for the disk: ``put_later`` copies them into aligned staging memory (so they
 no longer depend on the caller's buffer: a DRAM slot may be reused the moment the call returns), and one
-thread drains the queue in batches, so many small offloads cost one fsync and one index transaction.
+thread (kvtier/writebehind.py's WriteQueue) drains the queue in batches, so many small offloads cost one
+fsync and one index transaction.
 
 Why fixed slots reused per block and not log-structured segments with reinsertion (CacheLib Navy's regions):
 a tier holds blocks of one size, so freed slots never fragment; every block is written once (segment FIFO
@@ -20,12 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
-from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +34,7 @@ from kvtier.hostcopy import copy_rows
 from kvtier.tiers.ssd_index import IndexEntry, block_checksum
 from kvtier.tiers.ssd_io import ALIGN, STAGE_TIMEOUT_S, raw_view
 from kvtier.tiers.ssd_read import RUN_BYTES
+from kvtier.writebehind import WriteQueue
 
 if TYPE_CHECKING:
     from kvtier.policies import EvictionPolicy
@@ -278,18 +279,13 @@ class _Job:
 
 
 class WriteBehind:
-    """Queue + one writer thread for a DiskTier. Thread-safe. Staged blocks stay readable through the tier
-    (``tier._staged``) until they are on disk and indexed, so a block is never in neither place."""
+    """Staging and a WriteQueue (one writer thread) for a DiskTier. Thread-safe. Staged blocks stay readable
+    through the tier (``tier._staged``) until they are on disk and indexed, so a block is never in neither place."""
 
     def __init__(self, tier: DiskTier, max_batch: int) -> None:
         self._tier = tier
-        self._max_batch = max_batch
-        self._queue: deque[_Job] = deque()
-        self._cv = threading.Condition()
-        self._active = 0
-        self._closing = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-ssd-writer", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # the groups' counts
+        self._queue = WriteQueue(self._write, self._finish_all, max_batch=max_batch, name="ssd", what="SSD")
 
     def submit(self, keys: Sequence[bytes], ptrs: np.ndarray, *, wait: bool) -> Future[list[bytes]]:
         tier = self._tier
@@ -331,51 +327,24 @@ class WriteBehind:
         if not job.keys:
             return
         job.addresses = tier._staging.addresses(job.chunks)
-        with self._cv:
+        with self._lock:
             group.remaining += 1
-            if self._closing:  # raced with close(): nothing will write it
-                self._finish(job, set())
-                return
-            self._queue.append(job)
-            self._cv.notify_all()
+        if not self._queue.put(job):  # raced with close(): nothing will write it
+            self._finish(job, set())
 
     def flush(self, timeout: float | None) -> bool:
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._active, timeout)
+        return self._queue.flush(timeout)
 
     def close(self) -> None:
         """Write what is queued, then stop the thread."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify_all()
-        self._thread.join()
+        self._queue.close()
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
-                    return
-                jobs, n = [], 0
-                while self._queue and (not jobs or n + len(self._queue[0].keys) <= self._max_batch):
-                    jobs.append(self._queue.popleft())
-                    n += len(jobs[-1].keys)
-                self._active += 1
-            try:
-                self._write(jobs)
-            finally:
-                with self._cv:
-                    self._active -= 1
-                    self._cv.notify_all()
-
-    def _write(self, jobs: list[_Job]) -> None:
+    def _write(self, jobs: list[_Job]) -> set[bytes]:
         keys = [k for j in jobs for k in j.keys]
-        stored: set[bytes] = set()
-        try:
-            _, new = self._tier._write_batch(keys, np.concatenate([j.addresses for j in jobs]), staged=True)
-            stored = set(new)
-        except Exception:  # a bug, not an I/O error (those are handled inside): drop, never wedge the queue
-            log.exception("SSD write-behind failed for %d blocks; they are dropped", len(keys))
+        _, new = self._tier._write_batch(keys, np.concatenate([j.addresses for j in jobs]), staged=True)
+        return set(new)
+
+    def _finish_all(self, jobs: Sequence[_Job], stored: set[bytes]) -> None:
         for job in jobs:
             self._finish(job, stored)
 
@@ -389,7 +358,7 @@ class WriteBehind:
         self._done(job.group, [k for k in job.keys if k in stored])
 
     def _done(self, group: _Group, stored: list[bytes]) -> None:
-        with self._cv:
+        with self._lock:
             group.stored += stored
             group.remaining -= 1
             last = group.remaining == 0

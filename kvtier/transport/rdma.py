@@ -49,6 +49,25 @@ BOUNCE_BYTES = 64 << 20
 MAX_WR_BYTES = 1 << 30
 MAX_SERVER_QPS = 1024  # queue pairs a pool keeps (the oldest go first: clients that left without a word)
 PSN_BITS = 24
+# What the pool's memory region and every queue pair allow: the peer READs and WRITEs our memory, the NIC
+# writes into it locally (READ responses land in local memory).
+REMOTE_ACCESS = ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_ACCESS_REMOTE_WRITE")
+
+
+def remote_access(enums: Any) -> int:
+    """The REMOTE_ACCESS flags as one mask, from pyverbs' ``enums`` module (a parameter so it is testable)."""
+    mask = 0
+    for name in REMOTE_ACCESS:
+        mask |= int(getattr(enums, name))
+    return mask
+
+
+def init_fields(enums: Any, port_num: int) -> dict[str, int]:
+    """The QPAttr fields the RESET -> INIT transition of an RC queue pair needs (pyverbs' INIT mask is
+    PKEY_INDEX | PORT | ACCESS_FLAGS). They must be there when the queue pair is created with a QPAttr:
+    pyverbs then moves it to INIT at once, and to_rts() later skips INIT, so access flags set only in the
+    RTR/RTS attributes are never applied (every remote READ or WRITE would fail with a remote access error)."""
+    return {"port_num": port_num, "pkey_index": 0, "qp_access_flags": remote_access(enums)}
 
 
 @functools.lru_cache(maxsize=8)
@@ -119,8 +138,11 @@ class _QueuePair:
         self.port = port
         self.cq = CQ(port.ctx, depth, None, None, 0)
         cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        self.qp = QP(port.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap),
-                     QPAttr(port_num=port.port))
+        init = QPAttr()
+        for name, value in init_fields(e, port.port).items():
+            setattr(init, name, value)
+        # Created with INIT attributes: pyverbs moves an RC queue pair to INIT here, with these access flags.
+        self.qp = QP(port.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap), init)
         self.psn = secrets.randbits(PSN_BITS)
         self.depth = depth
 
@@ -129,13 +151,12 @@ class _QueuePair:
                 "mtu": self.port.mtu}
 
     def connect(self, remote: dict[str, Any]) -> None:
-        """INIT -> RTR -> RTS against the peer's queue pair (fields as ``local()`` gives them)."""
-        from pyverbs import enums as e
+        """INIT -> RTR -> RTS against the peer's queue pair (fields as ``local()`` gives them); INIT, with the
+        access flags, happened when the queue pair was made."""
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
         attr = QPAttr(port_num=self.port.port)
-        attr.qp_access_flags = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE)
         attr.path_mtu = min(int(remote["mtu"]), self.port.mtu)
         attr.dest_qp_num = int(remote["qpn"])
         attr.rq_psn = int(remote["psn"])
@@ -199,8 +220,7 @@ class RdmaServer:
         from pyverbs.mr import MR
 
         self.port = _Port.open(device)
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        self.mr = MR(self.port.pd, nbytes, access, address=address)
+        self.mr = MR(self.port.pd, nbytes, remote_access(e), address=address)
         self.address, self.nbytes = address, nbytes
         self._qps: OrderedDict[int, _QueuePair] = OrderedDict()
         self._lock = threading.Lock()

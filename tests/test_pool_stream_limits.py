@@ -1,0 +1,116 @@
+"""The pool's raw TCP data port under idle and slow peers (a real kvtier-pool): connections beyond the limit are
+refused with a log line, and a peer that starts a message and then trickles bytes is dropped at the message's
+deadline, so neither can pin the daemon's threads; the pool keeps serving real clients."""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import torch
+
+from conftest import blocks_for
+from kvtier.blocks import block_rows
+from kvtier.pool.stream import MAX_CONNECTIONS
+from kvtier.transport.base import PoolError
+from kvtier.transport.connection import connect
+from poolproc import PoolProcess, until
+
+BB = 4096
+
+
+def threads_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in status if line.startswith("Threads:")).split()[1])
+
+
+def closed_by_peer(socks: list[socket.socket]) -> int:
+    """How many of ``socks`` the other end has closed (readable, and reading gives the end of the stream)."""
+    poller = select.poll()
+    for s in socks:
+        poller.register(s, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(0)}
+    closed = 0
+    for s in socks:
+        if s.fileno() in ready:
+            try:
+                closed += s.recv(1, socket.MSG_PEEK) == b""
+            except OSError:  # reset
+                closed += 1
+    return closed
+
+
+def data_port(endpoint: str) -> int:
+    c = connect(endpoint, BB, timeout_s=5.0)
+    try:
+        return int(c.info.transports["stream"]["port"])
+    finally:
+        c.close()
+
+
+def round_trip(endpoint: str, keys: list[bytes]) -> bool:
+    """Put and get back ``keys`` over the data port; False if the pool failed either."""
+    c = connect(endpoint, BB, transport="stream", timeout_s=5.0)
+    try:
+        data = blocks_for(keys, BB)
+        out = torch.zeros_like(data)
+        return (all(c.put(keys, block_rows(data, len(keys), BB).ptrs))
+                and all(c.get(keys, block_rows(out, len(keys), BB, writable=True).ptrs))
+                and torch.equal(out, data))
+    except PoolError:
+        return False
+    finally:
+        c.close()
+
+
+def test_connections_beyond_the_limit_are_refused(tmp_path, make_keys):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB) as p:
+        port = data_port(p.tcp)
+        base = threads_of(p.proc.pid)
+        extra = 40
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + extra)]
+        try:
+            # The extra ones are closed by the pool at once; the ones within the limit stay open (idle).
+            assert until(lambda: closed_by_peer(socks) >= extra)
+            assert closed_by_peer(socks) == extra
+            assert threads_of(p.proc.pid) <= base + MAX_CONNECTIONS
+            assert until(lambda: "refused" in p.log() and "max_connections" in p.log())
+        finally:
+            for s in socks:
+                s.close()
+        # Their threads end with them, and a real client is served again.
+        assert until(lambda: threads_of(p.proc.pid) <= base + 2)
+        assert until(lambda: round_trip(p.tcp, make_keys(4)))
+
+
+def test_a_peer_trickling_a_message_is_dropped_at_its_deadline(tmp_path, make_keys):
+    # lease_s is the data port's timeout: 1 s without progress, and 1 s for a whole message.
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, lease_s=1.0) as p:
+        port = data_port(p.tcp)
+        slow = socket.create_connection(("127.0.0.1", port))
+        stop = threading.Event()
+        sent = []
+
+        def trickle() -> None:  # a header promising 1000 bytes, then one byte every 0.3 s: always "progress"
+            try:
+                slow.sendall(struct.pack("<I", 1000))
+                while not stop.wait(0.3):
+                    slow.sendall(b"\x00")
+                    sent.append(1)
+            except OSError:
+                pass
+
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        try:
+            assert until(lambda: closed_by_peer([slow]), timeout=20)
+            assert len(sent) < 1000  # dropped mid-message, not after it ended
+            assert until(lambda: "not done within" in p.log())
+            assert round_trip(p.tcp, make_keys(4))  # the pool serves on
+        finally:
+            stop.set()
+            t.join()
+            slow.close()
