@@ -114,3 +114,20 @@ def test_a_peer_trickling_a_message_is_dropped_at_its_deadline(tmp_path, make_ke
             stop.set()
             t.join()
             slow.close()
+
+
+def test_a_data_socket_the_pool_dropped_while_idle_is_replaced_not_a_failed_request(tmp_path, make_keys):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--lease-s", "1")) as p:
+        c = connect(p.tcp, BB, transport="stream", timeout_s=5.0)
+        try:
+            keys = make_keys(4)
+            data = blocks_for(keys, BB)
+            assert all(c.put(keys, block_rows(data, 4, BB).ptrs))
+            idle = list(c._free)
+            assert idle  # the data socket waits in the client's free list
+            assert until(lambda: closed_by_peer(idle) == len(idle), timeout=10)  # the pool's idle timeout
+            out = torch.zeros_like(data)
+            assert all(c.get(keys, block_rows(out, 4, BB, writable=True).ptrs))  # no PoolUnavailable
+            assert torch.equal(out, data)
+        finally:
+            c.close()

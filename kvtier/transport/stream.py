@@ -21,6 +21,7 @@ Thread-safe: sockets are checked out per request.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -229,9 +230,14 @@ class StreamConnection(ConnectionBase):
         return body
 
     def _take(self) -> socket.socket:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
+        while True:
+            with self._lock:
+                sock = self._free.pop() if self._free else None
+            if sock is None:
+                break
+            if not _closed_by_peer(sock):
+                return sock
+            sock.close()  # the pool dropped it while idle (its idle timeout, a restart): open a fresh one
         try:
             return self._open()
         except OSError:  # a restarted pool listens on another data port: ask it again
@@ -255,3 +261,11 @@ class StreamConnection(ConnectionBase):
             self.channel.epoch = info.epoch
             self._saw_epoch()
         return info
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle data socket is dead: between requests the pool sends nothing, so a readable socket has
+    reached its end of stream (or holds bytes it should not: unusable either way)."""
+    poller = select.poll()  # not select.select: it fails for descriptors >= 1024 (an engine has many)
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
