@@ -1,0 +1,130 @@
+"""The one-sided path (shared memory here; RDMA shares the code) against a real kvtier-pool subprocess: a lease
+that runs out mid-call never yields another key's bytes or overwrites another key's block, lease numbers
+from the pool's previous life act on nothing, batch deadlines scale with bytes, concurrent calls never starve
+each other of connections, a restarted pool is re-mapped and re-sized, and a pool is sized by a hello only."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from kvtier import wire
+from kvtier.keys import Namespace
+from kvtier.pool import protocol as P
+from kvtier.pool.leases import ClientLeases
+from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.pool_route import PeerRoute
+from kvtier.transport import connection as C
+from kvtier.transport import onesided
+from kvtier.transport.base import PoolRefused
+from kvtier.transport.channel import Channel
+from kvtier.transport.connection import connect
+from poolproc import PoolProcess, until
+
+BB = 64 << 10
+ns = Namespace("onesided")
+
+
+def rows(a: np.ndarray) -> np.ndarray:
+    return np.uint64(a.ctypes.data) + np.arange(a.shape[0], dtype=np.uint64) * np.uint64(a.shape[1])
+
+
+def filled(n: int, value: int, bb: int = BB) -> np.ndarray:
+    return np.full((n, bb), value, np.uint8)
+
+
+def stall_replies(conn, op: str, seconds: float) -> None:
+    """Make this client process stall ``seconds`` before handling replies to ``op`` (a descheduled engine)."""
+    handle = conn.channel._handle
+
+    def slow(req, ok, body, data):
+        if req.op == op:
+            time.sleep(seconds)
+        return handle(req, ok, body, data)
+    conn.channel._handle = slow
+
+
+# ---- the lease table (an injected clock: no sleeping) ----------------------------------------------------
+
+def test_an_expired_lease_is_quarantined_for_another_lease_before_its_slots_are_given_back():
+    now = [0.0]
+    given: list[str] = []
+    table = ClientLeases(1.0, clock=lambda: now[0])
+    a = table.add(P.RESERVE, "a", lambda: given.append("a"))
+    b = table.add(P.ACQUIRE, "b", lambda: given.append("b"))
+    now[0] = 1.5
+    assert table.expire() == 2 and given == [] and table.quarantined == 2  # a client may still be copying
+    assert table.take(a, P.RESERVE) is None and given == ["a"]  # its late commit: done copying, give back now
+    now[0] = 2.4
+    table.expire()
+    assert given == ["a"]  # b's quarantine runs to 2.5
+    now[0] = 2.6
+    table.expire()
+    assert given == ["a", "b"] and len(table) == 0
+    assert table.take(b, P.ACQUIRE) is None
+
+
+def test_lease_numbers_start_at_random_per_table():
+    firsts = {ClientLeases(1.0).add(P.RESERVE, None, lambda: None) for _ in range(4)}
+    assert len(firsts) == 4 and all(0 < f < 1 << 62 for f in firsts)
+
+
+# ---- against a real pool -----------------------------------------------------------------------------------
+
+def test_a_get_answered_after_half_the_lease_is_a_miss_never_another_keys_bytes(tmp_path):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(BB), block_bytes=BB, lease_s=0.3) as p:
+        a, b = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)
+        x, y = ns.keys([1, 2])
+        assert a.put([x], rows(filled(1, 0xAA))) == [True]
+        stall_replies(a, P.ACQUIRE, 1.0)
+        other: list[list[bool]] = []
+        yb = filled(1, 0xBB)
+        t = threading.Thread(target=lambda: (time.sleep(0.6), other.append(b.put([y], rows(yb)))))
+        t.start()
+        out = filled(1, 0)
+        hit = a.get([x], rows(out))
+        t.join()
+        assert hit == [False] and not out.any()  # a miss, the row untouched
+        assert other == [[False]]  # the one slot was quarantined, not handed to y under a's copy
+        a.close()
+        b.close()
+
+
+def test_the_pool_never_reuses_an_expired_reservation_during_its_quarantine(tmp_path):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(4 * BB), block_bytes=BB, lease_s=0.4) as p:
+        ch = Channel(p.ipc, zmq.Context.instance(), timeout_s=2.0)
+        keys = ns.keys(range(10, 14))  # the whole pool
+        res = ch.call(P.RESERVE, {"keys": wire.pack_keys(keys), "block_bytes": BB})
+        assert until(lambda: ch.call(P.STATS, {}).body["leases_expired"] == 1, timeout=5.0)
+        late_writer = ns.keys([20])
+        busy = ch.call(P.RESERVE, {"keys": wire.pack_keys(late_writer), "block_bytes": BB})
+        assert P.unbitmap(busy.body["held"], 1) == [False]  # expired, but maybe still being written: not reused
+        late = ch.call(P.COMMIT, {"lease": res.body["lease"], "ok": True, "block_bytes": BB})
+        assert late.body["valid"] is False and late.body["published"] == 0
+        again = ch.call(P.RESERVE, {"keys": wire.pack_keys(late_writer), "block_bytes": BB})
+        assert P.unbitmap(again.body["held"], 1) == [True]  # the late commit ended the quarantine
+        ch.close()
+
+
+def test_a_lease_number_from_the_pools_previous_life_acts_on_nothing(tmp_path):
+    x, y = ns.keys([30, 31])
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="1MiB", block_bytes=BB) as p:
+        ctx = zmq.Context.instance()
+        a = Channel(p.ipc, ctx, timeout_s=5.0)
+        old = a.call(P.RESERVE, {"keys": wire.pack_keys([x]), "block_bytes": BB}).body["lease"]
+        p.kill()
+        p.start()
+        b = Channel(p.ipc, ctx, timeout_s=5.0)
+        mine = b.call(P.RESERVE, {"keys": wire.pack_keys([y]), "block_bytes": BB}).body["lease"]
+        stale = a.call(P.COMMIT, {"leases": [old], "oks": [True], "block_bytes": BB}).body
+        assert stale["valid"] == [False] and stale["published"] == 0
+        assert b.call(P.CONTAINS, {"keys": wire.pack_keys([y]), "block_bytes": BB}).body["held"] == P.bitmap([False])
+        own = b.call(P.COMMIT, {"lease": mine, "ok": True, "block_bytes": BB}).body
+        assert own["valid"] is True and own["published"] == 1
+        a.close()
+        b.close()
