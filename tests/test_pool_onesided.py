@@ -95,6 +95,24 @@ def test_a_get_answered_after_half_the_lease_is_a_miss_never_another_keys_bytes(
         b.close()
 
 
+def test_a_put_answered_after_half_the_lease_stores_nothing_and_overwrites_nothing(tmp_path):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(BB), block_bytes=BB, lease_s=0.3) as p:
+        a, b = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)
+        z, w = ns.keys([3, 4])
+        za, wb = filled(1, 0x11), filled(1, 0x22)
+        stall_replies(a, P.RESERVE, 1.0)
+        t = threading.Thread(target=lambda: (time.sleep(0.6), b.put([w], rows(wb))))
+        t.start()
+        assert a.put([z], rows(za)) == [False]
+        t.join()
+        out = filled(1, 0)
+        hit = b.get([w], rows(out))
+        assert not hit[0] or (out == 0x22).all()  # w is w's bytes or a miss, never z's
+        assert b.get([z], rows(out)) == [False]
+        a.close()
+        b.close()
+
+
 def test_the_pool_never_reuses_an_expired_reservation_during_its_quarantine(tmp_path):
     with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(4 * BB), block_bytes=BB, lease_s=0.4) as p:
         ch = Channel(p.ipc, zmq.Context.instance(), timeout_s=2.0)
@@ -128,3 +146,51 @@ def test_a_lease_number_from_the_pools_previous_life_acts_on_nothing(tmp_path):
         assert own["valid"] is True and own["published"] == 1
         a.close()
         b.close()
+
+
+def test_a_batch_deadline_scales_with_its_bytes(tmp_path, monkeypatch):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=0.2)
+        seen: list[float] = []
+        batch = c.channel.batch
+
+        def spy(requests, lanes=1, timeout_s=None, total_s=None, window=2):
+            seen.append(total_s)
+            return batch(requests, lanes, timeout_s, total_s, window)
+        monkeypatch.setattr(c.channel, "batch", spy)
+        keys = ns.keys(range(100, 164))
+        src = filled(64, 7)
+        assert c.put(keys, rows(src)) == [True] * 64
+        out = filled(64, 0)
+        assert c.get(keys, rows(out)) == [True] * 64 and (out == 7).all()
+        want = 0.2 + 64 * BB / C.MIN_BANDWIDTH
+        assert [t for t in seen if t is not None] == [pytest.approx(want), pytest.approx(want)]  # put, get
+        c.close()
+
+
+def test_concurrent_gets_never_starve_each_other_of_connections(tmp_path, monkeypatch):
+    monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # small requests: each get below is 2 of them
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=1.0, lanes=2)  # 4 connections; each get takes 2 at once
+        groups = [ns.keys(range(1000 + g * 8, 1008 + g * 8)) for g in range(2)]
+        for keys in groups:
+            assert all(c.put(keys, rows(filled(8, 3))))
+        stall_replies(c, P.ACQUIRE, 0.2)  # both gets are inside a reply handler at the same time
+        results: dict[int, object] = {}
+
+        def get(g: int) -> None:
+            out = filled(8, 0)
+            try:
+                hits = sum(c.get(groups[g], rows(out)))
+                results[g] = hits if (out == 3).all() else "wrong bytes"
+            except Exception as e:  # noqa: BLE001 - reported by the assert below
+                results[g] = repr(e)
+        for _ in range(2):
+            threads = [threading.Thread(target=get, args=(g,)) for g in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert results == {0: 8, 1: 8}
+        assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # every acquire released
+        c.close()
