@@ -194,3 +194,55 @@ def test_concurrent_gets_never_starve_each_other_of_connections(tmp_path, monkey
             assert results == {0: 8, 1: 8}
         assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # every acquire released
         c.close()
+
+
+def test_a_restarted_pool_is_remapped_and_its_blocks_are_written_into_the_new_file(tmp_path):
+    def maps() -> list[str]:
+        return sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                       if "kvtier-pool-" in line and str(tmp_path) in line})
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="1MiB") as p:  # sized by the hello
+        keys = ns.keys(range(2000, 2008))
+        c = connect(p.ipc, BB, timeout_s=2.0)
+        first = filled(8, 5)
+        assert c.put(keys, rows(first)) == [True] * 8
+        old_file = p.info["shm_path"]
+        assert maps() == [old_file]
+        p.kill()
+        p.start()  # unsized again: only a hello sizes it, and the client says hello when it sees the new epoch
+        second = filled(8, 9)
+        with pytest.raises(PoolRefused) as e:  # the first call learns the new epoch; the client says hello
+            c.put(keys, rows(second))
+        assert e.value.code == P.ERR_NOT_READY
+        assert c.put(keys, rows(second)) == [True] * 8
+        assert maps() == [p.info["shm_path"]] != [old_file]
+        d = connect(p.ipc, BB, timeout_s=2.0)
+        out = filled(8, 0)
+        assert d.get(keys, rows(out)) == [True] * 8 and (out == 9).all()
+        c.close()
+        d.close()
+
+
+def test_only_a_hello_sizes_the_pool_and_tiny_blocks_are_refused(tmp_path):
+    with PoolProcess(tmp_path, capacity="64MiB") as p:  # no --block-bytes
+        ch = Channel(p.tcp, zmq.Context.instance(), timeout_s=5.0)
+        with pytest.raises(PoolRefused) as e:
+            ch.call(P.CONTAINS, {"keys": b"", "block_bytes": 1})
+        assert e.value.code == P.ERR_NOT_READY
+        with pytest.raises(PoolRefused, match="smaller than the pool's minimum of 512 B"):
+            ch.call(P.HELLO, {"block_bytes": 1})
+        assert ch.call(P.STATS, {}).body["tier"] is None  # still unsized: the real client decides
+        info = ch.call(P.HELLO, {"block_bytes": 512}).body
+        assert info["block_bytes"] == 512
+        assert info["capacity"] // 512 <= (64 << 20) // 4096  # slots capped: bookkeeping a small share
+        with pytest.raises(PoolRefused, match="blocks of 512 bytes"):
+            ch.call(P.CONTAINS, {"keys": b"", "block_bytes": BB})
+        ch.close()
+    assert "capped at" in p.log()
+
+
+def test_the_pool_refuses_a_tiny_block_size_at_start(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "kvtier.pool", "--block-bytes", "100", "--bind", "tcp://127.0.0.1:*",
+                        "--rdma", "off"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "minimum of 512 B" in r.stderr and "Traceback" not in r.stderr
