@@ -246,3 +246,20 @@ def test_the_pool_refuses_a_tiny_block_size_at_start(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvtier.pool", "--block-bytes", "100", "--bind", "tcp://127.0.0.1:*",
                         "--rdma", "off"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "minimum of 512 B" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_pool_restart_or_a_failed_put_forgets_which_blocks_the_pool_held(tmp_path):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB) as p:
+        tier = PoolTier(BB, PeerRoute([p.tcp]), timeout_s=2.0, staging_bytes=0)
+        keys = ns.keys(range(3000, 3008))
+        assert tier.put(keys, filled(8, 1)) == [True] * 8
+        assert tier.held_locally(keys) == [True] * 8  # the offloader would skip them: the pool has them
+        p.kill()
+        p.start()
+        assert until(lambda: tier.contains(keys[:1]) == [False], timeout=5.0)  # the new pool answers
+        assert tier.held_locally(keys) == [False] * 8  # gone with the old pool: sent again when evicted
+        assert until(lambda: tier.put(keys, filled(8, 1)) == [True] * 8, timeout=5.0)  # past its back-off
+        p.kill()
+        assert tier.put(keys[:2], filled(2, 1)) == [False] * 2  # the pool is down
+        assert tier.held_locally(keys) == [False] * 8
+        tier.close()
