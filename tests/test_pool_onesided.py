@@ -263,3 +263,31 @@ def test_a_pool_restart_or_a_failed_put_forgets_which_blocks_the_pool_held(tmp_p
         assert tier.put(keys[:2], filled(2, 1)) == [False] * 2  # the pool is down
         assert tier.held_locally(keys) == [False] * 8
         tier.close()
+
+
+def test_replies_a_stalled_client_never_reads_are_dropped_not_queued(tmp_path):
+    """A client that sends gets and never reads (SIGSTOPped engine): each queued reply would hold an 8 MiB
+    staging buffer (scattered small blocks are gathered); past a few per connection the pool drops them."""
+    def rss_mib(pid: int) -> int:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS"))
+        return int(line.split()[1]) // 1024
+    bb = 4096
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=bb) as p:
+        c = connect(p.tcp, bb, transport="tcp", timeout_s=5.0)
+        keys = ns.keys(range(4000, 4064))
+        assert all(c.put(keys, rows(filled(64, 6, bb))))
+        before = rss_mib(p.proc.pid)
+        ctx = zmq.Context()
+        stalled = ctx.socket(zmq.DEALER)
+        stalled.setsockopt(zmq.RCVHWM, 1)
+        stalled.connect(p.tcp)
+        for i in range(60):  # keys reversed: every block is its own run, so each reply is gathered
+            stalled.send(wire.encode_request(i + 1, P.GET, {"keys": wire.pack_keys(keys[::-1]), "block_bytes": bb}))
+        time.sleep(2.0)
+        grown = rss_mib(p.proc.pid) - before
+        out = filled(64, 0, bb)
+        assert c.get(keys, rows(out)) == [True] * 64 and (out == 6).all()  # others are served meanwhile
+        stalled.close(linger=0)
+        ctx.term()
+        c.close()
+    assert grown < 200, f"the pool grew {grown} MiB for 60 unread replies (60 x 8 MiB if all were queued)"
