@@ -240,12 +240,12 @@ def test_only_a_hello_sizes_the_pool_and_tiny_blocks_are_refused(tmp_path):
     assert "capped at" in p.log()
 
 
-def test_the_pool_refuses_a_tiny_block_size_at_start(tmp_path):
+def test_the_pool_refuses_a_block_larger_than_its_capacity_at_start(tmp_path):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "kvtier.pool", "--block-bytes", "100", "--bind", "tcp://127.0.0.1:*",
-                        "--rdma", "off"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "minimum of 512 B" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvtier.pool", "--block-bytes", "2MiB", "--capacity", "1MiB",
+                        "--bind", "tcp://127.0.0.1:*", "--rdma", "off"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "does not fit the pool's capacity" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_pool_restart_or_a_failed_put_forgets_which_blocks_the_pool_held(tmp_path):

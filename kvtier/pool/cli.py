@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.capacity <= 0 or args.lease_s <= 0:
             raise ValueError("--capacity and --lease-s must be > 0")
         if args.block_bytes:
-            why = block_size_problem(args.block_bytes, args.capacity)
+            why = block_size_problem(args.block_bytes, args.capacity, minimum=1)
             if why:
                 raise ValueError(f"--block-bytes: {why}")
         make_policy(args.eviction, 1)  # a bad policy fails now, not at the first client's hello

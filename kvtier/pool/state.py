@@ -1,8 +1,9 @@
 """PoolState: what one kvtier-pool process owns: its DRAM tier, the one-sided leases, counters, its node agent.
 
 The DRAM tier is created once: at start when ``--block-bytes`` is given, else at the first client's hello
-(a pool holds blocks of one size; a client with another size is refused, naming both; blocks under
-MIN_BLOCK_BYTES are refused, and the slot count is capped so bookkeeping stays a small share of the memory). When the pool serves
+(a pool holds blocks of one size; a client with another size is refused, naming both; a client's blocks
+under MIN_BLOCK_BYTES are refused, and its slot count is capped so bookkeeping stays a small share of the
+memory; an operator's --block-bytes is taken as given). When the pool serves
 an ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir``
 that clients map once; the file name carries the pool's epoch, so a restarted pool never reuses the file
 an old mapping still points into (stale files of earlier runs of the same endpoint are removed at start).
@@ -91,7 +92,7 @@ class PoolState:
         """The server is bound to ``endpoints``: create the tier now if its block size is known."""
         self.endpoints = endpoints
         if self.settings.block_bytes:
-            self.ensure_tier(self.settings.block_bytes)
+            self.ensure_tier(self.settings.block_bytes, by_client=False)
 
     @property
     def node_id(self) -> str:
@@ -113,8 +114,9 @@ class PoolState:
 
     # ---- the tier --------------------------------------------------------------------------------------
 
-    def ensure_tier(self, block_bytes: int | None) -> DramTier | None:
-        """The tier, created for ``block_bytes`` if there is none yet; WireError if the sizes differ."""
+    def ensure_tier(self, block_bytes: int | None, by_client: bool = True) -> DramTier | None:
+        """The tier, created for ``block_bytes`` if there is none yet; WireError if the sizes differ. A size a
+        client asks for (hello) must be at least MIN_BLOCK_BYTES and gets at most ``max_slots`` slots."""
         with self._lock:
             if self.tier is not None:
                 if block_bytes and block_bytes != self.tier.block_bytes:
@@ -125,10 +127,11 @@ class PoolState:
             if not block_bytes:
                 return None
             s = self.settings
-            why = block_size_problem(block_bytes, s.capacity)
+            why = block_size_problem(block_bytes, s.capacity, minimum=MIN_BLOCK_BYTES if by_client else 1)
             if why:
                 raise WireError(ERR_WRONG_SIZE, why)
-            capacity = min(s.capacity, max_slots(s.capacity) * block_bytes)
+            # The operator's --block-bytes is taken as given (kvtier replay runs pools of tiny stand-in blocks).
+            capacity = min(s.capacity, max_slots(s.capacity) * block_bytes) if by_client else s.capacity
             if capacity < s.capacity:
                 log.warning("pool %s: blocks of %d B would need %d slots for %s; capped at %d slots (%s) so the "
                             "per-slot bookkeeping stays under 1/%d of the memory served", self.node_id, block_bytes,
@@ -240,10 +243,10 @@ def max_slots(capacity: int) -> int:
     return max(1, capacity // (SLOT_OVERHEAD_BYTES * METADATA_SHARE))
 
 
-def block_size_problem(block_bytes: int, capacity: int) -> str | None:
+def block_size_problem(block_bytes: int, capacity: int, minimum: int = MIN_BLOCK_BYTES) -> str | None:
     """Why a pool of ``capacity`` bytes cannot hold blocks of ``block_bytes`` (naming the sizes), or None."""
-    if block_bytes < MIN_BLOCK_BYTES:
-        return (f"blocks of {block_bytes} B are smaller than the pool's minimum of {MIN_BLOCK_BYTES} B (a KV block "
+    if block_bytes < minimum:
+        return (f"blocks of {block_bytes} B are smaller than the pool's minimum of {minimum} B (a KV block "
                 "is kilobytes to megabytes; is block_bytes a count of something else?)")
     if block_bytes > capacity:
         return f"a block of {format_bytes(block_bytes)} does not fit the pool's capacity of {format_bytes(capacity)}"
