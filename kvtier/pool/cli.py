@@ -17,7 +17,7 @@ import zmq
 
 from kvtier.policies import make_policy
 from kvtier.pool.server import PoolServer
-from kvtier.pool.state import PoolSettings
+from kvtier.pool.state import PoolSettings, block_size_problem
 from kvtier.units import parse_bytes
 
 
@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--workers, --max-keys and --copy-threads must be >= 1")
         if args.capacity <= 0 or args.lease_s <= 0:
             raise ValueError("--capacity and --lease-s must be > 0")
+        if args.block_bytes:
+            why = block_size_problem(args.block_bytes, args.capacity, minimum=1)
+            if why:
+                raise ValueError(f"--block-bytes: {why}")
         make_policy(args.eviction, 1)  # a bad policy fails now, not at the first client's hello
         settings = PoolSettings(
             bind=tuple(args.bind or PoolSettings().bind), capacity=args.capacity, block_bytes=args.block_bytes,

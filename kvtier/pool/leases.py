@@ -5,9 +5,18 @@ acquisitions of remote clients, identified by number and given back by a callbac
 
 A ``reserve`` hands a client slots to write into until its ``commit``; an ``acquire`` keeps blocks from being
 evicted until its ``release``. The client does the copy itself, outside the pool's process, so the pool keeps
-the reservation or the acquired blocks in this table under a lease number. A lease not returned within
-``lease_s`` (a client that died, hung or was cut off) expires: its ``on_expire`` gives the slots back, and a
-late ``commit``/``release`` learns that the lease is gone (the client then counts those blocks as misses).
+the reservation or the acquired blocks in this table under a lease number.
+
+Expiry is two-staged, because the pool cannot see a client's copy: a lease not returned within ``lease_s``
+(a client that died, hung or was cut off) is *quarantined* for another ``lease_s``: a late ``commit`` or
+``release`` learns that the lease is gone (the client counts those blocks as misses / not stored), but the
+slots are not reused until the quarantine ends, so a client still copying (it starts no copy later than half
+a lease after it sent its request, see kvtier/transport/onesided.py) never reads or writes another key's
+block. A late ``commit``/``release`` of a quarantined lease ends its quarantine at once (that client is done
+copying). Only then does ``on_expire`` give the slots back.
+
+Lease numbers start at a random 62-bit value per pool start, so a commit or release carrying a number from a
+previous run of the pool (same endpoint, new epoch) finds nothing rather than another client's lease.
 
 Thread-safe: every pool worker and the pool's janitor thread call it. Callbacks run outside the table's lock.
 """
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +34,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+LEASE_ID_BITS = 62  # lease numbers travel as wire ints below 1 << 62
+
 
 @dataclass
 class _Lease:
@@ -31,6 +43,7 @@ class _Lease:
     value: Any
     on_expire: Callable[[], None]
     deadline: float
+    quarantined: bool = False
 
 
 class ClientLeases:
@@ -41,7 +54,8 @@ class ClientLeases:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
         self._clock = clock
-        self._ids = itertools.count(1)
+        # Random start, far below the limit: 2**61 leases would have to be handed out before it wraps.
+        self._ids = itertools.count(1 + secrets.randbits(LEASE_ID_BITS - 1))
         self._leases: dict[int, _Lease] = {}
         self._lock = threading.Lock()
         self.expired = 0
@@ -54,37 +68,59 @@ class ClientLeases:
         return lease_id
 
     def take(self, lease_id: int, kind: str) -> Any | None:
-        """The value of a live lease of ``kind`` (now returned), or None if it expired or never existed."""
+        """The value of a live lease of ``kind`` (now returned), or None if it expired or never existed.
+        A quarantined lease is given back now (its holder is done copying) and None is returned."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.kind != kind:
                 return None
             del self._leases[lease_id]
+        if lease.quarantined:
+            self._give_back([lease])
+            return None
         return lease.value
 
     def expire(self) -> int:
-        """Expire overdue leases (their callbacks give what they held back); returns how many."""
+        """Quarantine overdue leases, give back those whose quarantine is over; returns how many expired now."""
         now = self._clock()
         with self._lock:
-            overdue = [i for i, lease in self._leases.items() if lease.deadline <= now]
-            gone = [self._leases.pop(i) for i in overdue]
-        for lease in gone:
+            overdue = [(i, lease) for i, lease in self._leases.items() if lease.deadline <= now]
+            gone = []
+            newly = 0
+            for i, lease in overdue:
+                if lease.quarantined:
+                    gone.append(self._leases.pop(i))
+                else:
+                    lease.quarantined, lease.deadline = True, now + self.lease_s
+                    newly += 1
+        self._give_back(gone)
+        if newly:
+            self.expired += newly
+            log.warning("%d leases expired after %.3g s (a client died, hung or lost its connection mid-copy); "
+                        "their slots are quarantined for another %.3g s, then given back", newly, self.lease_s,
+                        self.lease_s)
+        return newly
+
+    def expire_all(self) -> int:
+        """Give everything back now (shutdown: no client can copy into a pool that is gone)."""
+        with self._lock:
+            gone = list(self._leases.values())
+            self._leases.clear()
+        self._give_back(gone)
+        return len(gone)
+
+    @staticmethod
+    def _give_back(leases: list[_Lease]) -> None:
+        for lease in leases:
             try:
                 lease.on_expire()
             except Exception:
                 log.exception("giving back an expired %s lease failed", lease.kind)
-        if gone:
-            self.expired += len(gone)
-            log.warning("%d leases expired after %.3g s (a client died, hung or lost its connection mid-copy); "
-                        "what they held is given back", len(gone), self.lease_s)
-        return len(gone)
 
-    def expire_all(self) -> int:
-        """Give everything back (shutdown)."""
+    @property
+    def quarantined(self) -> int:
         with self._lock:
-            for lease in self._leases.values():
-                lease.deadline = float("-inf")
-        return self.expire()
+            return sum(lease.quarantined for lease in self._leases.values())
 
     def __len__(self) -> int:
         return len(self._leases)

@@ -169,8 +169,13 @@ def _int_list(body: Body, name: str, max_len: int) -> list[int]:
 
 
 def acquire(st: PoolState, body: Body, data: list[Any]) -> Reply:
+    """Acquire ``keys``; first release the leases a pipelined client piggybacks (``releases``: the chunks it
+    finished copying), so a get never needs a connection of its own to release."""
     tier = st.tier_for(body)
     keys = st.keys(body)
+    if "releases" in body:
+        for lease in _int_list(body, "releases", st.settings.max_keys):
+            _release(st, lease)
     hold = tier.acquire(keys)
     addresses = hold.__enter__()
     base = tier.buffer.ptr
@@ -184,11 +189,19 @@ def acquire(st: PoolState, body: Body, data: list[Any]) -> Reply:
 
 
 def release(st: PoolState, body: Body, data: list[Any]) -> Reply:
-    lease = wire.int_field(body, "lease", 0, 1 << 62)
+    """One lease (``lease``) or several (``leases``, what a client sends after a batch); ``valid`` is False where
+    a lease had expired (for a list: whether all were live)."""
+    if "leases" in body:
+        return Reply({"valid": all([_release(st, lease) for lease in _int_list(body, "leases", st.settings.max_keys)])})
+    return Reply({"valid": _release(st, wire.int_field(body, "lease", 0, 1 << 62))})
+
+
+def _release(st: PoolState, lease: int) -> bool:
+    """Give back an acquire lease; False if it had expired (or never existed)."""
     hold = st.leases.take(lease, P.ACQUIRE)
     if hold is not None:
         hold.__exit__(None, None, None)
-    return Reply({"valid": hold is not None or lease == 0})
+    return hold is not None or lease == 0
 
 
 def clear(st: PoolState, body: Body, data: list[Any]) -> Reply:

@@ -10,7 +10,8 @@ pool's incarnation (a fresh random number per start), so a client notices a rest
 Ops (request body -> reply body):
 
   hello     {block_bytes}        -> {node, epoch, block_bytes, capacity, max_keys, lease_s, transports}
-            Sizes the pool on first contact when it was started without --block-bytes; a client whose blocks
+            Sizes the pool on first contact when it was started without --block-bytes (only a hello does;
+            data ops answer ERR_NOT_READY until then; blocks under 512 B are refused); a client whose blocks
             have another size is refused (ERR_BAD_REQUEST naming both sizes). ``transports`` maps each data
             path the pool offers to what a client needs for it: {"tcp": {}, "shm": {"path", "nbytes"},
             "rdma": {...}}.
@@ -26,18 +27,20 @@ Ops (request body -> reply body):
   commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back);
             {leases, oks}        -> {published: int, valid: [bool]}  several reservations in one round trip
   acquire   {keys}               -> {lease, offsets}     one-sided reads: offset per key, -1 for a miss; the
-            blocks stay put (not evicted, not reused) until the release, or until the lease expires
+            blocks stay put (not evicted, not reused) until their release, or until the lease expires (a
+            pipelined client piggybacks the releases of the chunks it has copied: {keys, releases: [lease]})
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
-            have been reused: the client must count those blocks as misses)
+            {leases}             -> {valid: bool}        have been reused: the client must count those blocks
+                                                         as misses); for a list, whether all were live
   stats     {}                   -> {tier, leases, counters}
-  clear     {}                   -> {removed: int}       drop every block (a tool reusing one pool for runs
-            that must not see each other's blocks, e.g. kvtier replay)
+  clear     {}                   -> {removed: int}       drop every block (an operator's reset; a policy's
+            history, e.g. S3-FIFO's ghosts, stays)
   rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
 
-Leases expire after the pool's ``lease_s``; ``release`` and ``commit`` carry ``noreply`` True when the client
-does not wait for the answer. Errors use kvtier.wire's codes; a put over the pool's capacity is ERR_TOO_LARGE
-naming the sizes.
-"""
+Leases expire after the pool's ``lease_s`` and are quarantined for another ``lease_s`` before their slots are
+reused (kvtier/pool/leases.py); lease numbers start at random per pool start; ``release`` and ``commit`` carry
+``noreply`` True when the client does not wait for the answer. Errors use kvtier.wire's codes; a put over the
+pool's capacity is ERR_TOO_LARGE naming the sizes. """
 
 from __future__ import annotations
 

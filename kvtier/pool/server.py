@@ -42,6 +42,7 @@ log = logging.getLogger("kvtier.pool")
 BACKEND = "inproc://kvtier-pool-workers"
 CONTROL = "inproc://kvtier-pool-control"
 TICK_S = 0.1
+REPLY_HWM = 8  # replies queued per client connection before zmq drops further ones (see run())
 
 
 class PoolServer:
@@ -97,7 +98,10 @@ class PoolServer:
         frontend.setsockopt(zmq.LINGER, 0)
         frontend.setsockopt(zmq.MAXMSGSIZE, s.max_frame_bytes)
         frontend.setsockopt(zmq.RCVHWM, 10_000)
-        frontend.setsockopt(zmq.SNDHWM, 10_000)
+        # Replies queued per client connection: a client has a few requests in flight per connection (its
+        # window); past REPLY_HWM it is not reading (stalled, SIGSTOPped), and zmq drops further replies to it
+        # instead of queueing them, which frees the staging buffers and slots they hold.
+        frontend.setsockopt(zmq.SNDHWM, REPLY_HWM)
         endpoints = []
         try:
             for endpoint in s.bind:

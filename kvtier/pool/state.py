@@ -1,7 +1,9 @@
 """PoolState: what one kvtier-pool process owns: its DRAM tier, the one-sided leases, counters, its node agent.
 
 The DRAM tier is created once: at start when ``--block-bytes`` is given, else at the first client's hello
-(a pool holds blocks of one size; a client with another size is refused, naming both). When the pool serves
+(a pool holds blocks of one size; a client with another size is refused, naming both; a client's blocks
+under MIN_BLOCK_BYTES are refused, and its slot count is capped so bookkeeping stays a small share of the
+memory; an operator's --block-bytes is taken as given). When the pool serves
 an ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir``
 that clients map once; the file name carries the pool's epoch, so a restarted pool never reuses the file
 an old mapping still points into (stale files of earlier runs of the same endpoint are removed at start).
@@ -34,6 +36,9 @@ from kvtier.wire import WireError
 log = logging.getLogger("kvtier.pool")
 
 TIER = "dram"  # the name the pool's tier is registered under with the master
+MIN_BLOCK_BYTES = 512  # smaller "blocks" are a client bug, and would turn the pool's memory into bookkeeping
+SLOT_OVERHEAD_BYTES = 256  # about what one slot costs in the tier's index, policy and key map
+METADATA_SHARE = 16  # slots are capped so their bookkeeping stays under 1/16 of the memory served
 
 
 @dataclass
@@ -87,7 +92,7 @@ class PoolState:
         """The server is bound to ``endpoints``: create the tier now if its block size is known."""
         self.endpoints = endpoints
         if self.settings.block_bytes:
-            self.ensure_tier(self.settings.block_bytes)
+            self.ensure_tier(self.settings.block_bytes, by_client=False)
 
     @property
     def node_id(self) -> str:
@@ -109,8 +114,9 @@ class PoolState:
 
     # ---- the tier --------------------------------------------------------------------------------------
 
-    def ensure_tier(self, block_bytes: int | None) -> DramTier | None:
-        """The tier, created for ``block_bytes`` if there is none yet; WireError if the sizes differ."""
+    def ensure_tier(self, block_bytes: int | None, by_client: bool = True) -> DramTier | None:
+        """The tier, created for ``block_bytes`` if there is none yet; WireError if the sizes differ. A size a
+        client asks for (hello) must be at least MIN_BLOCK_BYTES and gets at most ``max_slots`` slots."""
         with self._lock:
             if self.tier is not None:
                 if block_bytes and block_bytes != self.tier.block_bytes:
@@ -121,12 +127,19 @@ class PoolState:
             if not block_bytes:
                 return None
             s = self.settings
-            if block_bytes > s.capacity:
-                raise WireError(ERR_WRONG_SIZE, f"a block of {format_bytes(block_bytes)} does not fit the pool's "
-                                                f"capacity of {format_bytes(s.capacity)}")
+            why = block_size_problem(block_bytes, s.capacity, minimum=MIN_BLOCK_BYTES if by_client else 1)
+            if why:
+                raise WireError(ERR_WRONG_SIZE, why)
+            # The operator's --block-bytes is taken as given (kvtier replay runs pools of tiny stand-in blocks).
+            capacity = min(s.capacity, max_slots(s.capacity) * block_bytes) if by_client else s.capacity
+            if capacity < s.capacity:
+                log.warning("pool %s: blocks of %d B would need %d slots for %s; capped at %d slots (%s) so the "
+                            "per-slot bookkeeping stays under 1/%d of the memory served", self.node_id, block_bytes,
+                            s.capacity // block_bytes, format_bytes(s.capacity), max_slots(s.capacity),
+                            format_bytes(capacity), METADATA_SHARE)
             if self.shm_path is not None:
                 self.shm_path.parent.mkdir(parents=True, exist_ok=True)
-            tier = DramTier(s.capacity, block_bytes, policy=s.eviction,
+            tier = DramTier(capacity, block_bytes, policy=s.eviction,
                             shm_path=str(self.shm_path) if self.shm_path else None, pin_memory="false",
                             prefault=s.prefault, copy_threads=s.copy_threads)
             tier.attach(PinTable(), lambda keys, _views: self.emit("removed", list(keys)))
@@ -139,12 +152,16 @@ class PoolState:
         return tier
 
     def tier_for(self, body: dict[str, Any]) -> DramTier:
-        """The tier for a data op. Requests carry the client's ``block_bytes``, so a pool restarted without
-        --block-bytes sizes itself from whichever request comes first (and refuses a size it does not hold)."""
-        tier = self.ensure_tier(wire.int_field(body, "block_bytes", 0, 1 << 34, default=0) or None)
+        """The tier for a data op. Only a hello sizes the pool (a data op's ``block_bytes`` is checked, never
+        used to size it: one stray request must not decide the layout); a restarted pool without --block-bytes
+        answers ERR_NOT_READY until a client says hello again (clients do so when they see the new epoch)."""
+        block_bytes = wire.int_field(body, "block_bytes", 0, 1 << 34, default=0)
+        tier = self.tier
         if tier is None:
             raise WireError(ERR_NOT_READY, "the pool does not know its block size yet (start it with "
-                                           "--block-bytes, or send block_bytes)")
+                                           "--block-bytes, or say hello first)")
+        if block_bytes and block_bytes != tier.block_bytes:
+            self.ensure_tier(block_bytes)  # raises, naming both sizes
         return tier
 
     def keys(self, body: dict[str, Any]) -> list[bytes]:
@@ -176,7 +193,8 @@ class PoolState:
         with self._lock:
             counters = dict(self.counters)
         return {"node": self.node_id, "epoch": self.epoch, "tier": tier.stats().__dict__ if tier else None,
-                "leases": len(self.leases), "leases_expired": self.leases.expired, "counters": counters}
+                "leases": len(self.leases), "leases_quarantined": self.leases.quarantined,
+                "leases_expired": self.leases.expired, "counters": counters}
 
     # ---- lifetime --------------------------------------------------------------------------------------
 
@@ -217,6 +235,22 @@ class PoolState:
             self.tier.close()
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)  # clients' mappings stay valid until they re-map
+
+
+def max_slots(capacity: int) -> int:
+    """The most slots a pool of ``capacity`` bytes keeps: each costs about SLOT_OVERHEAD_BYTES of bookkeeping
+    (index, policy, key map), held to 1/METADATA_SHARE of the memory served."""
+    return max(1, capacity // (SLOT_OVERHEAD_BYTES * METADATA_SHARE))
+
+
+def block_size_problem(block_bytes: int, capacity: int, minimum: int = MIN_BLOCK_BYTES) -> str | None:
+    """Why a pool of ``capacity`` bytes cannot hold blocks of ``block_bytes`` (naming the sizes), or None."""
+    if block_bytes < minimum:
+        return (f"blocks of {block_bytes} B are smaller than the pool's minimum of {minimum} B (a KV block "
+                "is kilobytes to megabytes; is block_bytes a count of something else?)")
+    if block_bytes > capacity:
+        return f"a block of {format_bytes(block_bytes)} does not fit the pool's capacity of {format_bytes(capacity)}"
+    return None
 
 
 def _short(text: str) -> str:

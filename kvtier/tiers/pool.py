@@ -74,6 +74,9 @@ class _Recent:
             slots = fp & self._mask
             self._table[slots[self._table[slots] == fp]] = 0
 
+    def clear(self) -> None:
+        self._table[:] = 0
+
     def has(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
             return []
@@ -87,6 +90,7 @@ class _Pool:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.conn: PoolConnection | None = None
+        self.epoch: int | None = None  # the pool's incarnation when last seen
         self.down_until = 0.0
         self.backoff = BACKOFF_S[0]
         self.last_error = ""
@@ -257,6 +261,7 @@ class PoolTier:
             where = [None] * len(keys)
         held = [bool(h) for h in self._per_pool(keys, where, lambda conn, ks, idx: conn.put(ks, ptrs[idx]), "put")]
         self._recent.add([k for k, h in zip(keys, held) if h])
+        self._recent.drop([k for k, h in zip(keys, held) if not h])  # failed or refused: not held, send again
         stored = sum(held)
         with self._lock:
             self._stats.puts += stored
@@ -321,12 +326,30 @@ class PoolTier:
         except PoolError as e:
             self._failed(pool, e)
             raise
+        finally:
+            self._check_epoch(pool)
         if pool.backoff != BACKOFF_S[0]:
             log.info("pool %s is answering again", endpoint)
             pool.backoff = BACKOFF_S[0]
         return result
 
+    def _check_epoch(self, pool: _Pool) -> None:
+        """A pool that restarted (a new epoch) lost its blocks: forget which keys this process saw held, so the
+        offloader sends evicted blocks again instead of skipping them (the table does not say which pool held
+        a key, so all of it goes: a few blocks sent twice, never a block lost)."""
+        conn = pool.conn
+        if conn is None:
+            return
+        epoch = conn.info.epoch
+        if pool.epoch is not None and epoch != pool.epoch:
+            self._recent.clear()
+            log.warning("pool %s restarted: forgetting which blocks pools held (the offloader sends them again)",
+                        pool.endpoint)
+        pool.epoch = epoch
+
     def _failed(self, pool: _Pool, e: PoolError) -> None:
+        if isinstance(e, (PoolProtocolError, PoolUnavailable)):
+            self._recent.clear()  # it may come back restarted, empty: nothing it held counts as sent any more
         if isinstance(e, PoolProtocolError):
             pool.down_until = time.monotonic() + PROTOCOL_BACKOFF_S
             log.error("pool %s cannot be used: %s; retrying in %.0f s", pool.endpoint, e.message, PROTOCOL_BACKOFF_S)

@@ -41,9 +41,13 @@ TRACKER_WAIT_S = 5.0  # after closing a lane, zmq releases the frames it held wi
 
 @dataclass
 class Answer:
+    """A reply: its body and data frames, the pool's epoch, and when (time.monotonic()) its request was last
+    handed to zmq, i.e. no later than the pool began serving it (a lease it grants runs from after this)."""
+
     body: dict[str, Any]
     data: list[Any]
     epoch: int
+    sent: float = 0.0
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Request:
     on_reply: Callable[[Answer], None] | None = None
     error: PoolError | None = None
     done: bool = False
+    sent: float = 0.0
 
 
 class _Lane:
@@ -157,7 +162,7 @@ class Channel:
             return
         if req.on_reply is not None:
             try:
-                req.on_reply(Answer(body, data, epoch if isinstance(epoch, int) else -1))
+                req.on_reply(Answer(body, data, epoch if isinstance(epoch, int) else -1, req.sent))
             except PoolError as e:
                 req.error = e
             except (wire.WireError, KeyError, TypeError, ValueError) as e:
@@ -275,6 +280,7 @@ class _Run:
         frames = [wire.encode_request(req_id, req.op, req.body), *req.data]
         while True:
             try:
+                req.sent = time.monotonic()
                 tracker = lane.sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=bool(req.data))
                 if tracker is not None:
                     self.trackers.append(tracker)

@@ -74,7 +74,7 @@ class ConnectionBase:
     # ---- helpers for the transports --------------------------------------------------------------------
 
     def _body(self, keys: Sequence[bytes], **extra: Any) -> dict[str, Any]:
-        # block_bytes rides along so a pool restarted without --block-bytes sizes itself from any request.
+        # block_bytes rides along so the pool refuses a request for blocks of another size (it never sizes by it).
         return {"keys": wire.pack_keys(keys), "block_bytes": self.block_bytes, **extra}
 
     @staticmethod
@@ -125,6 +125,15 @@ class ConnectionBase:
         log.warning("pool %s restarted (epoch %x -> %x): the blocks it held are gone", self.endpoint,
                     self.info.epoch, epoch)
         self.info.epoch = epoch
+        self._hello_again()
+
+    def _hello_again(self) -> None:
+        """Say hello to a restarted pool (which only a hello sizes when it runs without --block-bytes).
+        Best effort: a pool that does not answer now is greeted at the next epoch change or call."""
+        try:
+            hello(self.channel, self.block_bytes)
+        except PoolError as e:
+            log.info("pool %s: hello after its restart failed (%s); retrying later", self.endpoint, e.message)
 
 
 def hello(channel: Channel, block_bytes: int) -> PoolInfo:

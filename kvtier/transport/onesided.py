@@ -6,11 +6,20 @@
 Shared memory (shm.py: the client copies into and out of the pool's mapped file) and RDMA (rdma.py: one-sided
 RDMA WRITE and READ into the pool's registered memory) differ only in ``_write`` and ``_read``. A batch is cut
 into requests of ``REQUEST_BYTES``, several in flight over parallel connections, so the pool reserves or looks
-up the next chunk while this process copies the current one. Between the two requests the pool holds a lease
-(``lease_s``); a get that finishes well inside it releases without waiting for the answer, so a get costs
-one round trip and one transfer. A get whose lease expired before its
-release (this process stalled) counts those blocks as misses and zeroes their rows: the pool may have reused
-the slots meanwhile. A put whose lease expired reports those keys not stored.
+up the next chunk while this process copies the current one. Commits ride on the next reserve and releases on
+the next acquire (the last ones go after the batch, once its connections are free: a reply handler never
+waits for a connection, so concurrent calls cannot starve each other of them).
+
+Leases (never wrong bytes): the pool holds what it handed out for ``lease_s`` from when it got the request,
+then quarantines it for another ``lease_s`` before reusing the slots (kvtier/pool/leases.py). This side times
+the lease from when it *sent* the request, which is earlier, so:
+  * no copy starts later than ``START_FRACTION`` of the lease after the request was sent; those blocks are
+    misses (get) or not stored (put, committed as failed);
+  * a get's bytes count only if the read finished inside the lease (the pool cannot have reused the slots);
+    otherwise its rows are zeroed and the blocks are misses;
+  * a put is stored only where the pool confirms the commit inside its lease (``valid``).
+A copy would have to stall for over a lease and a half after it started (a SIGSTOPped process) to touch a
+slot the pool has handed to another key.
 
 Every reply carries the pool's epoch; ``_write``/``_read`` get the epoch the offsets belong to, so a
 transport can re-attach to a restarted pool (a new file to map, a new queue pair) before it moves bytes.
@@ -34,6 +43,7 @@ from kvtier.transport.connection import ConnectionBase
 log = logging.getLogger(__name__)
 
 REQUEST_BYTES = 16 << 20  # blocks per reserve/acquire: the next request is served while this one is copied
+START_FRACTION = 0.5  # no copy starts later than this fraction of the pool's lease after its request was sent
 
 
 class OneSidedConnection(ConnectionBase):
@@ -54,11 +64,14 @@ class OneSidedConnection(ConnectionBase):
         held = [False] * n
         copied: list[tuple[int, int, np.ndarray, bool]] = []  # not committed yet: (lease, chunk start, fresh, ok)
 
+        def unhold(a: int, fresh: np.ndarray) -> None:
+            for i in fresh.tolist():
+                held[a + i] = False
+
         def settle(done: list[tuple[int, int, np.ndarray, bool]], valid: list[bool]) -> None:
             for (_, a, fresh, _), ok in zip(done, valid):
-                if not ok:  # the lease expired mid-copy: those slots were taken back
-                    for i in fresh.tolist():
-                        held[a + i] = False
+                if not ok:  # the lease expired before the commit: those slots were taken back
+                    unhold(a, fresh)
 
         def commit_body(done: list[tuple[int, int, np.ndarray, bool]]) -> dict[str, Any]:
             return {"leases": [d[0] for d in done], "oks": [d[3] for d in done]}
@@ -76,14 +89,17 @@ class OneSidedConnection(ConnectionBase):
                         return
                     ok = False
                     try:  # copied while the pool reserves the next chunk
-                        self._write(P.unoffsets(ans.body["offsets"], len(fresh)), rows[a + fresh], ans.epoch)
-                        ok = True
+                        if self._may_start(ans, len(fresh), "put"):
+                            self._write(P.unoffsets(ans.body["offsets"], len(fresh)), rows[a + fresh], ans.epoch)
+                            ok = True
                     finally:
+                        if not ok:
+                            unhold(a, fresh)
                         copied.append((lease, a, fresh, ok))
                 body = self._body(keys[a:b], **commit_body(piggyback)) if piggyback else self._body(keys[a:b])
                 yield Request(P.RESERVE, body, (), on_reply)
         try:
-            self._batch(reserves(), self._count(n, self._per_request()), 0)
+            self._batch(reserves(), self._count(n, self._per_request()), n * bb)
         finally:
             if copied:  # the last chunks (and, after a failure, whatever was reserved) in one round trip
                 last = list(copied)
@@ -94,6 +110,7 @@ class OneSidedConnection(ConnectionBase):
         n, bb = len(keys), self.block_bytes
         rows = np.asarray(rows, dtype=np.uint64)
         hit = [False] * n
+        releases: list[int] = []  # leases done with (copied, skipped or failed), not released yet
 
         def acquires() -> Iterator[Request]:
             for a, b in self._chunks(n, self._per_request()):
@@ -101,28 +118,41 @@ class OneSidedConnection(ConnectionBase):
                     lease = int(ans.body["lease"])
                     if not lease:
                         return  # all misses
-                    t0 = time.monotonic()
+                    releases.append(lease)  # given back whatever happens below
                     offsets = P.unoffsets(ans.body["offsets"], b - a)
                     index = np.flatnonzero(offsets >= 0)
+                    if not self._may_start(ans, len(index), "get"):
+                        return
                     dst = rows[a + index]
-                    try:  # copied while the pool looks up the next chunk
-                        self._read(dst, offsets[index], ans.epoch)
-                    except BaseException:
-                        self.channel.notify(P.RELEASE, {"lease": lease})
-                        raise
-                    if time.monotonic() - t0 < self.info.lease_s / 2:
-                        self.channel.notify(P.RELEASE, {"lease": lease})  # well inside the lease: no need to wait
-                    elif not self._call(P.RELEASE, {"lease": lease}).body["valid"]:
-                        log.warning("pool %s: a get took longer than the pool's %.3g s lease; %d blocks count as "
-                                    "misses", self.endpoint, self.info.lease_s, len(index))
+                    self._read(dst, offsets[index], ans.epoch)  # copied while the pool looks up the next chunk
+                    if time.monotonic() >= ans.sent + self.info.lease_s:  # the pool may have let go mid-copy
+                        log.warning("pool %s: a get's copy ended after the pool's %.3g s lease; %d blocks count "
+                                    "as misses", self.endpoint, self.info.lease_s, len(index))
                         for d in dst.tolist():
                             ctypes.memset(d, 0, bb)
                         return
                     for i in index.tolist():
                         hit[a + i] = True
-                yield Request(P.ACQUIRE, self._body(keys[a:b]), (), on_reply)
-        self._batch(acquires(), self._count(n, self._per_request()), 0)
+                body = self._body(keys[a:b])
+                if releases:  # chunks copied by now: released by this request
+                    body["releases"], releases[:] = list(releases), []
+                yield Request(P.ACQUIRE, body, (), on_reply)
+        try:
+            self._batch(acquires(), self._count(n, self._per_request()), n * bb)
+        finally:
+            if releases:  # the batch's connections are free again: no reply to wait for (the lease ends anyway)
+                self.channel.notify(P.RELEASE, {"leases": list(releases)})
         return hit
+
+    def _may_start(self, ans: Answer, blocks: int, what: str) -> bool:
+        """Whether a copy may start now: within START_FRACTION of the lease since the request was sent."""
+        late = time.monotonic() - ans.sent
+        if late < self.info.lease_s * START_FRACTION:
+            return True
+        log.warning("pool %s: a %s's reply came %.3g s after its request, past half the pool's %.3g s lease; "
+                    "%d blocks not copied (%s)", self.endpoint, what, late, self.info.lease_s, blocks,
+                    "misses" if what == "get" else "not stored")
+        return False
 
     def _per_request(self) -> int:
         return max(1, min(self.info.max_keys, REQUEST_BYTES // self.block_bytes))

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import copy_rows
-from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
+from kvtier.transport.base import PoolError, PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
 
@@ -65,11 +65,17 @@ class ShmConnection(OneSidedConnection):
         self._lock = threading.Lock()
         self._mapping = self._map(info)
 
+    # The mapping is held in a local for the whole copy: a concurrent call that re-maps after a restart drops
+    # the connection's reference, and the last reference gone unmaps the file (a copy into it would fault).
     def _write(self, offsets: np.ndarray, src: np.ndarray, epoch: int) -> None:
-        copy_rows(self._mapped(epoch).rows(offsets, self.block_bytes), src, self.block_bytes)
+        mapping = self._mapped(epoch)
+        copy_rows(mapping.rows(offsets, self.block_bytes), src, self.block_bytes)
+        del mapping
 
     def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
-        copy_rows(dst, self._mapped(epoch).rows(offsets, self.block_bytes), self.block_bytes)
+        mapping = self._mapped(epoch)
+        copy_rows(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes)
+        del mapping
 
     # ---- mapping ---------------------------------------------------------------------------------------
 
@@ -101,11 +107,10 @@ class ShmConnection(OneSidedConnection):
                 self.info = info
             return self._mapping
 
-    def _new_epoch(self, epoch: int) -> None:
-        super()._new_epoch(epoch)
-        try:
-            self._mapped(epoch)
-        except (PoolUnavailable, PoolProtocolError) as e:
+    def _hello_again(self) -> None:
+        try:  # mapping the new file says hello (which sizes a pool started without --block-bytes)
+            self._mapped(self.info.epoch)
+        except PoolError as e:
             log.warning("pool %s: cannot map the restarted pool's memory yet (%s); retrying at the next call",
                         self.endpoint, e.message)
 

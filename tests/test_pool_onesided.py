@@ -1,0 +1,293 @@
+"""The one-sided path (shared memory here; RDMA shares the code) against a real kvtier-pool subprocess: a lease
+that runs out mid-call never yields another key's bytes or overwrites another key's block, lease numbers
+from the pool's previous life act on nothing, batch deadlines scale with bytes, concurrent calls never starve
+each other of connections, a restarted pool is re-mapped and re-sized, and a pool is sized by a hello only."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from kvtier import wire
+from kvtier.keys import Namespace
+from kvtier.pool import protocol as P
+from kvtier.pool.leases import ClientLeases
+from kvtier.tiers.pool import PoolTier
+from kvtier.tiers.pool_route import PeerRoute
+from kvtier.transport import connection as C
+from kvtier.transport import onesided
+from kvtier.transport.base import PoolRefused
+from kvtier.transport.channel import Channel
+from kvtier.transport.connection import connect
+from poolproc import PoolProcess, until
+
+BB = 64 << 10
+ns = Namespace("onesided")
+
+
+def rows(a: np.ndarray) -> np.ndarray:
+    return np.uint64(a.ctypes.data) + np.arange(a.shape[0], dtype=np.uint64) * np.uint64(a.shape[1])
+
+
+def filled(n: int, value: int, bb: int = BB) -> np.ndarray:
+    return np.full((n, bb), value, np.uint8)
+
+
+def stall_replies(conn, op: str, seconds: float) -> None:
+    """Make this client process stall ``seconds`` before handling replies to ``op`` (a descheduled engine)."""
+    handle = conn.channel._handle
+
+    def slow(req, ok, body, data):
+        if req.op == op:
+            time.sleep(seconds)
+        return handle(req, ok, body, data)
+    conn.channel._handle = slow
+
+
+# ---- the lease table (an injected clock: no sleeping) ----------------------------------------------------
+
+def test_an_expired_lease_is_quarantined_for_another_lease_before_its_slots_are_given_back():
+    now = [0.0]
+    given: list[str] = []
+    table = ClientLeases(1.0, clock=lambda: now[0])
+    a = table.add(P.RESERVE, "a", lambda: given.append("a"))
+    b = table.add(P.ACQUIRE, "b", lambda: given.append("b"))
+    now[0] = 1.5
+    assert table.expire() == 2 and given == [] and table.quarantined == 2  # a client may still be copying
+    assert table.take(a, P.RESERVE) is None and given == ["a"]  # its late commit: done copying, give back now
+    now[0] = 2.4
+    table.expire()
+    assert given == ["a"]  # b's quarantine runs to 2.5
+    now[0] = 2.6
+    table.expire()
+    assert given == ["a", "b"] and len(table) == 0
+    assert table.take(b, P.ACQUIRE) is None
+
+
+def test_lease_numbers_start_at_random_per_table():
+    firsts = {ClientLeases(1.0).add(P.RESERVE, None, lambda: None) for _ in range(4)}
+    assert len(firsts) == 4 and all(0 < f < 1 << 62 for f in firsts)
+
+
+# ---- against a real pool -----------------------------------------------------------------------------------
+
+def test_a_get_answered_after_half_the_lease_is_a_miss_never_another_keys_bytes(tmp_path):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(BB), block_bytes=BB, lease_s=0.3) as p:
+        a, b = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)
+        x, y = ns.keys([1, 2])
+        assert a.put([x], rows(filled(1, 0xAA))) == [True]
+        stall_replies(a, P.ACQUIRE, 1.0)
+        other: list[list[bool]] = []
+        yb = filled(1, 0xBB)
+        t = threading.Thread(target=lambda: (time.sleep(0.6), other.append(b.put([y], rows(yb)))))
+        t.start()
+        out = filled(1, 0)
+        hit = a.get([x], rows(out))
+        t.join()
+        assert hit == [False] and not out.any()  # a miss, the row untouched
+        assert other == [[False]]  # the one slot was quarantined, not handed to y under a's copy
+        a.close()
+        b.close()
+
+
+def test_a_put_answered_after_half_the_lease_stores_nothing_and_overwrites_nothing(tmp_path):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(BB), block_bytes=BB, lease_s=0.3) as p:
+        a, b = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)
+        z, w = ns.keys([3, 4])
+        za, wb = filled(1, 0x11), filled(1, 0x22)
+        stall_replies(a, P.RESERVE, 1.0)
+        t = threading.Thread(target=lambda: (time.sleep(0.6), b.put([w], rows(wb))))
+        t.start()
+        assert a.put([z], rows(za)) == [False]
+        t.join()
+        out = filled(1, 0)
+        hit = b.get([w], rows(out))
+        assert not hit[0] or (out == 0x22).all()  # w is w's bytes or a miss, never z's
+        assert b.get([z], rows(out)) == [False]
+        a.close()
+        b.close()
+
+
+def test_the_pool_never_reuses_an_expired_reservation_during_its_quarantine(tmp_path):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(4 * BB), block_bytes=BB, lease_s=0.4) as p:
+        ch = Channel(p.ipc, zmq.Context.instance(), timeout_s=2.0)
+        keys = ns.keys(range(10, 14))  # the whole pool
+        res = ch.call(P.RESERVE, {"keys": wire.pack_keys(keys), "block_bytes": BB})
+        assert until(lambda: ch.call(P.STATS, {}).body["leases_expired"] == 1, timeout=5.0)
+        late_writer = ns.keys([20])
+        busy = ch.call(P.RESERVE, {"keys": wire.pack_keys(late_writer), "block_bytes": BB})
+        assert P.unbitmap(busy.body["held"], 1) == [False]  # expired, but maybe still being written: not reused
+        late = ch.call(P.COMMIT, {"lease": res.body["lease"], "ok": True, "block_bytes": BB})
+        assert late.body["valid"] is False and late.body["published"] == 0
+        again = ch.call(P.RESERVE, {"keys": wire.pack_keys(late_writer), "block_bytes": BB})
+        assert P.unbitmap(again.body["held"], 1) == [True]  # the late commit ended the quarantine
+        ch.close()
+
+
+def test_a_lease_number_from_the_pools_previous_life_acts_on_nothing(tmp_path):
+    x, y = ns.keys([30, 31])
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="1MiB", block_bytes=BB) as p:
+        ctx = zmq.Context.instance()
+        a = Channel(p.ipc, ctx, timeout_s=5.0)
+        old = a.call(P.RESERVE, {"keys": wire.pack_keys([x]), "block_bytes": BB}).body["lease"]
+        p.kill()
+        p.start()
+        b = Channel(p.ipc, ctx, timeout_s=5.0)
+        mine = b.call(P.RESERVE, {"keys": wire.pack_keys([y]), "block_bytes": BB}).body["lease"]
+        stale = a.call(P.COMMIT, {"leases": [old], "oks": [True], "block_bytes": BB}).body
+        assert stale["valid"] == [False] and stale["published"] == 0
+        assert b.call(P.CONTAINS, {"keys": wire.pack_keys([y]), "block_bytes": BB}).body["held"] == P.bitmap([False])
+        own = b.call(P.COMMIT, {"lease": mine, "ok": True, "block_bytes": BB}).body
+        assert own["valid"] is True and own["published"] == 1
+        a.close()
+        b.close()
+
+
+def test_a_batch_deadline_scales_with_its_bytes(tmp_path, monkeypatch):
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=0.2)
+        seen: list[float] = []
+        batch = c.channel.batch
+
+        def spy(requests, lanes=1, timeout_s=None, total_s=None, window=2):
+            seen.append(total_s)
+            return batch(requests, lanes, timeout_s, total_s, window)
+        monkeypatch.setattr(c.channel, "batch", spy)
+        keys = ns.keys(range(100, 164))
+        src = filled(64, 7)
+        assert c.put(keys, rows(src)) == [True] * 64
+        out = filled(64, 0)
+        assert c.get(keys, rows(out)) == [True] * 64 and (out == 7).all()
+        want = 0.2 + 64 * BB / C.MIN_BANDWIDTH
+        assert [t for t in seen if t is not None] == [pytest.approx(want), pytest.approx(want)]  # put, get
+        c.close()
+
+
+def test_concurrent_gets_never_starve_each_other_of_connections(tmp_path, monkeypatch):
+    monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # small requests: each get below is 2 of them
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=1.0, lanes=2)  # 4 connections; each get takes 2 at once
+        groups = [ns.keys(range(1000 + g * 8, 1008 + g * 8)) for g in range(2)]
+        for keys in groups:
+            assert all(c.put(keys, rows(filled(8, 3))))
+        stall_replies(c, P.ACQUIRE, 0.2)  # both gets are inside a reply handler at the same time
+        results: dict[int, object] = {}
+
+        def get(g: int) -> None:
+            out = filled(8, 0)
+            try:
+                hits = sum(c.get(groups[g], rows(out)))
+                results[g] = hits if (out == 3).all() else "wrong bytes"
+            except Exception as e:  # noqa: BLE001 - reported by the assert below
+                results[g] = repr(e)
+        for _ in range(2):
+            threads = [threading.Thread(target=get, args=(g,)) for g in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert results == {0: 8, 1: 8}
+        assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # every acquire released
+        c.close()
+
+
+def test_a_restarted_pool_is_remapped_and_its_blocks_are_written_into_the_new_file(tmp_path):
+    def maps() -> list[str]:
+        return sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                       if "kvtier-pool-" in line and str(tmp_path) in line})
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="1MiB") as p:  # sized by the hello
+        keys = ns.keys(range(2000, 2008))
+        c = connect(p.ipc, BB, timeout_s=2.0)
+        first = filled(8, 5)
+        assert c.put(keys, rows(first)) == [True] * 8
+        old_file = p.info["shm_path"]
+        assert maps() == [old_file]
+        p.kill()
+        p.start()  # unsized again: only a hello sizes it, and the client says hello when it sees the new epoch
+        second = filled(8, 9)
+        with pytest.raises(PoolRefused) as e:  # the first call learns the new epoch; the client says hello
+            c.put(keys, rows(second))
+        assert e.value.code == P.ERR_NOT_READY
+        assert c.put(keys, rows(second)) == [True] * 8
+        assert maps() == [p.info["shm_path"]] != [old_file]
+        d = connect(p.ipc, BB, timeout_s=2.0)
+        out = filled(8, 0)
+        assert d.get(keys, rows(out)) == [True] * 8 and (out == 9).all()
+        c.close()
+        d.close()
+
+
+def test_only_a_hello_sizes_the_pool_and_tiny_blocks_are_refused(tmp_path):
+    with PoolProcess(tmp_path, capacity="64MiB") as p:  # no --block-bytes
+        ch = Channel(p.tcp, zmq.Context.instance(), timeout_s=5.0)
+        with pytest.raises(PoolRefused) as e:
+            ch.call(P.CONTAINS, {"keys": b"", "block_bytes": 1})
+        assert e.value.code == P.ERR_NOT_READY
+        with pytest.raises(PoolRefused, match="smaller than the pool's minimum of 512 B"):
+            ch.call(P.HELLO, {"block_bytes": 1})
+        assert ch.call(P.STATS, {}).body["tier"] is None  # still unsized: the real client decides
+        info = ch.call(P.HELLO, {"block_bytes": 512}).body
+        assert info["block_bytes"] == 512
+        assert info["capacity"] // 512 <= (64 << 20) // 4096  # slots capped: bookkeeping a small share
+        with pytest.raises(PoolRefused, match="blocks of 512 bytes"):
+            ch.call(P.CONTAINS, {"keys": b"", "block_bytes": BB})
+        ch.close()
+    assert "capped at" in p.log()
+
+
+def test_the_pool_refuses_a_block_larger_than_its_capacity_at_start(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "kvtier.pool", "--block-bytes", "2MiB", "--capacity", "1MiB",
+                        "--bind", "tcp://127.0.0.1:*", "--rdma", "off"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "does not fit the pool's capacity" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_pool_restart_or_a_failed_put_forgets_which_blocks_the_pool_held(tmp_path):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB) as p:
+        tier = PoolTier(BB, PeerRoute([p.tcp]), timeout_s=2.0, staging_bytes=0)
+        keys = ns.keys(range(3000, 3008))
+        assert tier.put(keys, filled(8, 1)) == [True] * 8
+        assert tier.held_locally(keys) == [True] * 8  # the offloader would skip them: the pool has them
+        p.kill()
+        p.start()
+        assert until(lambda: tier.contains(keys[:1]) == [False], timeout=5.0)  # the new pool answers
+        assert tier.held_locally(keys) == [False] * 8  # gone with the old pool: sent again when evicted
+        assert until(lambda: tier.put(keys, filled(8, 1)) == [True] * 8, timeout=5.0)  # past its back-off
+        p.kill()
+        assert tier.put(keys[:2], filled(2, 1)) == [False] * 2  # the pool is down
+        assert tier.held_locally(keys) == [False] * 8
+        tier.close()
+
+
+def test_replies_a_stalled_client_never_reads_are_dropped_not_queued(tmp_path):
+    """A client that sends gets and never reads (SIGSTOPped engine): each queued reply would hold an 8 MiB
+    staging buffer (scattered small blocks are gathered); past a few per connection the pool drops them."""
+    def rss_mib(pid: int) -> int:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS"))
+        return int(line.split()[1]) // 1024
+    bb = 4096
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=bb) as p:
+        c = connect(p.tcp, bb, transport="tcp", timeout_s=5.0)
+        keys = ns.keys(range(4000, 4064))
+        assert all(c.put(keys, rows(filled(64, 6, bb))))
+        before = rss_mib(p.proc.pid)
+        ctx = zmq.Context()
+        stalled = ctx.socket(zmq.DEALER)
+        stalled.setsockopt(zmq.RCVHWM, 1)
+        stalled.connect(p.tcp)
+        for i in range(60):  # keys reversed: every block is its own run, so each reply is gathered
+            stalled.send(wire.encode_request(i + 1, P.GET, {"keys": wire.pack_keys(keys[::-1]), "block_bytes": bb}))
+        time.sleep(2.0)
+        grown = rss_mib(p.proc.pid) - before
+        out = filled(64, 0, bb)
+        assert c.get(keys, rows(out)) == [True] * 64 and (out == 6).all()  # others are served meanwhile
+        stalled.close(linger=0)
+        ctx.term()
+        c.close()
+    assert grown < 200, f"the pool grew {grown} MiB for 60 unread replies (60 x 8 MiB if all were queued)"
