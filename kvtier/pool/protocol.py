@@ -40,7 +40,8 @@ Ops (request body -> reply body):
 Leases expire after the pool's ``lease_s`` and are quarantined for another ``lease_s`` before their slots are
 reused (kvtier/pool/leases.py); lease numbers start at random per pool start; ``release`` and ``commit`` carry
 ``noreply`` True when the client does not wait for the answer. Errors use kvtier.wire's codes; a put over the
-pool's capacity is ERR_TOO_LARGE naming the sizes. """
+pool's capacity is ERR_TOO_LARGE naming the sizes.
+"""
 
 from __future__ import annotations
 
