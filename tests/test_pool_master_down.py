@@ -79,6 +79,8 @@ def test_concurrent_callers_fail_with_the_call_they_queued_behind(paused_master,
         s = route.stats()
         # One caller waited out the timeout; the three queued behind it failed with it, not after it in turn.
         assert (s["calls"], s["failures"], s["skipped"], s["up"]) == (1, 1, 3, False)
+        seen = store.stats()["tiers"]["pool"]["extra"]["route"]  # what an operator sees in the store's stats
+        assert (seen["failures"], seen["skipped"], seen["up"]) == (1, 3, False)
 
         mp.resume()  # answering again: the first call after the back-off ends it
         assert until(lambda: store.contains(make_keys(1)) is not None and route.stats()["up"])

@@ -131,3 +131,15 @@ def test_a_data_socket_the_pool_dropped_while_idle_is_replaced_not_a_failed_requ
             assert torch.equal(out, data)
         finally:
             c.close()
+
+
+def test_the_connection_limit_is_an_operator_setting(tmp_path):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "3")) as p:
+        port = data_port(p.tcp)
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        try:
+            assert until(lambda: closed_by_peer(socks) >= 2)
+            assert closed_by_peer(socks) == 2
+        finally:
+            for s in socks:
+                s.close()

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "name such as mlx5_0")
     p.add_argument("--stream", default=d.stream, help="the raw TCP data port clients move block bytes over "
                    "(received straight into place): auto (the tcp bind's host, a free port), off, or host:port")
+    p.add_argument("--stream-max-connections", type=int, default=d.stream_max_connections,
+                   help="data connections served at once; more are refused with a log line (each holds a thread; "
+                   f"default {d.stream_max_connections})")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -67,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.workers < 1 or args.max_keys < 1 or args.copy_threads < 1:
-            raise ValueError("--workers, --max-keys and --copy-threads must be >= 1")
+        if min(args.workers, args.max_keys, args.copy_threads, args.stream_max_connections) < 1:
+            raise ValueError("--workers, --max-keys, --copy-threads and --stream-max-connections must be >= 1")
         if args.capacity <= 0 or args.lease_s <= 0:
             raise ValueError("--capacity and --lease-s must be > 0")
         if args.block_bytes:
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             node_id=args.node_id, master=args.master, advertise=args.advertise, workers=args.workers,
             shm_dir=args.shm_dir, lease_s=args.lease_s, eviction=args.eviction, max_keys=args.max_keys,
             copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
+            stream_max_connections=args.stream_max_connections,
             heartbeat_s=args.heartbeat_s,
             labels=dict(args.label),
         )

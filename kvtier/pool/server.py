@@ -169,7 +169,8 @@ class PoolServer:
             port = int(p)
         from kvtier.pool.stream import StreamServer
 
-        self._stream = StreamServer(self.state, host, port, timeout_s=self.settings.lease_s)
+        self._stream = StreamServer(self.state, host, port, timeout_s=self.settings.lease_s,
+                                    max_connections=self.settings.stream_max_connections)
         self.state.stream_port = self._stream.start()
         return self.state.stream_port
 

@@ -61,6 +61,7 @@ class PoolSettings:
     prefault: bool = False
     rdma: str = "auto"
     stream: str = "auto"  # the raw TCP data port: auto (the tcp bind's host, a free port), off, or host:port
+    stream_max_connections: int = 256  # data connections at once; more are refused (one thread each)
     heartbeat_s: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
 

@@ -32,7 +32,7 @@ import numpy as np
 from kvtier import wire
 from kvtier.pool import protocol as P
 from kvtier.pool.ops import check_fits
-from kvtier.pool.state import PoolState
+from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
 from kvtier.transport import frames as F
 from kvtier.transport.stream import read_envelope, recv_exact, recv_views, send_message
@@ -41,7 +41,8 @@ from kvtier.wire import WireError
 log = logging.getLogger("kvtier.pool")
 
 SCRATCH_BYTES = 4 << 20
-MAX_CONNECTIONS = 256  # data connections at once: a few lanes per engine process, for a node's worth of engines
+# Data connections at once: a few lanes per engine process, for a node's worth of engines.
+MAX_CONNECTIONS = PoolSettings.stream_max_connections
 WATCHDOG_S = 0.2  # how often the accept thread looks for messages past their deadline
 
 

@@ -220,7 +220,7 @@ class PoolTier:
         staged = self._writer.counts if self._writer is not None else {}
         s.extra = {"pools": {p.endpoint: {"transport": p.conn.transport if p.conn else None, "up": p.up(),
                                           "last_error": p.last_error} for p in pools},
-                   "write_behind": dict(staged)}
+                   "write_behind": dict(staged), **({"route": route} if (route := self.route.stats()) else {})}
         return s
 
     def close(self) -> None:
