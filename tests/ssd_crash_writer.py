@@ -48,8 +48,10 @@ def run(path: str, ack_path: str, seed: int) -> None:
         batch = rng.sample(range(UNIVERSE), rng.randint(1, 12))
         op = rng.random()
         if op < 0.1:
-            t.remove([ks[i] for i in batch])
+            # Logged before the remove: a kill in the middle of it may have dropped any of these already, so
+            # from here on they are not promised (logging after it made a kill between the two a false "lost").
             os.write(ack, f"del {' '.join(map(str, batch))}\n".encode())
+            t.remove([ks[i] for i in batch])
             continue
         before = t.contains([ks[i] for i in batch])
         data = np.frombuffer(b"".join(block_bytes_for(ks[i]) for i in batch), np.uint8).reshape(len(batch), BLOCK)
