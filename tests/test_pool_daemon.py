@@ -224,3 +224,42 @@ def test_expired_leases_are_taken_back_and_late_calls_learn_it(tmp_path, make_ke
         assert P.unbitmap(again.body["held"], 1) == [True]
         assert "leases expired" in p.log()
         ch.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_hello_lost_after_a_restart_is_said_again_not_not_ready_forever(tmp_path, transport, make_keys,
+                                                                        monkeypatch):
+    """A pool without --block-bytes is sized only by a hello; if the client's hello right after the pool's
+    restart is lost, the next call says hello again (at most one call answers not_ready)."""
+    import kvtier.transport.connection as C
+    import kvtier.transport.shm as S
+    import kvtier.transport.stream as T
+
+    with PoolProcess(tmp_path, ipc=True, capacity="4MiB") as p:
+        c = connect(p.ipc if transport == "shm" else p.tcp, BB, transport=transport, timeout_s=2.0)
+        try:
+            keys = make_keys(4)
+            data = blocks_for(keys, BB)
+            assert all(c.put(keys, rows_of(data)))
+            p.kill()
+            p.start()
+            real, lost = C.hello, []
+
+            def lossy(channel, block_bytes):
+                if not lost:
+                    lost.append(True)
+                    raise PoolUnavailable(channel.endpoint, "hello lost (test)", "timeout")
+                return real(channel, block_bytes)
+            for module in (C, S, T):
+                monkeypatch.setattr(module, "hello", lossy)
+            results = []
+            for _ in range(4):
+                try:
+                    results.append(all(c.put(keys, rows_of(data))))
+                except (PoolRefused, PoolUnavailable) as e:
+                    results.append(e.code)
+            assert lost and results[-2:] == [True, True], results
+            out = torch.zeros_like(data)
+            assert all(c.get(keys, rows_of(out))) and torch.equal(out, data)
+        finally:
+            c.close()

@@ -41,6 +41,7 @@ class ConnectionBase:
         self.endpoint = channel.endpoint
         self.block_bytes = info.block_bytes
         self.lanes = lanes
+        self._greet = False  # the pool restarted or said not_ready, and no hello has got through since
 
     # ---- control ops -----------------------------------------------------------------------------------
 
@@ -93,13 +94,18 @@ class ConnectionBase:
             raise PoolRefused(self.endpoint, why, wire.ERR_TOO_LARGE)
 
     def _call(self, op: str, body: dict[str, Any]) -> Answer:
+        self._greet_if_needed()
         try:
             return self.channel.call(op, body)
+        except PoolRefused as e:
+            self._not_ready(e)
+            raise
         finally:
             self._saw_epoch()
 
     def _batch(self, requests: Iterator[Request], count: int, nbytes: int) -> None:
         """Run ``count`` requests over up to ``lanes`` lanes; raise the first error any of them met."""
+        self._greet_if_needed()
         done: list[Request] = []
 
         def track() -> Iterator[Request]:
@@ -113,6 +119,7 @@ class ConnectionBase:
             self._saw_epoch()
         for r in done:
             if r.error is not None:
+                self._not_ready(r.error)
                 raise r.error
 
     def _saw_epoch(self) -> None:
@@ -125,15 +132,29 @@ class ConnectionBase:
         log.warning("pool %s restarted (epoch %x -> %x): the blocks it held are gone", self.endpoint,
                     self.info.epoch, epoch)
         self.info.epoch = epoch
-        self._hello_again()
+        self._greet = True
+        self._greet_if_needed()
+
+    def _not_ready(self, error: BaseException) -> None:
+        """A pool that answers not_ready has no block size yet (restarted without --block-bytes, and our hello
+        after its restart was lost): greet it before the next call."""
+        if isinstance(error, PoolRefused) and error.code == P.ERR_NOT_READY:
+            self._greet = True
+
+    def _greet_if_needed(self) -> None:
+        """Say hello to a restarted pool (which only a hello sizes when it runs without --block-bytes). Best
+        effort: until one gets through, every call tries again first (and the pool answers not_ready)."""
+        if not self._greet:
+            return
+        try:
+            self._hello_again()
+            self._greet = False
+        except PoolError as e:
+            log.info("pool %s: hello after its restart failed (%s); retrying at the next call", self.endpoint,
+                     e.message)
 
     def _hello_again(self) -> None:
-        """Say hello to a restarted pool (which only a hello sizes when it runs without --block-bytes).
-        Best effort: a pool that does not answer now is greeted at the next epoch change or call."""
-        try:
-            hello(self.channel, self.block_bytes)
-        except PoolError as e:
-            log.info("pool %s: hello after its restart failed (%s); retrying later", self.endpoint, e.message)
+        hello(self.channel, self.block_bytes)
 
 
 def hello(channel: Channel, block_bytes: int) -> PoolInfo:

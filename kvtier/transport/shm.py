@@ -108,9 +108,5 @@ class ShmConnection(OneSidedConnection):
             return self._mapping
 
     def _hello_again(self) -> None:
-        try:  # mapping the new file says hello (which sizes a pool started without --block-bytes)
-            self._mapped(self.info.epoch)
-        except PoolError as e:
-            log.warning("pool %s: cannot map the restarted pool's memory yet (%s); retrying at the next call",
-                        self.endpoint, e.message)
+        self._mapped(self.info.epoch)  # mapping the new file says hello (sizing a pool without --block-bytes)
 
