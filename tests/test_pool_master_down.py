@@ -5,6 +5,7 @@ with it, DRAM and SSD hits never wait on the master, and the first answer after 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -57,6 +58,39 @@ def test_backoff_grows_caps_and_resets_on_an_answer():
     assert b.stats()["backoff_s"] == 0.01  # an answer reset the back-off to its first length
 
 
+def test_after_a_backoff_a_probe_asks_the_master_and_callers_never_wait():
+    answering = threading.Event()
+    probes: list[str] = []
+
+    def probe():
+        probes.append(threading.current_thread().name)
+        if not answering.is_set():
+            raise MasterTimeout("timeout", "no reply")
+        return {"ok": True}
+
+    def dead():
+        raise MasterTimeout("timeout", "no reply")
+
+    b = MasterBackoff("tcp://nowhere:1", first_s=0.01, max_s=0.02, probe=probe)
+    with pytest.raises(PoolUnavailable):
+        b.call(dead, "locate")  # the first failure: this caller's own call
+    ran: list[int] = []
+
+    def try_call() -> str | None:
+        try:
+            return b.call(lambda: ran.append(1) or "ok", "locate")
+        except PoolUnavailable as e:
+            assert e.code == "backoff"
+            return None
+
+    # While the master is down no caller runs its call (none waits a timeout): probes ask, on their own thread.
+    assert until(lambda: try_call() is None and len(probes) >= 3, 10, 0.002)
+    assert ran == [] and set(probes) == {"kvtier-master-probe"} and not b.stats()["up"]
+    answering.set()
+    assert until(lambda: try_call() == "ok", 10, 0.002)  # a probe got an answer: calls go through again
+    assert ran and b.stats()["up"] and b.stats()["backoff_s"] == 0
+
+
 def test_concurrent_callers_fail_with_the_call_they_queued_behind(paused_master, make_keys):
     mp = paused_master
     store = TieredStore.from_config({"mode": "distributed", "master": mp.endpoint, "node_id": "n1",
@@ -90,7 +124,10 @@ def test_concurrent_callers_fail_with_the_call_they_queued_behind(paused_master,
 
 
 def test_dram_and_ssd_hits_never_wait_on_a_dead_master(paused_master, make_keys, tmp_path):
-    route = MasterRoute(paused_master.endpoint, "n1", timeout_s=1.0, backoff_s=(60.0, 60.0))
+    route = MasterRoute(paused_master.endpoint, "n1", timeout_s=0.2, backoff_s=(0.05, 0.1))  # probes run
+    locates: list[str] = []
+    real_locate = route._client.locate
+    route._client.locate = lambda *a, **kw: locates.append(threading.current_thread().name) or real_locate(*a, **kw)
     tiers = [DramTier(16 * BB, BB), PoolTier(BB, route, staging_bytes=0),
              DiskTier(tmp_path / "ssd", 8 << 20, BB, segment_bytes=1 << 20, direct_io="false")]
     store = TieredStore(tiers, offload=["write_through", "write_through"])
@@ -99,13 +136,16 @@ def test_dram_and_ssd_hits_never_wait_on_a_dead_master(paused_master, make_keys,
         data = blocks_for(keys, BB)
         assert store.put(keys, data).stored == 8  # its contains() is the one call that times out
         assert store.flush(30)
-        assert route.stats()["failures"] == 1
+        assert route.stats()["failures"] == 1 and len(locates) == 1
+        locates.clear()
         for _ in range(20):
             tiers[0].remove(keys[4:])  # half in DRAM (and SSD), half on the SSD only (a get promotes them)
             out = data.clone().zero_()
             assert store.get(keys, out) == [True] * 8
             assert bool((out == data).all())
+            time.sleep(0.05)  # back-offs run out meanwhile: probes ask the master, never a get
         s = route.stats()
-        assert (s["calls"], s["failures"]) == (1, 1) and s["skipped"] >= 20  # each SSD read skipped the master
+        assert s["failures"] >= 2 and s["skipped"] >= 20  # each SSD read skipped the master
+        assert locates == []  # no get asked the master (and so none waited out its timeout)
     finally:
         store.close()

@@ -90,15 +90,21 @@ class MasterBackoff:
     """Runs calls to kvtier-master one at a time, and fails them at once while the master is in its back-off.
 
     A call that raises MasterTimeout (no answer) starts a back-off (``first_s``, doubling per failure up to
-    ``max_s``); any answer, even an error reply, ends it. Calls made inside the back-off raise PoolUnavailable
-    (code "backoff") without touching the socket. Callers that queued behind a call that then failed fail with
-    it instead of each waiting out their own timeout in turn. The state change (down, answering again) is
-    logged once; ``stats()`` counts calls, failures and calls skipped. Thread-safe; any thread.
+    ``max_s``); any answer, even an error reply, ends it. While the master is down, calls raise PoolUnavailable
+    (code "backoff") at once, without touching the socket: when a back-off has run out, ``probe`` (a cheap
+    master call, e.g. ping) asks the master again on a thread of its own, so no caller (a get that must look
+    past the pool for an SSD hit) ever waits out a timeout for a master known to be down. Without a ``probe``
+    the first caller after the back-off asks instead (and waits). Callers that queued behind a call that then
+    failed fail with it instead of each waiting out their own timeout in turn. The state change (down,
+    answering again) is logged once; ``stats()`` counts calls, failures and calls skipped. Thread-safe.
     """
 
-    def __init__(self, master: str, first_s: float = MASTER_BACKOFF_S[0], max_s: float = MASTER_BACKOFF_S[1]) -> None:
+    def __init__(self, master: str, first_s: float = MASTER_BACKOFF_S[0], max_s: float = MASTER_BACKOFF_S[1], *,
+                 probe: Callable[[], Any] | None = None) -> None:
         self.master = master
         self.first_s, self.max_s = first_s, max_s
+        self._probe = probe
+        self._probing = False
         self._cond = threading.Condition()
         self._busy = False
         self._down_until = 0.0
@@ -112,21 +118,52 @@ class MasterBackoff:
 
     def call(self, fn: Callable[[], T], what: str) -> T:
         """``fn()`` (a call on the master client), or PoolUnavailable if the master is not answering."""
-        from kvtier.client import MasterError, MasterTimeout
-
         with self._cond:
             generation = self._failures
+            mine = False
             while True:
-                left = self._down_until - time.monotonic()
-                if left > 0 or self._failures != generation:
-                    self._skipped += 1
-                    raise PoolUnavailable(self.master, f"the master is not answering ({self._last_error}); "
-                                                       f"{what} skipped, retrying in {max(left, 0):.1f} s", "backoff")
+                left = max(0.0, self._down_until - time.monotonic())
+                if self._failures != generation or left > 0:  # failed with the call it queued behind, or waits
+                    break
+                if self._down and self._probe is not None:  # back-off over: the probe asks, this caller goes on
+                    self._start_probe(self._probe)
+                    break
                 if not self._busy:
+                    self._busy = mine = True
+                    self._calls += 1
                     break
                 self._cond.wait()
-            self._busy = True
-            self._calls += 1
+            if not mine:
+                self._skipped += 1
+                error = self._last_error
+        if mine:
+            return self._run(fn, what)
+        raise PoolUnavailable(self.master, f"the master is not answering ({error}); {what} skipped, retrying in "
+                                           f"{left:.1f} s", "backoff")
+
+    def _start_probe(self, probe: Callable[[], Any]) -> None:
+        """(lock held) Ask the master again on a thread of its own, unless a probe is already asking."""
+        if not self._probing:
+            self._probing = True
+            threading.Thread(target=self._run_probe, args=(probe,), name="kvtier-master-probe", daemon=True).start()
+
+    def _run_probe(self, probe: Callable[[], Any]) -> None:
+        try:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._busy)
+                self._busy = True
+                self._calls += 1
+            self._run(probe, "answer a probe")
+        except PoolUnavailable:
+            pass  # still down: _failed logged it once and began the next back-off
+        finally:
+            with self._cond:
+                self._probing = False
+
+    def _run(self, fn: Callable[[], T], what: str) -> T:
+        """Call ``fn`` (this thread holds ``_busy``) and update the back-off from how the master answered."""
+        from kvtier.client import MasterError, MasterTimeout
+
         answered = False
         try:
             result = fn()
@@ -182,7 +219,7 @@ class MasterRoute:
         self.master = master
         self.requester = requester
         self._client = MasterClient(master, timeout_s)
-        self._backoff = MasterBackoff(master, *backoff_s)
+        self._backoff = MasterBackoff(master, *backoff_s, probe=self._client.ping)
         self._address: dict[str, str] = {}  # node id -> endpoint
         self._lock = threading.Lock()
 
