@@ -291,3 +291,51 @@ def test_replies_a_stalled_client_never_reads_are_dropped_not_queued(tmp_path):
         ctx.term()
         c.close()
     assert grown < 200, f"the pool grew {grown} MiB for 60 unread replies (60 x 8 MiB if all were queued)"
+
+
+def test_leases_riding_on_a_refused_request_are_still_released_and_committed(tmp_path):
+    """A reserve/acquire refused for its own keys still acts on the commits/releases it carries (they would
+    otherwise hold slots for a lease and its quarantine)."""
+    x, y = ns.keys([40, 41])
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="1MiB", block_bytes=BB) as p:
+        ch = Channel(p.ipc, zmq.Context.instance(), timeout_s=5.0)
+        try:
+            res = ch.call(P.RESERVE, {"keys": wire.pack_keys([x]), "block_bytes": BB}).body
+            bad = {"keys": b"not keys", "block_bytes": BB}  # refused: malformed keys
+            with pytest.raises(PoolRefused):
+                ch.call(P.RESERVE, {**bad, "leases": [res["lease"]], "oks": [True]})
+            assert ch.call(P.CONTAINS, {"keys": wire.pack_keys([x]), "block_bytes": BB}).body["held"] \
+                == P.bitmap([True])  # the carried commit published x
+            got = ch.call(P.ACQUIRE, {"keys": wire.pack_keys([x]), "block_bytes": BB}).body
+            with pytest.raises(PoolRefused):
+                ch.call(P.ACQUIRE, {**bad, "releases": [got["lease"]]})
+            assert ch.call(P.STATS, {}).body["leases"] == 0  # the carried release let go of x
+            assert ch.call(P.RELEASE, {"lease": got["lease"]}).body["valid"] is False  # already released
+        finally:
+            ch.close()
+
+
+def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
+    """Releases carried by a request the pool refuses before reading them (here: another block size) go out
+    with the batch's final release, not left to the lease's expiry and quarantine."""
+    keys = ns.keys(range(100, 140))
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=2.0, lanes=1)  # one request at a time: each carries the last release
+        try:
+            assert all(c.put(keys, rows(filled(40, 3))))
+            monkeypatch.setattr(onesided, "REQUEST_BYTES", 8 * BB)  # five acquires, releases on the next
+            real_body, bodies = c._body, []
+
+            def third_of_another_size(ks, **extra):
+                body = real_body(ks, **extra)
+                if len(bodies) == 2:
+                    body["block_bytes"] = 2 * BB
+                bodies.append(body)  # the connection adds "releases" to it after this
+                return body
+            c._body = third_of_another_size
+            with pytest.raises(PoolRefused, match="block"):
+                c.get(keys, rows(filled(40, 0)))
+            assert "releases" in bodies[2]  # the refused request carried a release
+            assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # none left to the lease's expiry
+        finally:
+            c.close()

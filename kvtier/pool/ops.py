@@ -117,9 +117,10 @@ def reserve(st: PoolState, body: Body, data: list[Any]) -> Reply:
     ``commit`` takes them: the chunks it finished copying), so commits overlap its copies. Their validity comes
     back as ``valid``."""
     tier = st.tier_for(body)
+    # Commits first: a request refused for its keys must not leave the leases it carries dangling.
+    committed = _commit(st, tier, body) if "leases" in body else {}
     keys = st.keys(body)
     check_fits(len(keys), tier.block_bytes, tier.capacity_bytes)
-    committed = _commit(st, tier, body) if "leases" in body else {}
     res = tier.reserve(keys)
     fresh = np.zeros(len(keys), dtype=bool)
     fresh[res.index] = True
@@ -172,10 +173,10 @@ def acquire(st: PoolState, body: Body, data: list[Any]) -> Reply:
     """Acquire ``keys``; first release the leases a pipelined client piggybacks (``releases``: the chunks it
     finished copying), so a get never needs a connection of its own to release."""
     tier = st.tier_for(body)
-    keys = st.keys(body)
-    if "releases" in body:
+    if "releases" in body:  # first: a request refused for its keys must not leave the leases it carries held
         for lease in _int_list(body, "releases", st.settings.max_keys):
             _release(st, lease)
+    keys = st.keys(body)
     hold = tier.acquire(keys)
     addresses = hold.__enter__()
     base = tier.buffer.ptr

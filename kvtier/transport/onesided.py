@@ -32,15 +32,18 @@ import ctypes
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvtier.pool import protocol as P
+from kvtier.transport.base import PoolError
 from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 REQUEST_BYTES = 16 << 20  # blocks per reserve/acquire: the next request is served while this one is copied
 START_FRACTION = 0.5  # no copy starts later than this fraction of the pool's lease after its request was sent
@@ -63,6 +66,7 @@ class OneSidedConnection(ConnectionBase):
         rows = np.asarray(rows, dtype=np.uint64)
         held = [False] * n
         copied: list[tuple[int, int, np.ndarray, bool]] = []  # not committed yet: (lease, chunk start, fresh, ok)
+        carried: list[tuple[Request, list[tuple[int, int, np.ndarray, bool]]]] = []  # requests carrying commits
 
         def unhold(a: int, fresh: np.ndarray) -> None:
             for i in fresh.tolist():
@@ -97,10 +101,14 @@ class OneSidedConnection(ConnectionBase):
                             unhold(a, fresh)
                         copied.append((lease, a, fresh, ok))
                 body = self._body(keys[a:b], **commit_body(piggyback)) if piggyback else self._body(keys[a:b])
-                yield Request(P.RESERVE, body, (), on_reply)
+                req = Request(P.RESERVE, body, (), on_reply)
+                if piggyback:
+                    carried.append((req, piggyback))
+                yield req
         try:
             self._batch(reserves(), self._count(n, self._per_request()), n * bb)
         finally:
+            copied.extend(_not_delivered(carried))
             if copied:  # the last chunks (and, after a failure, whatever was reserved) in one round trip
                 last = list(copied)
                 settle(last, self._call(P.COMMIT, {**commit_body(last), "block_bytes": bb}).body["valid"])
@@ -111,6 +119,7 @@ class OneSidedConnection(ConnectionBase):
         rows = np.asarray(rows, dtype=np.uint64)
         hit = [False] * n
         releases: list[int] = []  # leases done with (copied, skipped or failed), not released yet
+        carried: list[tuple[Request, list[int]]] = []  # requests carrying releases
 
         def acquires() -> Iterator[Request]:
             for a, b in self._chunks(n, self._per_request()):
@@ -134,14 +143,21 @@ class OneSidedConnection(ConnectionBase):
                     for i in index.tolist():
                         hit[a + i] = True
                 body = self._body(keys[a:b])
+                req = Request(P.ACQUIRE, body, (), on_reply)
                 if releases:  # chunks copied by now: released by this request
                     body["releases"], releases[:] = list(releases), []
-                yield Request(P.ACQUIRE, body, (), on_reply)
+                    carried.append((req, body["releases"]))
+                yield req
         try:
             self._batch(acquires(), self._count(n, self._per_request()), n * bb)
         finally:
+            releases.extend(_not_delivered(carried))
             if releases:  # the batch's connections are free again: no reply to wait for (the lease ends anyway)
-                self.channel.notify(P.RELEASE, {"leases": list(releases)})
+                try:
+                    self.channel.notify(P.RELEASE, {"leases": list(releases)})
+                except PoolError as e:  # the copies are done: a release that cannot go only ends with its lease
+                    log.info("pool %s: %d leases not released (%s); they end with the pool's lease",
+                             self.endpoint, len(releases), e.message)
         return hit
 
     def _may_start(self, ans: Answer, blocks: int, what: str) -> bool:
@@ -156,3 +172,9 @@ class OneSidedConnection(ConnectionBase):
 
     def _per_request(self) -> int:
         return max(1, min(self.info.max_keys, REQUEST_BYTES // self.block_bytes))
+
+
+def _not_delivered(carried: Sequence[tuple[Request, Sequence[T]]]) -> list[T]:
+    """What requests carried for the pool (piggybacked commits or releases) where the pool may not have seen
+    it: the request got no reply or an error (sending it again is harmless: a lease acts once)."""
+    return [x for req, items in carried if not req.done or req.error is not None for x in items]
