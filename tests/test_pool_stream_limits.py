@@ -87,8 +87,8 @@ def test_connections_beyond_the_limit_are_refused(tmp_path, make_keys):
 
 
 def test_a_peer_trickling_a_message_is_dropped_at_its_deadline(tmp_path, make_keys):
-    # lease_s is the data port's timeout: 1 s without progress, and 1 s for a whole message.
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, lease_s=1.0) as p:
+    # 1 s for a whole message (the default is 30 s); the socket's own timeout (lease_s, 30 s) never fires.
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-message-timeout-s", "1")) as p:
         port = data_port(p.tcp)
         slow = socket.create_connection(("127.0.0.1", port))
         stop = threading.Event()

@@ -264,3 +264,10 @@ def test_per_worker_moves_only_the_paths_that_are_set():
     both = per_worker(Config.from_dict({"ssd_path": "/a", "dram_shm_path": "/dev/shm/k"}), "m", "tp0of1")
     assert (both.ssd_path, both.dram_shm_path) == ("/a/m/tp0of1", "/dev/shm/k/m/tp0of1")
     assert set(PER_WORKER_KEYS) <= {f for f in Config.__dataclass_fields__}
+
+
+def test_per_worker_refuses_a_path_that_is_a_file_naming_it(tmp_path):
+    old = tmp_path / "kvtier"
+    old.write_bytes(b"")  # e.g. the DRAM file of an embedded store that took dram_shm_path as its file
+    with pytest.raises(ConfigError, match=f"dram_shm_path {old} is a file"):
+        per_worker(Config.from_dict({"dram_shm_path": str(old)}), "m", "tp0of1")

@@ -26,7 +26,7 @@ import hashlib
 import re
 from pathlib import Path
 
-from kvtier.config import Config
+from kvtier.config import Config, ConfigError
 
 PER_WORKER_KEYS = ("ssd_path", "dram_shm_path")  # store keys naming something one process owns
 
@@ -53,6 +53,13 @@ def rank_dir(rank: int, *, tp: int, pcp: int = 1, pp: int = 1, dp_rank: int = 0,
 
 
 def per_worker(config: Config, model: str, rank: str) -> Config:
-    """``config`` with every path of PER_WORKER_KEYS that is set moved to ``<path>/<model>/<rank>``."""
+    """``config`` with every path of PER_WORKER_KEYS that is set moved to ``<path>/<model>/<rank>``.
+    ConfigError if such a path is an existing file (the store's own mode takes ``dram_shm_path`` as a file)."""
+    for key in PER_WORKER_KEYS:
+        path = getattr(config, key)
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"{key} {path} is a file, but the vLLM connector makes it a directory holding one "
+                              f"{'file' if key == 'dram_shm_path' else 'directory'} per worker (<model>/<rank>): "
+                              "remove the file or name another path")
     moved = {key: str(Path(getattr(config, key)) / model / rank) for key in PER_WORKER_KEYS if getattr(config, key)}
     return dataclasses.replace(config, **moved) if moved else config

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-max-connections", type=int, default=d.stream_max_connections,
                    help="data connections served at once; more are refused with a log line (each holds a thread; "
                    f"default {d.stream_max_connections})")
+    p.add_argument("--stream-message-timeout-s", type=float, default=d.stream_message_timeout_s,
+                   help="the longest one data message may take before its connection is dropped (a peer that "
+                   f"trickles bytes holds a thread no longer; default {d.stream_message_timeout_s:g})")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -72,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if min(args.workers, args.max_keys, args.copy_threads, args.stream_max_connections) < 1:
             raise ValueError("--workers, --max-keys, --copy-threads and --stream-max-connections must be >= 1")
-        if args.capacity <= 0 or args.lease_s <= 0:
-            raise ValueError("--capacity and --lease-s must be > 0")
+        if args.capacity <= 0 or args.lease_s <= 0 or args.stream_message_timeout_s <= 0:
+            raise ValueError("--capacity, --lease-s and --stream-message-timeout-s must be > 0")
         if args.block_bytes:
             why = block_size_problem(args.block_bytes, args.capacity, minimum=1)
             if why:
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             shm_dir=args.shm_dir, lease_s=args.lease_s, eviction=args.eviction, max_keys=args.max_keys,
             copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
             stream_max_connections=args.stream_max_connections,
+            stream_message_timeout_s=args.stream_message_timeout_s,
             heartbeat_s=args.heartbeat_s,
             labels=dict(args.label),
         )

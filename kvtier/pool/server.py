@@ -170,6 +170,7 @@ class PoolServer:
         from kvtier.pool.stream import StreamServer
 
         self._stream = StreamServer(self.state, host, port, timeout_s=self.settings.lease_s,
+                                    message_timeout_s=self.settings.stream_message_timeout_s,
                                     max_connections=self.settings.stream_max_connections)
         self.state.stream_port = self._stream.start()
         return self.state.stream_port

@@ -62,6 +62,7 @@ class PoolSettings:
     rdma: str = "auto"
     stream: str = "auto"  # the raw TCP data port: auto (the tcp bind's host, a free port), off, or host:port
     stream_max_connections: int = 256  # data connections at once; more are refused (one thread each)
+    stream_message_timeout_s: float = 30.0  # the longest one data message (<= 16 MiB) may take
     heartbeat_s: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
 

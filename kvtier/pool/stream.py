@@ -102,8 +102,12 @@ class StreamServer:
                 conn, peer = self._listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return
+            except OSError as e:  # out of descriptors, an aborted handshake: the port must keep accepting
+                if self._stop.is_set():
+                    return
+                self._bad("stream-accept", logging.WARNING, "data port: accept failed (%s); retrying", e)
+                self._stop.wait(WATCHDOG_S)
+                continue
             with self._lock:
                 full = len(self._conns) >= self.max_connections
                 if not full:
@@ -116,8 +120,15 @@ class StreamServer:
                 continue
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-pool-stream-conn",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-pool-stream-conn",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
+                with self._lock:
+                    self._conns.pop(conn, None)
+                conn.close()
+                self.state.count(stream_refused=1)
+                self._bad("stream-thread", logging.WARNING, "data connection from %s refused: %s", peer, e)
 
     def _drop_overdue(self) -> None:
         """Shut down connections whose message in progress is past its deadline (its thread then sees the end
