@@ -31,6 +31,8 @@ ns = Namespace("onesided")
 
 
 def rows(a: np.ndarray) -> np.ndarray:
+    """Row addresses of ``a``: the caller keeps ``a`` alive while they are used (a temporary array would be
+    freed at once, and a get would write into freed memory)."""
     return np.uint64(a.ctypes.data) + np.arange(a.shape[0], dtype=np.uint64) * np.uint64(a.shape[1])
 
 
@@ -80,7 +82,8 @@ def test_a_get_answered_after_half_the_lease_is_a_miss_never_another_keys_bytes(
     with PoolProcess(tmp_path, ipc=True, tcp=False, capacity=str(BB), block_bytes=BB, lease_s=0.3) as p:
         a, b = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)
         x, y = ns.keys([1, 2])
-        assert a.put([x], rows(filled(1, 0xAA))) == [True]
+        mine = filled(1, 0xAA)  # alive while its rows are copied
+        assert a.put([x], rows(mine)) == [True]
         stall_replies(a, P.ACQUIRE, 1.0)
         other: list[list[bool]] = []
         yb = filled(1, 0xBB)
@@ -173,8 +176,9 @@ def test_concurrent_gets_never_starve_each_other_of_connections(tmp_path, monkey
     with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB) as p:
         c = connect(p.ipc, BB, timeout_s=1.0, lanes=2)  # 4 connections; each get takes 2 at once
         groups = [ns.keys(range(1000 + g * 8, 1008 + g * 8)) for g in range(2)]
+        src = filled(8, 3)
         for keys in groups:
-            assert all(c.put(keys, rows(filled(8, 3))))
+            assert all(c.put(keys, rows(src)))
         stall_replies(c, P.ACQUIRE, 0.2)  # both gets are inside a reply handler at the same time
         results: dict[int, object] = {}
 
@@ -275,7 +279,8 @@ def test_replies_a_stalled_client_never_reads_are_dropped_not_queued(tmp_path):
     with PoolProcess(tmp_path, capacity="4MiB", block_bytes=bb) as p:
         c = connect(p.tcp, bb, transport="tcp", timeout_s=5.0)
         keys = ns.keys(range(4000, 4064))
-        assert all(c.put(keys, rows(filled(64, 6, bb))))
+        src = filled(64, 6, bb)
+        assert all(c.put(keys, rows(src)))
         before = rss_mib(p.proc.pid)
         ctx = zmq.Context()
         stalled = ctx.socket(zmq.DEALER)
@@ -322,7 +327,8 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
     with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
         c = connect(p.ipc, BB, timeout_s=2.0, lanes=1)  # one request at a time: each carries the last release
         try:
-            assert all(c.put(keys, rows(filled(40, 3))))
+            src, out = filled(40, 3), filled(40, 0)  # alive while their rows are copied from and into
+            assert all(c.put(keys, rows(src)))
             monkeypatch.setattr(onesided, "REQUEST_BYTES", 8 * BB)  # five acquires, releases on the next
             real_body, bodies = c._body, []
 
@@ -334,7 +340,7 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
                 return body
             c._body = third_of_another_size
             with pytest.raises(PoolRefused, match="block"):
-                c.get(keys, rows(filled(40, 0)))
+                c.get(keys, rows(out))
             assert "releases" in bodies[2]  # the refused request carried a release
             assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # none left to the lease's expiry
         finally:
