@@ -151,6 +151,11 @@ class Transfers:
                  "pinned" if self._buffers[0].pinned else "pageable",
                  "; saves gather straight into DRAM slots" if self._save_in_place else " and for saves")
 
+    @property
+    def saves_in_place(self) -> bool:
+        """Whether saves gather straight into DRAM slots (one copy) rather than through staging rows (two)."""
+        return self._save_in_place
+
     def submit_load(self, job: LoadJob) -> None:
         job.after = _stream_mark(self.kv.device)
         self._loads.put(job)
