@@ -3,7 +3,8 @@
 Runs in the caller's process (embedded mode). Batch-first and thread-safe: any thread may call any method.
 Buffer ownership: ``put`` copies the caller's blocks before it returns (``put_async``: before its future
 completes), ``get`` writes into the caller's ``out`` buffers before it returns; the caller must keep those
-buffers alive and unchanged until then.
+buffers alive and unchanged until then. ``put_in_place`` lends the caller top-tier slots to write until its
+``fill`` returns (a caller that produces the blocks itself, an engine connector's gather, skips its staging).
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
 thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
