@@ -2,8 +2,10 @@
 
 A model's KV cache is allocated as vLLM 0.33 does on the CPU (per layer a (B, H, N, C) view of LBNHC
 pages); the connector's own copy machinery (``PagedKV`` + ``Transfers`` + an embedded DRAM store) then
-- saves N blocks: the store is asked which keys it lacks, each block's layers are gathered into host
-  staging rows, and the rows are put into the store (two copies of every byte: 0.5x memcpy is the ceiling);
+- saves N blocks: the store is asked which keys it lacks, and each block's layers are gathered straight into
+  the DRAM slots the store reserved for it (``put_in_place``: one copy, 1.0x memcpy is the ceiling); with
+  ``--staged-saves`` into host staging rows that ``put`` then copies into the slots (two copies: 0.5x), the
+  path a store without addressable slots takes;
 - loads them back into shuffled engine blocks, one scatter per layer (what makes per-layer readiness
   possible) straight from the DRAM slots (one copy: 1.0x is the ceiling).
 Baseline: one ``np.copyto`` of the same bytes, measured in the same rounds. Timed from queueing the job to
@@ -38,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes", default="512MiB", help="KV moved per round (whole blocks)")
     p.add_argument("--staging", default="256MiB", help="the connector's staging_bytes")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--staged-saves", action="store_true",
+                   help="save through staging rows and put (two copies) instead of gathering into DRAM slots")
     p.add_argument("--json", default=None, help="write the rows here")
 
 
@@ -57,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
         done[job.req_id].set()
 
     transfers = Transfers(store, LeaseTable(store), kv, parse_bytes(args.staging), on_load_done=finished,
-                          on_save_done=finished)
+                          on_save_done=finished, save_in_place=not args.staged_saves)
+    save_path = "in place" if transfers.saves_in_place else "staged"
     src = np.empty(n * kv.layout.nbytes, np.uint8)
     src.fill(7)
     dst = np.empty_like(src)
@@ -88,9 +93,12 @@ def run(args: argparse.Namespace) -> int:
     nbytes = n * kv.layout.nbytes
     base = gbps(nbytes, median(times["memcpy"]))
     fields = {"model": args.model, "tp": args.tp, "blocks": n, "block_bytes": kv.layout.nbytes}
-    rows = [row({**fields, "op": op}, gbps(nbytes, median(times[op])), base) for op in ("save", "load")]
+    paths = {"save": save_path, "load": "from slots"}
+    rows = [row({**fields, "op": op, "path": paths[op]}, gbps(nbytes, median(times[op])), base)
+            for op in ("save", "load")]
+    copies = "once" if save_path == "in place" else "twice"
     print_rows(rows, f"vLLM connector data path, {format_bytes(nbytes)} per round, {layers} layers, CPU KV",
-               "np.copyto of the same bytes; a save copies every byte twice, a load from DRAM once")
+               f"np.copyto of the same bytes; a save copies every byte {copies}, a load from DRAM once")
     write_json(rows, args.json)
     return 0
 

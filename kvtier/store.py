@@ -3,7 +3,8 @@
 Runs in the caller's process (embedded mode). Batch-first and thread-safe: any thread may call any method.
 Buffer ownership: ``put`` copies the caller's blocks before it returns (``put_async``: before its future
 completes), ``get`` writes into the caller's ``out`` buffers before it returns; the caller must keep those
-buffers alive and unchanged until then.
+buffers alive and unchanged until then. ``put_in_place`` lends the caller top-tier slots to write until its
+``fill`` returns (a caller that produces the blocks itself, an engine connector's gather, skips its staging).
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
 thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
@@ -69,6 +72,8 @@ class StoreEvent:
 
 
 Listener = Callable[[StoreEvent], None]
+# put_in_place's writer: (positions in the batch, the top-tier slot addresses to write them to).
+Fill = Callable[[list[int], BlockRows], None]
 
 
 class TieredStore:
@@ -151,46 +156,73 @@ class TieredStore:
         """Store blocks (one per key) in the top tier; keys held anywhere or in flight are skipped."""
         check_keys(keys)
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
-        held = self.contains(keys)
-        with self._lock:
-            inflight = self._inflight
-            fresh = []
-            for i, k in enumerate(keys):
-                if not held[i] and k not in inflight:
-                    inflight[k] = 1
-                    fresh.append(i)
-        result = PutResult(skipped=len(keys) - len(fresh))
-        if not fresh:
-            self._count(put_skipped=result.skipped)
-            return result
-        fresh_keys = [keys[i] for i in fresh]
-        try:
-            stored = self.tiers[0].put(fresh_keys, _subset(rows, fresh))
+        with self._claim(keys) as fresh:
+            fresh_keys = [keys[i] for i in fresh]
+            stored = self.tiers[0].put(fresh_keys, _subset(rows, fresh)) if fresh else []
             if not all(stored) and self._reclaim():  # expired leases held the space: try once more
                 retry = [i for i, ok in enumerate(stored) if not ok]
                 again = self.tiers[0].put([fresh_keys[i] for i in retry], _subset(rows, [fresh[i] for i in retry]))
                 for i, ok in zip(retry, again):
                     stored[i] = ok
-        finally:
-            with self._lock:
-                for k in fresh_keys:
-                    if inflight[k] == 1:
-                        del inflight[k]
-                    else:
-                        inflight[k] -= 1
         new_keys = [k for k, ok in zip(fresh_keys, stored) if ok]
-        result.stored = len(new_keys)
-        result.rejected = [k for k, ok in zip(fresh_keys, stored) if not ok]
-        if result.rejected:
-            log.debug("put: %d of %d blocks rejected (no evictable space in %s)", len(result.rejected),
-                      len(keys), self.tiers[0].name)
-        self._count(put_stored=result.stored, put_skipped=result.skipped, put_rejected=len(result.rejected))
-        self._emit("stored", self.tiers[0].name, new_keys)
+        result = self._stored(keys, fresh_keys, new_keys)
         if self._offloads and new_keys:
             stored_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if ok])
             for offload in self._offloads:
                 offload.after_put(new_keys, stored_rows)
         return result
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether ``put_in_place`` works: the top tier has addressable slots (a DramTier; not the node pool
+        at the top of a standalone store)."""
+        return hasattr(self.tiers[0], "reserve") and hasattr(self.tiers[0], "commit")
+
+    def put_in_place(self, keys: Sequence[bytes], fill: Fill) -> PutResult:
+        """put() with one copy fewer: the caller writes the blocks straight into the top tier's slots.
+
+        Keys held anywhere or in flight are skipped as put skips them; the others get slots (evicting as put
+        does, never a pinned block nor a block of this batch the top tier holds). Then ``fill(index, slots)``
+        runs once, on this thread, if any slot was taken: it writes block ``keys[index[j]]`` at host address
+        ``slots.ptrs[j]`` and is done writing when it returns (GPU: synchronized). Only then are the keys
+        published, with put's offloads, events and counters. If ``fill`` or a write-through offload raises,
+        the top tier publishes nothing, every slot is freed and the exception propagates. TypeError where
+        ``writes_in_place`` is False (use put).
+        """
+        check_keys(keys)
+        top = self.tiers[0]
+        if not self.writes_in_place:
+            raise TypeError(f"the top tier {top.name!r} has no addressable slots to fill in place; use put")
+        reservations: list[tuple[Any, list[int]]] = []  # (a tier reservation, its slots' batch positions)
+        with self._claim(keys) as fresh:
+            fresh_keys = [keys[i] for i in fresh]
+            try:
+                # The batch's blocks the top tier holds go into the reservation too: it reports them held and
+                # keeps them from being evicted to make room for the new ones.
+                own = [k for k, h in zip(keys, top.contains(keys)) if h] if fresh else []
+                todo = list(range(len(fresh)))
+                while todo:
+                    res = top.reserve([fresh_keys[i] for i in todo] + own)
+                    reservations.append((res, [fresh[todo[j]] for j in res.index]))
+                    todo = [i for i, h in zip(todo, res.held) if not h]
+                    if not todo or len(reservations) == 2 or not self._reclaim():  # expired leases held the space
+                        break
+                index = [i for _, positions in reservations for i in positions]
+                new_keys = [keys[i] for i in index]
+                if index:
+                    slots = BlockRows(np.concatenate([r.addresses for r, _ in reservations]), (top,))
+                    fill(index, slots)
+                    # Offloaded before the commit, while the slots are reserved: once published, a concurrent
+                    # remove or eviction could give a slot to another block while write-through reads it.
+                    for offload in self._offloads:
+                        offload.after_put(new_keys, slots)
+            except BaseException:
+                for res, _ in reservations:
+                    top.commit(res, success=False)
+                raise
+            for res, _ in reservations:
+                top.commit(res)
+        return self._stored(keys, fresh_keys, new_keys)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop keys from every tier; return how many blocks were dropped in all.
@@ -363,6 +395,38 @@ class TieredStore:
             self._emit("removed", tier_name, list(keys))
 
         return on_evict
+
+    @contextmanager
+    def _claim(self, keys: Sequence[bytes]) -> Iterator[list[int]]:
+        """Positions of the keys no tier holds and no other put is writing: in flight until the block exits."""
+        held = self.contains(keys)
+        inflight = self._inflight
+        with self._lock:
+            fresh = []
+            for i, k in enumerate(keys):
+                if not held[i] and k not in inflight:
+                    inflight[k] = 1
+                    fresh.append(i)
+        try:
+            yield fresh
+        finally:
+            with self._lock:
+                for i in fresh:
+                    if inflight[keys[i]] == 1:
+                        del inflight[keys[i]]
+                    else:
+                        inflight[keys[i]] -= 1
+
+    def _stored(self, keys: Sequence[bytes], fresh_keys: list[bytes], new_keys: list[bytes]) -> PutResult:
+        """Count, log and announce what a put stored in the top tier."""
+        held = set(new_keys)
+        result = PutResult(len(new_keys), len(keys) - len(fresh_keys), [k for k in fresh_keys if k not in held])
+        if result.rejected:
+            log.debug("put: %d of %d blocks rejected (no evictable space in %s)", len(result.rejected),
+                      len(keys), self.tiers[0].name)
+        self._count(put_stored=result.stored, put_skipped=result.skipped, put_rejected=len(result.rejected))
+        self._emit("stored", self.tiers[0].name, new_keys)
+        return result
 
     def _reclaim(self) -> int:
         released = 0

@@ -1,4 +1,5 @@
-"""TieredStore: a hypothesis state machine against a plain dict model, concurrency, async, events."""
+"""TieredStore: a hypothesis state machine against a plain dict model (put, put_in_place, a failing fill), concurrency,
+async, events."""
 
 import threading
 
@@ -11,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import block_for, blocks_for
 from kvtier import Namespace, StoreEvent, TieredStore
+from kvtier.hostcopy import copy_rows
 from kvtier.tiers.dram import DramTier
 
 BB = 256
@@ -40,23 +42,51 @@ class StoreModel(RuleBasedStateMachine):
     def _held(self):
         return {k for k, h in zip(KEYS, self.store.contains(KEYS)) if h}
 
-    @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5))
-    def put(self, ks):
+    @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5), in_place=st.booleans())
+    def put(self, ks, in_place):
         self.version += 1
         data = [bytes([(self.version + i) % 256]) * BB for i in range(len(ks))]
         before = self._held()
-        res = self.store.put(ks, [bytearray(d) for d in data])
+        if in_place:  # the caller writes straight into the slots: bytes in must be bytes out all the same
+            res = self.store.put_in_place(ks, fill_from([bytearray(d) for d in data]))
+        else:
+            res = self.store.put(ks, [bytearray(d) for d in data])
         after = self._held()
         assert res.stored + res.skipped + len(res.rejected) == len(ks)
         for k, d in reversed(list(zip(ks, data))):  # the first occurrence of a repeated key wins
             if k not in before and k in after:
                 self.model[k] = d
         for k in before & set(ks):
-            assert k in after or self.pins.get(k, 0) == 0
+            # put_in_place never evicts the batch's own blocks to make room for its new ones.
+            assert k in after or (self.pins.get(k, 0) == 0 and not in_place)
         if res.rejected:
-            # Only when every slot is taken by a pinned block or by this batch's own new blocks.
-            pinned_held = sum(1 for k in after if self.pins.get(k, 0) > 0)
-            assert pinned_held + res.stored >= CAPACITY
+            # Only when every slot is taken by a pinned block or by this batch's own new blocks (in place:
+            # or by this batch's blocks already held).
+            kept = sum(1 for k in after if self.pins.get(k, 0) > 0 or (in_place and k in before & set(ks)))
+            assert kept + res.stored >= CAPACITY
+        for k in set(self.model) - after:
+            del self.model[k]
+
+    @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5))
+    def put_in_place_fill_fails(self, ks):
+        before = self._held()
+        stored = self.store.stats()["put_stored"]
+        calls = []
+
+        def fill(index, slots):
+            calls.append(index)
+            copy_rows(slots.ptrs[:1], np.array([scrap.ctypes.data], np.uint64), BB)  # half done, then fails
+            raise FillFailed
+
+        scrap = np.full(BB, 0xEE, np.uint8)
+        try:
+            res = self.store.put_in_place(ks, fill)
+            assert not calls and res.stored == 0  # nothing to write: fill is never called
+        except FillFailed:
+            assert calls
+        after = self._held()
+        assert after <= before  # publishes nothing (its reservation may have evicted others to make room)
+        assert self.store.stats()["put_stored"] == stored
         for k in set(self.model) - after:
             del self.model[k]
 
@@ -98,6 +128,12 @@ class StoreModel(RuleBasedStateMachine):
         assert t["used_bytes"] <= t["capacity_bytes"] == CAPACITY * BB
 
     @invariant()
+    def no_slot_leaked(self):
+        stats = self.store.stats()
+        t = stats["tiers"]["dram"]
+        assert t["used_bytes"] == t["blocks"] * BB and t["extra"]["pending"] == 0 and stats["inflight_puts"] == 0
+
+    @invariant()
     def pinned_never_evicted(self):
         held = self._held()
         assert all(k in held for k, c in self.pins.items() if c > 0 and k in self.model)
@@ -114,6 +150,20 @@ class StoreModel(RuleBasedStateMachine):
             lk = self.store.lookup_prefix(ks)
             assert lk.length == (held.index(False) if False in held else len(ks))
             assert lk.tiers == ["dram"] * lk.length
+
+
+class FillFailed(Exception):
+    pass
+
+
+def fill_from(blocks):
+    """A put_in_place fill that writes blocks[i] into the slot given for batch position i."""
+
+    def fill(index, slots):
+        src = np.array([np.frombuffer(blocks[i], np.uint8).ctypes.data for i in index], np.uint64)
+        copy_rows(slots.ptrs, src, BB)
+
+    return fill
 
 
 class S3FIFOStoreModel(StoreModel):

@@ -92,8 +92,9 @@ class PagedKV:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def gather(self, block_ids: np.ndarray, packed: torch.Tensor) -> None:
-        """packed[i] <- every layer of engine block block_ids[i] (GPU: asynchronous on the current stream)."""
+    def gather(self, block_ids: np.ndarray, packed: torch.Tensor | BlockRows) -> None:
+        """packed[i] <- every layer of engine block block_ids[i]: a row of an (N, nbytes) tensor, or the block at
+        address ``packed.ptrs[i]`` (a DRAM slot). GPU: asynchronous on the current stream."""
         gather(self.engine, block_ids, packed)
 
     def scatter_layer(self, layer: int, block_ids: np.ndarray, packed: torch.Tensor | BlockRows) -> None:

@@ -12,11 +12,15 @@ reused).
   forward's stream waits on). The job's lookup lease is released at the end: its pins protected the blocks
   until now.
 * Save: keys the store already holds are skipped before any copy (only new blocks cost a gather); the rest
-  are gathered into staging rows and ``store.put``; an agent's hints then lease the request's blocks.
+  are gathered straight into DRAM slots the store reserved for them (``store.put_in_place``: one copy, the
+  keys published once the gather is done). Where the slots cannot be addressed (the node pool on top of a
+  standalone store; GPU KV with a pageable DRAM buffer) they are gathered into staging rows and
+  ``store.put`` copies them again. An agent's hints then lease the request's blocks.
 
-Staging is ``staging_bytes`` of host memory per direction (page-locked when CUDA is present); a job larger
-than that goes through it in chunks. On a GPU each thread copies on its own stream, ordered after the
-compute stream's work at the time the job was queued. Thread-safe: any thread may submit.
+Staging is ``staging_bytes`` of host memory per direction (page-locked when CUDA is present; saves have none
+where they write in place); a job larger than that goes through it, or into slots, in chunks of that size.
+On a GPU each thread copies on its own stream, ordered after the compute stream's work at the time the job
+was queued. Thread-safe: any thread may submit.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -109,27 +114,31 @@ class Transfers:
 
     def __init__(self, store: TieredStore, lookup_leases: LeaseTable, kv: PagedKV, staging_bytes: int, *,
                  on_load_done: Callable[[LoadJob], None], on_save_done: Callable[[SaveJob], None],
-                 naming: Naming | None = None) -> None:
+                 naming: Naming | None = None, save_in_place: bool = True) -> None:
         self.store = store
         self.lookup_leases = lookup_leases
         self.kv = kv
-        rows = max(1, staging_bytes // kv.layout.nbytes)
-        self._buffers = [HostBuffer(rows * kv.layout.nbytes) for _ in range(2)]
-        self._load_rows = self._buffers[0].tensor.view(rows, kv.layout.nbytes)
-        self._save_rows = self._buffers[1].tensor.view(rows, kv.layout.nbytes)
         self._on_load_done, self._on_save_done = on_load_done, on_save_done
         self._naming: Naming = naming or (lambda keys, hashes: nullcontext())
         gpu = kv.device.type == "cuda"
         # Loads read DRAM slots in place when the copy kernels can address them: always for CPU KV, for GPU
-        # KV only when the DRAM buffer is page-locked (then the GPU reads it over PCIe directly).
+        # KV only when the DRAM buffer is page-locked (then the GPU reads it over PCIe directly). Saves then
+        # write them in place too, if the top tier has slots (``save_in_place`` False: always staged, to
+        # compare the two in ``kvtier bench vllm``).
         top = store.stats()["tiers"][store.tiers[0].name]["extra"]
         self._direct = not gpu or bool(top.get("pinned_memory"))
+        self._save_in_place = save_in_place and self._direct and store.writes_in_place
+        rows = self._chunk_rows = max(1, staging_bytes // kv.layout.nbytes)
+        self._buffers = [HostBuffer(rows * kv.layout.nbytes) for _ in range(1 if self._save_in_place else 2)]
+        self._load_rows = self._buffers[0].tensor.view(rows, kv.layout.nbytes)
+        self._save_rows = (self._buffers[1].tensor.view(rows, kv.layout.nbytes) if len(self._buffers) > 1
+                           else torch.empty(0, kv.layout.nbytes, dtype=torch.uint8))  # in place: no staging
         self._load_stream = torch.cuda.Stream(kv.device) if gpu else None
         self._save_stream = torch.cuda.Stream(kv.device) if gpu else None
         self._lock = threading.Lock()
         self.counters = {"load_blocks": 0, "load_bytes": 0, "load_failed_blocks": 0, "load_seconds": 0.0,
                          "save_blocks": 0, "save_bytes": 0, "save_skipped_blocks": 0, "save_rejected_blocks": 0,
-                         "save_seconds": 0.0}
+                         "save_in_place_blocks": 0, "save_staged_blocks": 0, "save_seconds": 0.0}
         self._loads: queue.Queue[LoadJob | None] = queue.Queue()
         self._saves: queue.Queue[SaveJob | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._serve, args=(self._loads, self._load), daemon=True,
@@ -138,8 +147,14 @@ class Transfers:
                                           name="kvtier-save")]
         for t in self._threads:
             t.start()
-        log.info("kvtier transfers: %d staging rows of %d B per direction (%s)", rows, kv.layout.nbytes,
-                 "pinned" if self._buffers[0].pinned else "pageable")
+        log.info("kvtier transfers: %d staging rows of %d B (%s) for loads%s", rows, kv.layout.nbytes,
+                 "pinned" if self._buffers[0].pinned else "pageable",
+                 "; saves gather straight into DRAM slots" if self._save_in_place else " and for saves")
+
+    @property
+    def saves_in_place(self) -> bool:
+        """Whether saves gather straight into DRAM slots (one copy) rather than through staging rows (two)."""
+        return self._save_in_place
 
     def submit_load(self, job: LoadJob) -> None:
         job.after = _stream_mark(self.kv.device)
@@ -233,32 +248,47 @@ class Transfers:
             held = self.store.contains(job.keys)
             todo = [i for i, h in enumerate(held) if not h]
             stored = rejected = 0
-            rows = len(self._save_rows)
+            rows = self._chunk_rows
             with _on_stream(self._save_stream, job.after):
                 for lo in range(0, len(todo), rows):
                     part = todo[lo : lo + rows]
-                    staging = self._save_rows[: len(part)]
-                    self.kv.gather(job.block_ids[part], staging)
-                    if self._save_stream is not None:
-                        self._save_stream.synchronize()
-                    if lo + rows >= len(todo):
-                        job.gathered.set()  # the engine's blocks are not read any more
+                    last = lo + rows >= len(todo)
                     keys = [job.keys[i] for i in part]
                     with self._naming(keys, [job.hashes[i] for i in part]):
-                        result = self.store.put(keys, staging)
+                        if self._save_in_place:
+                            fill = partial(self._gather_into_slots, job, part, last)
+                            result = self.store.put_in_place(keys, fill)
+                        else:
+                            staging = self._save_rows[: len(part)]
+                            self._gather(job, part, staging, last)
+                            result = self.store.put(keys, staging)
                     stored += result.stored
                     rejected += len(result.rejected)
             job.gathered.set()
             if job.hints is not None:
                 self.store.leases.lease(session_lease(job.hints.session), job.keys, job.hints.ttl_s,
                                         job.hints.priority)
+            path = "save_in_place_blocks" if self._save_in_place else "save_staged_blocks"
             self._count(save_blocks=stored, save_bytes=stored * self.kv.layout.nbytes,
                         save_skipped_blocks=len(job.keys) - len(todo), save_rejected_blocks=rejected,
-                        save_seconds=time.perf_counter() - start)
+                        save_seconds=time.perf_counter() - start, **{path: stored})
         except Exception:  # best effort: a failed save is a future miss, never a stuck request
             log.exception("kvtier: save of %d blocks for request %s failed", len(job.keys), job.req_id)
         job.gathered.set()
         self._finish(job, self._on_save_done)
+
+    def _gather_into_slots(self, job: SaveJob, part: list[int], last: bool, index: list[int],
+                           slots: BlockRows) -> None:
+        """put_in_place's fill: the blocks ``part[index[j]]`` of the job into DRAM slot ``slots.ptrs[j]``."""
+        self._gather(job, [part[j] for j in index], slots, last)
+
+    def _gather(self, job: SaveJob, which: list[int], packed: torch.Tensor | BlockRows, last: bool) -> None:
+        """Gather the job's blocks ``which`` into ``packed`` (staging rows or DRAM slots) and wait for it."""
+        self.kv.gather(job.block_ids[which], packed)
+        if self._save_stream is not None:
+            self._save_stream.synchronize()
+        if last:
+            job.gathered.set()  # the engine's blocks are not read any more
 
     def _finish(self, job: Any, callback: Callable[[Any], None]) -> None:
         job.done.set()
