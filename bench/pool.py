@@ -13,6 +13,9 @@ this order so machine noise hits all alike:
   Mooncake put / get     Mooncake Store over TCP, segment in another process (bench/pool_mooncake.py), when
                          the ``mooncake`` package is importable; skipped with a note otherwise
 
+With ``--pool-auth`` each size runs again against a pool started with --auth-dir (fresh keys): rows
+``stream+auth``, ``tcp+auth`` (CurveZMQ-encrypted frames), ``shm+auth``, each beside its own run's baseline.
+
 Every get is checked byte for byte against what was put; keys are fresh each round and removed after it.
 Round 0 warms up (page faults, connections); figures are medians of the other rounds.
 """
@@ -36,10 +39,13 @@ OPS = ("put", "get")
 
 
 def bench_pool(sizes: list[int], total: int, rounds: int, *, connections: int = 4, mooncake: bool = True,
-               **_: Any) -> list[dict[str, Any]]:
+               pool_auth: bool = False, **_: Any) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for bb in sizes:
         rows += _bench_size(bb, max(1, total // bb), rounds, connections)
+        if pool_auth:  # the same again against a pool with --auth-dir (CurveZMQ, data-port tokens): paths "+auth"
+            rows += [r for r in _bench_size(bb, max(1, total // bb), rounds, connections, auth=True)
+                     if r["path"] != "raw-socket"]
     if mooncake:
         from kvtier.bench.pool_mooncake import bench_mooncake
 
@@ -51,7 +57,7 @@ def bench_pool(sizes: list[int], total: int, rounds: int, *, connections: int = 
     return rows
 
 
-def _bench_size(bb: int, n: int, rounds: int, connections: int) -> list[dict[str, Any]]:
+def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = False) -> list[dict[str, Any]]:
     nbytes = n * bb
     src = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8).view(n, bb)  # not constant: catches mixups
     src[:, :8] = torch.arange(n, dtype=torch.int64).view(n, 1).view(torch.uint8)  # every block distinct
@@ -60,10 +66,12 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int) -> list[dict[str
     out_rows = np.uint64(out.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
     ns = Namespace(f"bench-pool-{bb}")
     times: dict[str, list[float]] = {}
-    with PoolDaemon(nbytes + 4 * bb, bb, ipc=True) as pool, _RawPeer(nbytes) as raw:
-        tcp = connect(pool.endpoint("tcp"), bb, transport="tcp", timeout_s=30.0, lanes=connections)
-        stream = connect(pool.endpoint("tcp"), bb, transport="stream", timeout_s=30.0, lanes=connections)
-        shm = connect(pool.endpoint("ipc"), bb, transport="shm", timeout_s=30.0)
+    with PoolDaemon(nbytes + 4 * bb, bb, ipc=True, auth=auth) as pool, _RawPeer(nbytes) as raw:
+        on_tcp, on_ipc = pool.endpoint("tcp"), pool.endpoint("ipc")
+        tcp = connect(on_tcp, bb, transport="tcp", timeout_s=30.0, lanes=connections, auth=pool.client_auth(on_tcp))
+        stream = connect(on_tcp, bb, transport="stream", timeout_s=30.0, lanes=connections,
+                         auth=pool.client_auth(on_tcp))
+        shm = connect(on_ipc, bb, transport="shm", timeout_s=30.0, auth=pool.client_auth(on_ipc))
         try:
             for r in range(rounds + 1):
                 keys = ns.keys(range(r * n, (r + 1) * n))
@@ -97,14 +105,15 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int) -> list[dict[str
                 conn.close()
     fig = {k: gbps(nbytes, median(v)) for k, v in times.items()}
     out_rows_: list[dict[str, Any]] = []
+    tag = "+auth" if auth else ""
     for op in OPS:
         out_rows_.append(row({"tier": "pool", "path": "raw-socket", "op": op, "block_bytes": bb},
                              fig[f"raw {op}"], fig[f"raw {op}"]))
         for path in ("stream", "tcp"):
-            out_rows_.append(row({"tier": "pool", "path": path, "op": op, "block_bytes": bb},
+            out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
                                  fig[f"{path} {op}"], fig[f"raw {op}"]))
     for op in OPS:
-        out_rows_.append(row({"tier": "pool", "path": "shm", "op": op, "block_bytes": bb},
+        out_rows_.append(row({"tier": "pool", "path": "shm" + tag, "op": op, "block_bytes": bb},
                              fig[f"shm {op}"], fig["memcpy"]))
     return out_rows_
 

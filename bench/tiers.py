@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connections", type=int, default=4, help="pool: parallel TCP connections per batch")
     p.add_argument("--no-mooncake", dest="mooncake", action="store_false",
                    help="pool: skip the Mooncake Store rows even where it is installed")
+    p.add_argument("--pool-auth", action="store_true", help="pool: also measure a pool started with --auth-dir "
+                   "(CurveZMQ control and tcp frames, tokens on the data port): paths *+auth")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
 
 
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     fn, baseline, default_sizes = TIER_BENCHES[args.tier]
     sizes = [parse_bytes(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
     rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads, path=args.path,
-              connections=args.connections, mooncake=args.mooncake)
+              connections=args.connections, mooncake=args.mooncake, pool_auth=args.pool_auth)
     print_rows(rows, f"kvtier bench tiers --tier {args.tier}", baseline)
     write_json(rows, args.json)
     return 0

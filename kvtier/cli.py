@@ -13,6 +13,7 @@ from kvtier.config import Config, ConfigError
 COMMAND_MODULES = [
     "kvtier.bench.cli",
     "kvtier.replay.cli",
+    "kvtier.auth.cli",
 ]
 
 

@@ -107,6 +107,9 @@ class Config:
                                ("write_through", "on_evict", "second_hit"))
     pool_staging_bytes: int = _bytes_field("256MiB", "host memory for blocks queued for the pool "
                                                      "(write-behind); 0 sends on the caller's thread")
+    auth_dir: str = _field("", "CurveZMQ keys for a master and pools started with --auth-dir: this client's "
+                               "client.key_secret and the daemons' server.key (or servers/<endpoint>.key); "
+                               "empty: plain zmq (README 'Authenticated sockets')")
     standalone_dram_capacity: int = _bytes_field(0, "standalone: a private DRAM tier above the node pool "
                                                     "(0: none, the node pool is the top tier)")
 

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    + ", ".join(f"{k}={v / 1e9:g}GB" for k, v in DEFAULT_TIER_BW.items()) + ")")
     p.add_argument("--path-bw", type=lambda s: float(parse_bytes(s)), default=CostDefaults().path_bw,
                    help="node-to-node bandwidth where none is measured yet (bytes/s, default 10GB)")
+    p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this daemon's "
+                   "keypair, DIR/authorized/*.key the clients admitted (kvtier keys generate; README "
+                   "'Authenticated sockets'). Default: anyone who reaches the port is served")
     p.add_argument("--ready-file", help="write {endpoint, metrics_port, pid} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics_port=None if args.metrics_port < 0 else args.metrics_port, metrics_host=args.metrics_host,
             lease_s=args.lease_s, heat_half_life_s=args.heat_half_life_s, placement=args.placement,
             max_batch_keys=args.max_batch_keys, snapshot_interval_s=args.snapshot_interval_s,
-            cost=CostDefaults(tier_bw=args.tier_bw, path_bw=args.path_bw),
+            cost=CostDefaults(tier_bw=args.tier_bw, path_bw=args.path_bw), auth_dir=args.auth_dir,
         )
         server = MasterServer(settings, ready_file=args.ready_file)
         try:

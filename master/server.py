@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
+from kvtier.auth import ServerAuth
 from kvtier.master import ops_node, ops_router
 from kvtier.master.metrics import MasterMetrics
 from kvtier.master.persist import MasterDisk
@@ -60,6 +61,8 @@ class MasterServer:
         self._last_snapshot = time.monotonic()
         self._snapshot_running = False
         self._bad = RateLimitedLog(log)
+        # Keys are read now: a missing one is a start-up error (AuthError), before anything is opened.
+        self.auth = ServerAuth(settings.auth_dir) if settings.auth_dir else None
 
     # ---- requests --------------------------------------------------------------------------------------
 
@@ -104,6 +107,9 @@ class MasterServer:
             self.disk = MasterDisk(self.settings.data_dir)
             self.state.restore(self.disk)
         ctx = zmq.Context()
+        auth = self.auth
+        if auth is not None:
+            auth.start(ctx)  # a thread of its own: it answers ZAP requests beside the loop, on the same context
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
@@ -111,12 +117,16 @@ class MasterServer:
         sock.setsockopt(zmq.SNDHWM, 100_000)
         serving = False
         try:
+            if auth is not None:
+                auth.secure(sock)
+                auth.watch(sock, ctx)
             sock.bind(self.settings.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             if self.settings.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
-            log.info("kvtier-master %s: serving on %s; metrics %s; data dir %s; lease %.3g s, heat half-life "
+            log.info("kvtier-master %s: serving on %s%s; metrics %s; data dir %s; lease %.3g s, heat half-life "
                      "%.3g s, placement %s", os.getpid(), self.endpoint,
+                     f" (CurveZMQ, keys in {self.settings.auth_dir})" if auth else "",
                      f"http://{self.settings.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port
                      else "off", self.settings.data_dir or "none (nothing persists)", self.settings.lease_s,
                      self.settings.heat_half_life_s, self.settings.placement)
@@ -134,6 +144,8 @@ class MasterServer:
                 timer.cancel()
         finally:
             sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             await self._shutdown(flush=serving)
 

@@ -47,6 +47,7 @@ class MasterSettings:
     sweep_slots_per_tick: int = 1 << 18
     max_hint_keys: int = 1 << 20
     cost: CostDefaults = field(default_factory=CostDefaults)
+    auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server.key_secret and authorized/; "" admits anyone
 
 
 class MasterState:

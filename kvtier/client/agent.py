@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtier import wire
+from kvtier.auth import ClientKeys
 from kvtier.client import api
 from kvtier.client.api import Hints
 from kvtier.client.master import MasterClient, MasterError, MasterUnknownNode
@@ -62,7 +63,8 @@ class NodeAgent:
                  initial: Mapping[str, Iterable[bytes]] | None = None,
                  list_keys: Callable[[str], list[bytes]] | None = None, goodbye: bool = False,
                  heartbeat_s: float | None = None, batch_interval_s: float = 0.01, max_batch_keys: int = 65536,
-                 inventory_part_keys: int = 262144, timeout_s: float = 2.0, ewma_alpha: float = 0.2) -> None:
+                 inventory_part_keys: int = 262144, timeout_s: float = 2.0, ewma_alpha: float = 0.2,
+                 auth: ClientKeys | None = None) -> None:
         if not tiers:
             raise ValueError("a node needs at least one tier")
         self.master = master
@@ -80,6 +82,7 @@ class NodeAgent:
         self.max_batch_keys = max_batch_keys
         self.inventory_part_keys = inventory_part_keys
         self.timeout_s = timeout_s
+        self.auth = auth  # CurveZMQ keys for a master started with --auth-dir
         self.alpha = ewma_alpha
         names = {name for name, _ in self.tiers}
         # No mirror where the tiers can list their keys: the agent then holds only what is queued.
@@ -192,7 +195,7 @@ class NodeAgent:
     # ---- the agent thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        client = MasterClient(self.master, self.timeout_s)
+        client = MasterClient(self.master, self.timeout_s, auth=self.auth)
         next_heartbeat = 0.0
         backoff = 0.05
         try:

@@ -9,6 +9,10 @@ rebuilds its socket so the next call starts clean. zmq reconnects by itself when
 same endpoint. A reply to an earlier, timed-out request is recognised by its req_id and dropped. An error
 reply raises MasterError with the daemon's code and message (MasterUnknownNode for ERR_UNKNOWN_NODE).
 
+With ``auth`` (kvtier.auth.ClientKeys, for a master started with --auth-dir) the socket is a CurveZMQ
+client. A master that refuses the keys, or wants keys the client lacks, stays silent: a timeout before any
+reply says that this may be why.
+
 MasterClient: thread-safe (one lock; calls are serialised on its socket). AsyncMasterClient: for one event
 loop; many calls may be in flight at once, matched to replies by req_id. Both own their socket; close() them.
 """
@@ -26,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier import wire
+from kvtier.auth import ClientKeys, silence_hint
 from kvtier.client import api
 from kvtier.client.api import Call, CostResult, HeatResult, Hints, KeysLike, LocateResult, LookupResult, TopResult
 
@@ -56,23 +61,32 @@ def _error(body: Mapping[str, Any]) -> MasterError:
     return cls(code, str(body.get("message", "")))
 
 
-def _socket(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
+def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if auth is not None:
+        auth.apply(sock)
     sock.connect(endpoint)
     return sock
+
+
+def _timeout(op: str, endpoint: str, timeout: float, answered: bool, auth: ClientKeys | None) -> MasterTimeout:
+    hint = "" if answered else silence_hint(endpoint, auth)
+    return MasterTimeout("timeout", f"{op} to {endpoint}: no reply within {timeout:g} s{hint}")
 
 
 class MasterClient:
     """Blocking client. ``endpoint`` like "tcp://127.0.0.1:7300"."""
 
-    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, auth: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.auth = auth
+        self._answered = False  # any reply yet (a silence before the first one may be refused keys)
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, endpoint)
+        self._sock = _socket(self._ctx, endpoint, auth)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.last_rtt_s = 0.0  # round trip of the last successful call (the node agent's latency signal)
@@ -88,7 +102,7 @@ class MasterClient:
                 left = deadline - time.perf_counter()
                 if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
                     self._reset()
-                    raise MasterTimeout("timeout", f"{c.op} to {self.endpoint}: no reply within {timeout:g} s")
+                    raise _timeout(c.op, self.endpoint, timeout, self._answered, self.auth)
                 try:
                     rid, ok, body = wire.decode_reply(self._sock.recv())
                 except wire.WireError as e:
@@ -97,6 +111,7 @@ class MasterClient:
                 if rid == req_id:
                     break  # other ids: late replies to requests that timed out
             self.last_rtt_s = time.perf_counter() - t0
+            self._answered = True
         if not ok:
             raise _error(body)
         return c.parse(body)
@@ -104,7 +119,7 @@ class MasterClient:
     def _reset(self) -> None:
         """Drop the socket (and whatever it had queued for a dead master) and connect a fresh one."""
         self._sock.close(linger=0)
-        self._sock = _socket(self._ctx, self.endpoint)
+        self._sock = _socket(self._ctx, self.endpoint, self.auth)
 
     def close(self) -> None:
         with self._lock:
@@ -163,11 +178,13 @@ class MasterClient:
 class AsyncMasterClient:
     """asyncio client for one event loop. Calls may overlap; each waits at most ``timeout_s``."""
 
-    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, auth: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.auth = auth
+        self._answered = False
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, endpoint)  # type: ignore[arg-type]
+        self._sock = _socket(self._ctx, endpoint, auth)  # type: ignore[arg-type]
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -183,9 +200,11 @@ class AsyncMasterClient:
             await self._sock.send(wire.encode_request(req_id, c.op, c.body))
             ok, body = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise MasterTimeout("timeout", f"{c.op} to {self.endpoint}: no reply within {timeout:g} s") from None
+            # The hint's port probe (0.2 s at most, only without keys and before any reply) runs off the loop.
+            raise await asyncio.to_thread(_timeout, c.op, self.endpoint, timeout, self._answered, self.auth) from None
         finally:
             self._waiting.pop(req_id, None)
+        self._answered = True
         if not ok:
             raise _error(body)
         return c.parse(body)

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-message-timeout-s", type=float, default=d.stream_message_timeout_s,
                    help="the longest one data message may take before its connection is dropped (a peer that "
                    f"trickles bytes holds a thread no longer; default {d.stream_message_timeout_s:g})")
+    p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this pool's "
+                   "keypair, DIR/authorized/*.key the clients admitted, DIR/master.key (optional) the master's "
+                   "public key; the data port then admits connections by a token handed out at hello (README "
+                   "'Authenticated sockets'). Default: anyone who reaches the ports is served")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
             stream_max_connections=args.stream_max_connections,
             stream_message_timeout_s=args.stream_message_timeout_s,
-            heartbeat_s=args.heartbeat_s,
+            heartbeat_s=args.heartbeat_s, auth_dir=args.auth_dir,
             labels=dict(args.label),
         )
         PoolServer(settings, ready_file=args.ready_file).run()

@@ -44,6 +44,8 @@ def hello(st: PoolState, body: Body, data: list[Any]) -> Reply:
     transports: dict[str, Any] = {"tcp": {}}
     if st.stream_port:
         transports["stream"] = {"port": st.stream_port}
+        if st.tokens is not None:  # the data port's admission (kvtier/auth/tokens.py); this reply is encrypted
+            transports["stream"]["token"] = st.tokens.issue()
     if st.shm_path is not None and tier is not None:
         transports["shm"] = {"path": str(st.shm_path), "nbytes": tier.capacity_bytes}
     if st.rdma is not None:

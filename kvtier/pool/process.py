@@ -18,14 +18,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtier.auth import ClientKeys, generate
+
 
 class PoolDaemon:
     """``python -m kvtier.pool`` bound on loopback tcp (and an ipc socket with ``ipc``), sized to ``capacity``,
-    evicting by ``eviction`` (a policy name the pool process knows: a built-in one)."""
+    evicting by ``eviction`` (a policy name the pool process knows: a built-in one). With ``auth`` it requires
+    CurveZMQ keys, made fresh in its temporary directory; ``client_auth(endpoint)`` gives a client's."""
 
     def __init__(self, capacity: int, block_bytes: int, *, ipc: bool = False, workers: int = 2,
-                 eviction: str = "lru", log_level: str = "warning", start_timeout_s: float = 60.0) -> None:
+                 eviction: str = "lru", log_level: str = "warning", start_timeout_s: float = 60.0,
+                 auth: bool = False) -> None:
         self.capacity, self.block_bytes, self.ipc, self.workers = capacity, block_bytes, ipc, workers
+        self.auth = auth
         self.eviction = eviction
         self.log_level, self.start_timeout_s = log_level, start_timeout_s
         self.endpoints: list[str] = []
@@ -48,6 +53,8 @@ class PoolDaemon:
                "--log-level", self.log_level]
         if self.ipc:
             cmd += ["--bind", f"ipc://{self._dir}/pool.sock"]
+        if self.auth:
+            cmd += ["--auth-dir", str(_make_keys(self._dir))]
         self._proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + self.start_timeout_s
         while not ready.exists():
@@ -59,6 +66,12 @@ class PoolDaemon:
         self.endpoints = json.loads(ready.read_text())["endpoints"]
         return self
 
+    def client_auth(self, endpoint: str) -> ClientKeys | None:
+        """The keys a client presents to this pool (None without ``auth``)."""
+        if not self.auth or self._dir is None:
+            return None
+        return ClientKeys.load(self._dir / "client", endpoint)
+
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
@@ -69,3 +82,14 @@ class PoolDaemon:
                 self._proc.wait(10)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _make_keys(directory: Path) -> Path:
+    """A daemon keypair admitting one client keypair (README "Authenticated sockets"); the daemon's directory."""
+    daemon, client = directory / "daemon", directory / "client"
+    generate(daemon, "server")
+    generate(client)
+    (daemon / "authorized").mkdir()
+    shutil.copy(client / "client.key", daemon / "authorized" / "client.key")
+    shutil.copy(daemon / "server.key", client / "server.key")
+    return daemon

@@ -13,8 +13,9 @@ Ops (request body -> reply body):
             Sizes the pool on first contact when it was started without --block-bytes (only a hello does;
             data ops answer ERR_NOT_READY until then; blocks under 512 B are refused); a client whose blocks
             have another size is refused (ERR_BAD_REQUEST naming both sizes). ``transports`` maps each data
-            path the pool offers to what a client needs for it: {"tcp": {}, "shm": {"path", "nbytes"},
-            "rdma": {...}}.
+            path the pool offers to what a client needs for it: {"tcp": {}, "stream": {"port", "token"?},
+            "shm": {"path", "nbytes"}, "rdma": {...}}. "token" (a pool with --auth-dir): 32 bytes a data
+            connection must send first (kvtier/auth/tokens.py); a fresh one per hello.
   contains  {keys}               -> {held: bitmap}
   remove    {keys}               -> {removed: int}
   put       {keys} + data        -> {held: bitmap}        data: the n blocks' bytes in key order, cut into

@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
+from kvtier.auth import ServerAuth
 from kvtier.pool import ops
 from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
@@ -57,6 +58,9 @@ class PoolServer:
         self._bad = RateLimitedLog(log)
         self._ctx = zmq.Context(io_threads=max(1, min(4, settings.workers)))
         self._stream: Any = None  # kvtier.pool.stream.StreamServer
+        # Keys are read now: a missing one is a start-up error (AuthError), before any memory is taken.
+        self.auth = ServerAuth(settings.auth_dir, count=lambda name: self.state.count(**{name: 1})) \
+            if settings.auth_dir else None
 
     # ---- requests --------------------------------------------------------------------------------------
 
@@ -104,15 +108,23 @@ class PoolServer:
         frontend.setsockopt(zmq.SNDHWM, REPLY_HWM)
         endpoints = []
         try:
+            if self.auth is not None:
+                self.auth.start(self._ctx)
+                self.auth.secure(frontend)
+                self.auth.watch(frontend, self._ctx)
             for endpoint in s.bind:
                 if endpoint.startswith("ipc://"):
                     Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
                 frontend.bind(endpoint)
                 endpoints.append(frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+                if self.auth is not None:
+                    self.auth.restrict(endpoints[-1])
             stream = self._start_stream(endpoints)
             self.state.start(endpoints)
         except BaseException:
             frontend.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
             self._ctx.term()
             if self._stream is not None:
                 self._stream.close()
@@ -133,8 +145,9 @@ class PoolServer:
         for w in workers:
             w.start()
         tier = self.state.tier
-        log.info("kvtier-pool %s (%s): serving on %s%s; capacity %s%s; %d workers; lease %.3g s; master %s",
+        log.info("kvtier-pool %s (%s): serving on %s%s%s; capacity %s%s; %d workers; lease %.3g s; master %s",
                  os.getpid(), self.state.node_id, ", ".join(endpoints),
+                 f" (CurveZMQ, keys in {s.auth_dir}; data port by token)" if self.auth else "",
                  f" (data port {stream})" if stream else "", format_bytes(s.capacity),
                  f" in blocks of {tier.block_bytes} B" if tier else " (block size set by the first client)",
                  s.workers, s.lease_s, s.master or "none (clients list this pool themselves)")
@@ -149,6 +162,8 @@ class PoolServer:
             control.send(b"TERMINATE")
             proxy.join(5.0)
             control.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
             self._ctx.term()
             if self._stream is not None:
                 self._stream.close()
@@ -169,7 +184,7 @@ class PoolServer:
             port = int(p)
         from kvtier.pool.stream import StreamServer
 
-        self._stream = StreamServer(self.state, host, port, timeout_s=self.settings.lease_s,
+        self._stream = StreamServer(self.state, host, port, timeout_s=self.settings.lease_s, tokens=self.state.tokens,
                                     message_timeout_s=self.settings.stream_message_timeout_s,
                                     max_connections=self.settings.stream_max_connections)
         self.state.stream_port = self._stream.start()

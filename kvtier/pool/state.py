@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import wire
+from kvtier.auth import ClientKeys, DataTokens
 from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
 from kvtier.pool.leases import ClientLeases
@@ -64,6 +65,7 @@ class PoolSettings:
     stream_max_connections: int = 256  # data connections at once; more are refused (one thread each)
     stream_message_timeout_s: float = 30.0  # the longest one data message (<= 16 MiB) may take
     heartbeat_s: float | None = None
+    auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server keypair, authorized/, master.key; "" admits anyone
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -86,6 +88,9 @@ class PoolState:
         self.counters: Counter[str] = Counter()
         self.staging = Staging(keep=4 * settings.workers)  # for gets of scattered small blocks
         self._lock = threading.Lock()
+        # With --auth-dir, a hello hands out a token the data port asks for (kvtier/auth/tokens.py).
+        self.tokens = DataTokens() if settings.auth_dir else None
+        self.master_keys = _master_keys(settings)  # read now: a bad master.key is a start-up error
         self.shm_path: Path | None = None
         if settings.ipc:
             self.shm_path = _shm_file(Path(settings.shm_dir), settings.ipc, self.epoch)
@@ -209,8 +214,9 @@ class PoolState:
             self.settings.master, self.node_id, [(TIER, tier.capacity_bytes)], block_bytes=tier.block_bytes,
             address=self.advertised, labels={**self.settings.labels, **POOL_LABELS},
             used=lambda: {TIER: tier.stats().used_bytes}, list_keys=lambda _tier: tier.keys(), goodbye=True,
-            heartbeat_s=self.settings.heartbeat_s).start()
-        log.info("pool %s: reporting to master %s as %s", self.node_id, self.settings.master, self.advertised)
+            heartbeat_s=self.settings.heartbeat_s, auth=self.master_keys).start()
+        log.info("pool %s: reporting to master %s as %s%s", self.node_id, self.settings.master, self.advertised,
+                 " (CurveZMQ)" if self.master_keys is not None else "")
 
     def _start_rdma(self, tier: DramTier) -> None:
         if self.settings.rdma == "off":
@@ -257,6 +263,15 @@ def block_size_problem(block_bytes: int, capacity: int, minimum: int = MIN_BLOCK
 
 def _short(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def _master_keys(settings: PoolSettings) -> ClientKeys | None:
+    """The keys the pool presents to the master: its own server keypair, and the master's public key in
+    auth_dir/master.key; none (plain zmq) without --auth-dir, --master or that file."""
+    d = settings.auth_dir
+    if not d or not settings.master or not (Path(d) / "master.key").exists():
+        return None
+    return ClientKeys.load(d, settings.master, own="server", server_file="master.key")
 
 
 def _shm_file(shm_dir: Path, ipc: str, epoch: int) -> Path:

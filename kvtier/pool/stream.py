@@ -15,6 +15,10 @@ Only the two data ops come here:
          already holds go to a scratch buffer), commit; reply {held}
     get: acquire, reply {hit}, then sendmsg() straight from the slots; release
 
+With ``tokens`` (a pool with --auth-dir), a connection's first TOKEN_BYTES bytes must be a token the pool
+handed out at hello (kvtier/auth/tokens.py), within TOKEN_DEADLINE_S; otherwise it is closed unanswered and
+counted (``stream_auth_refused``). The bytes that follow are not encrypted.
+
 Anything else, or a bad request, gets an error reply (kvtier.wire's codes and envelope) and the connection is
 closed: a byte stream cannot be resynchronised after a message it did not fully read.
 """
@@ -30,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
+from kvtier.auth import TOKEN_BYTES, DataTokens
 from kvtier.pool import protocol as P
 from kvtier.pool.ops import check_fits
 from kvtier.pool.state import PoolSettings, PoolState
@@ -44,6 +49,7 @@ SCRATCH_BYTES = 4 << 20
 # Data connections at once: a few lanes per engine process, for a node's worth of engines.
 MAX_CONNECTIONS = PoolSettings.stream_max_connections
 WATCHDOG_S = 0.2  # how often the accept thread looks for messages past their deadline
+TOKEN_DEADLINE_S = 2.0  # a data connection presents its token within this long of being accepted, or is closed
 
 
 class StreamServer:
@@ -53,13 +59,15 @@ class StreamServer:
     Its threads are its own (one accepting and watching deadlines, one per connection)."""
 
     def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0, *,
-                 message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
+                 message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS,
+                 tokens: DataTokens | None = None) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.state = state
         self.timeout_s = timeout_s
         self.message_timeout_s = timeout_s if message_timeout_s is None else message_timeout_s
         self.max_connections = max_connections
+        self.tokens = tokens
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self._listener.settimeout(WATCHDOG_S)
         self.port = self._listener.getsockname()[1]
@@ -154,6 +162,8 @@ class StreamServer:
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         scratch = np.empty(0, np.uint8)
         try:
+            if self.tokens is not None and not self._admit(conn, peer, self.tokens):
+                return
             while not self._stop.is_set():
                 req_id = 0
                 try:
@@ -189,6 +199,34 @@ class StreamServer:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _admit(self, conn: socket.socket, peer: Any, tokens: DataTokens) -> bool:
+        """Read the connection's token (all of it within TOKEN_DEADLINE_S: a peer trickling bytes gets no
+        longer); whether it is one the pool issued. Refused connections are counted and logged."""
+        token = bytearray(TOKEN_BYTES)
+        got, deadline, why = 0, time.monotonic() + TOKEN_DEADLINE_S, ""
+        try:
+            while got < TOKEN_BYTES:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    why = f"no token within {TOKEN_DEADLINE_S:g} s"
+                    break
+                conn.settimeout(left)
+                k = conn.recv_into(memoryview(token)[got:])
+                if not k:
+                    why = "closed before sending a whole token"
+                    break
+                got += k
+        except socket.timeout:
+            why = f"no token within {TOKEN_DEADLINE_S:g} s"
+        finally:
+            conn.settimeout(self.timeout_s)
+        if not why and tokens.check(bytes(token)):
+            return True
+        self.state.count(stream_auth_refused=1)
+        self._bad("stream-auth", logging.WARNING, "data connection from %s refused: %s (a client says hello over "
+                  "the CurveZMQ port first; its token opens a data connection)", peer, why or "a wrong token")
+        return False
 
     def _put(self, conn: socket.socket, req_id: int, body: dict[str, Any], scratch: np.ndarray) -> None:
         st = self.state

@@ -29,11 +29,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from kvtier import wire
+from kvtier.auth import AuthError, ClientKeys, load_keypair
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
@@ -108,9 +110,13 @@ class PoolTier:
     remote = True  # a NodeAgent for the engine does not report this tier as the engine's own
 
     def __init__(self, block_bytes: int, route: PoolRoute, *, transport: str = "auto", timeout_s: float = 0.5,
-                 connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = ()) -> None:
+                 connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = (),
+                 auth_dir: str = "") -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        if auth_dir:  # this client's keypair must be there from the start (AuthError); the pools' keys per connect
+            load_keypair(Path(auth_dir) / "client.key_secret")
+        self.auth_dir = auth_dir
         self.block_bytes = block_bytes
         self.route = route
         self.transport = transport
@@ -131,10 +137,12 @@ class PoolTier:
         """The pool tier a Config describes: kvtier-master's placements when ``master`` is set, else the pools
         listed in ``pool``."""
         endpoints = [e.strip() for e in cfg.pool.split(",") if e.strip()]
-        route: PoolRoute = (MasterRoute(cfg.master, cfg.node_id or default_node_id(), cfg.pool_timeout_ms / 1000)
+        route: PoolRoute = (MasterRoute(cfg.master, cfg.node_id or default_node_id(), cfg.pool_timeout_ms / 1000,
+                                        auth_dir=cfg.auth_dir)
                             if cfg.master else PeerRoute(endpoints))
         tier = cls(block_bytes, route, transport=cfg.pool_transport, timeout_s=cfg.pool_timeout_ms / 1000,
-                   connections=cfg.pool_connections, staging_bytes=cfg.pool_staging_bytes, dtypes=dtypes)
+                   connections=cfg.pool_connections, staging_bytes=cfg.pool_staging_bytes, dtypes=dtypes,
+                   auth_dir=cfg.auth_dir)
         tier.connect_all()
         return tier
 
@@ -314,7 +322,7 @@ class PoolTier:
                     raise PoolUnavailable(endpoint, pool.last_error, "backoff")
                 try:
                     pool.conn = connect(endpoint, self.block_bytes, transport=self.transport,
-                                        timeout_s=self.timeout_s, lanes=self.connections)
+                                        timeout_s=self.timeout_s, lanes=self.connections, auth=self._auth(endpoint))
                 except PoolUnavailable as e:
                     self._failed(pool, e)
                     raise
@@ -332,6 +340,16 @@ class PoolTier:
             log.info("pool %s is answering again", endpoint)
             pool.backoff = BACKOFF_S[0]
         return result
+
+    def _auth(self, endpoint: str) -> ClientKeys | None:
+        """The CurveZMQ keys for ``endpoint`` (auth_dir's server.key, or servers/<endpoint>.key); a key file
+        that went missing is a setup error for this pool (PoolProtocolError: logged, backed off)."""
+        if not self.auth_dir:
+            return None
+        try:
+            return ClientKeys.load(self.auth_dir, endpoint)
+        except AuthError as e:
+            raise PoolProtocolError(endpoint, str(e), "auth") from None
 
     def _check_epoch(self, pool: _Pool) -> None:
         """A pool that restarted (a new epoch) lost its blocks: forget which keys this process saw held, so the

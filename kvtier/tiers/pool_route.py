@@ -208,17 +208,19 @@ class MasterBackoff:
 class MasterRoute:
     """kvtier-master's placements and directory. ``requester`` is this node's id (the local_first policy
     places on the requester when it is a pool itself); ``backoff_s``: the first and longest back-off after
-    the master fails to answer."""
+    the master fails to answer; ``auth_dir``: CurveZMQ keys for a master started with --auth-dir."""
 
     authoritative = True
 
     def __init__(self, master: str, requester: str, timeout_s: float = 0.5,
-                 backoff_s: tuple[float, float] = MASTER_BACKOFF_S) -> None:
+                 backoff_s: tuple[float, float] = MASTER_BACKOFF_S, auth_dir: str = "") -> None:
+        from kvtier.auth import ClientKeys
         from kvtier.client import MasterClient
 
         self.master = master
         self.requester = requester
-        self._client = MasterClient(master, timeout_s)
+        auth = ClientKeys.load(auth_dir, master) if auth_dir else None  # AuthError: a setup error, now
+        self._client = MasterClient(master, timeout_s, auth=auth)
         self._backoff = MasterBackoff(master, *backoff_s, probe=self._client.ping)
         self._address: dict[str, str] = {}  # node id -> endpoint
         self._lock = threading.Lock()

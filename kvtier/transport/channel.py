@@ -15,6 +15,9 @@ Timeouts: a batch fails when no reply has come for ``timeout_s`` (a slow but mov
 never delivered to a restarted one). Sockets use IMMEDIATE, so nothing queues for a pool that is not
 connected: a send waits for a connection at most until the deadline.
 
+With ``auth`` (kvtier.auth.ClientKeys) every lane is a CurveZMQ client: authenticated and encrypted. A pool
+that refuses the keys (or wants keys the channel lacks) never answers; a timeout before any reply says so.
+
 Thread-safe: lanes are checked out per call, so calls from several threads run at once (up to ``max_lanes``
 lanes in all; a call waits for a free lane until its deadline).
 """
@@ -32,6 +35,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
+from kvtier.auth import ClientKeys, silence_hint
 from kvtier.transport.base import PoolError, PoolProtocolError, PoolRefused, PoolUnavailable
 
 log = logging.getLogger(__name__)
@@ -74,13 +78,15 @@ class _Lane:
 class Channel:
     """Lanes to one pool endpoint. ``ctx`` is owned by the caller (shared by its channels)."""
 
-    def __init__(self, endpoint: str, ctx: zmq.Context[Any], *, max_lanes: int = 4, timeout_s: float = 0.5) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.Context[Any], *, max_lanes: int = 4, timeout_s: float = 0.5,
+                 auth: ClientKeys | None = None) -> None:
         if max_lanes < 1:
             raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.max_lanes = max_lanes
-        self.epoch: int | None = None  # of the last reply
+        self.auth = auth
+        self.epoch: int | None = None  # of the last reply (None: the pool has never answered)
         self._ctx = ctx
         self._ids = itertools.count(1)
         self._free: list[_Lane] = []
@@ -133,7 +139,9 @@ class Channel:
             run.go()
         except _Timeout as e:
             self._finish(taken, run.busy(), run.trackers)
-            raise PoolUnavailable(self.endpoint, f"{e} ({len(run.inflight)} requests unanswered)", "timeout") from None
+            hint = silence_hint(self.endpoint, self.auth) if self.epoch is None else ""
+            raise PoolUnavailable(self.endpoint, f"{e}{hint} ({len(run.inflight)} requests unanswered)",
+                                  "timeout") from None
         except _Unreadable as e:
             self._finish(taken, taken, run.trackers)
             raise PoolProtocolError(self.endpoint, str(e), wire.ERR_BAD_MESSAGE) from None
@@ -216,6 +224,8 @@ class Channel:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.auth is not None:
+            self.auth.apply(sock)
         sock.connect(self.endpoint)
         return sock
 

@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
+from kvtier.auth import ClientKeys
 from kvtier.pool import protocol as P
 from kvtier.transport.base import PoolConnection, PoolError, PoolInfo, PoolRefused
 from kvtier.transport.channel import Answer, Channel, Request
@@ -178,12 +179,13 @@ def shared_context() -> zmq.Context[Any]:
 
 
 def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout_s: float = 0.5,
-            lanes: int = 4) -> PoolConnection:
-    """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``. Raises PoolError (unreachable,
-    refused, another protocol version) or ValueError (an unknown transport)."""
+            lanes: int = 4, auth: ClientKeys | None = None) -> PoolConnection:
+    """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``; ``auth`` for a pool that requires
+    CurveZMQ keys (kvtier.auth.ClientKeys.load(auth_dir, endpoint)). Raises PoolError (unreachable, refused,
+    another protocol version) or ValueError (an unknown transport)."""
     if transport != "auto" and transport not in TRANSPORTS:
         raise ValueError(f"unknown pool transport {transport!r}; known: auto, {', '.join(TRANSPORTS)}")
-    channel = Channel(endpoint, shared_context(), max_lanes=2 * lanes, timeout_s=timeout_s)
+    channel = Channel(endpoint, shared_context(), max_lanes=2 * lanes, timeout_s=timeout_s, auth=auth)
     try:
         info = hello(channel, block_bytes)
         kind = choose_transport(transport, endpoint, info)
@@ -193,8 +195,8 @@ def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout
     except BaseException:
         channel.close()
         raise
-    log.info("pool %s (%s): connected over %s; %d B blocks, capacity %d B", endpoint, info.node, kind,
-             info.block_bytes, info.capacity)
+    log.info("pool %s (%s): connected over %s%s; %d B blocks, capacity %d B", endpoint, info.node, kind,
+             " (CurveZMQ)" if auth is not None else "", info.block_bytes, info.capacity)
     return conn
 
 

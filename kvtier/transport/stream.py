@@ -15,6 +15,9 @@ prefix instead of zmq's. Batches are cut into requests of ``REQUEST_BYTES`` spre
 (``lanes``), one thread each. Every socket operation has the timeout: a silent pool is PoolUnavailable and its
 socket is closed (a stream cannot be resynchronised mid-message; the pool closes it too after an error reply).
 
+A pool started with --auth-dir hands out a token in its hello reply (over CurveZMQ); each data socket sends
+it as its first bytes. The block bytes themselves cross the wire unencrypted (README "Authenticated sockets").
+
 Thread-safe: sockets are checked out per request.
 """
 
@@ -123,6 +126,7 @@ class StreamConnection(ConnectionBase):
         super().__init__(*args, **kw)
         self._host = self.endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
         self._free: list[socket.socket] = []
+        self._retoken = False  # a data connection failed on a pool that wants tokens: hello again before the next
         self._lock = threading.Lock()
         self._lanes = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="kvtier-stream")
         self._staging = F.Staging(keep=2 * self.lanes)  # for puts of scattered small blocks
@@ -203,6 +207,8 @@ class StreamConnection(ConnectionBase):
             one(a, b, sock)
         except (OSError, ConnectionError) as e:  # socket.timeout is an OSError
             sock.close()
+            # A pool restarted on a fixed data port refuses our old token by closing: fetch a fresh one.
+            self._retoken = self._token() is not None
             what = f"no progress within {self.channel.timeout_s:g} s" if isinstance(e, socket.timeout) else str(e)
             raise PoolUnavailable(self.endpoint, f"data connection: {what}", "timeout") from None
         except PoolError:
@@ -230,6 +236,9 @@ class StreamConnection(ConnectionBase):
         return body
 
     def _take(self) -> socket.socket:
+        if self._retoken:
+            self._retoken = False
+            self.info = self._refresh()
         while True:
             with self._lock:
                 sock = self._free.pop() if self._free else None
@@ -253,7 +262,18 @@ class StreamConnection(ConnectionBase):
             raise ConnectionRefusedError("the pool offers no stream data port")
         sock = socket.create_connection((self._host, port), timeout=self.channel.timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        token = self._token()
+        if token is not None:  # a pool with --auth-dir: the token from our (encrypted) hello opens the port
+            sock.sendall(token)
         return sock
+
+    def _token(self) -> bytes | None:
+        token = (self.info.transports.get("stream") or {}).get("token")
+        return token if isinstance(token, bytes) else None
+
+    def _hello_again(self) -> None:
+        """After a restart the pool has another data port and, with --auth-dir, other tokens: take both."""
+        self.info = hello(self.channel, self.block_bytes)
 
     def _refresh(self) -> PoolInfo:
         info = hello(self.channel, self.block_bytes)

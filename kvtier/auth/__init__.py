@@ -1,0 +1,29 @@
+"""Authenticated sockets: CurveZMQ keys for kvtier-master and kvtier-pool, and tokens for the pool's data port.
+
+Off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` config key). The key layout:
+
+    daemon DIR (kvtier-master --auth-dir DIR, kvtier-pool --auth-dir DIR)
+        server.key, server.key_secret      its own keypair (kvtier keys generate DIR --name server)
+        authorized/*.key                   the public keys of the clients it admits (copies of client.key)
+        master.key                         kvtier-pool only: the master's public key; the pool then reports to
+                                           the master as a CURVE client with its own server keypair (so the
+                                           master's authorized/ lists the pool's server.key)
+
+    client DIR (an engine's ``auth_dir``)
+        client.key, client.key_secret      its own keypair (kvtier keys generate DIR)
+        server.key                         the daemons' public key (one keypair shared by the cluster's daemons)
+        servers/<endpoint>.key             optional, per daemon: e.g. servers/10.0.0.2_7400.key for
+                                           tcp://10.0.0.2:7400 (endpoint_key_name() says the name); wins over
+                                           server.key for that endpoint
+
+files.py reads and writes the key files, client.py is the client side (a socket's keys, and what to say when
+a daemon stays silent), server.py the daemons' gate (CURVE server + ZAP), tokens.py the data-port tokens.
+"""
+
+from kvtier.auth.client import ClientKeys, silence_hint
+from kvtier.auth.files import AuthError, Keypair, endpoint_key_name, generate, load_keypair
+from kvtier.auth.server import ServerAuth
+from kvtier.auth.tokens import TOKEN_BYTES, DataTokens
+
+__all__ = ["TOKEN_BYTES", "AuthError", "ClientKeys", "DataTokens", "Keypair", "ServerAuth", "endpoint_key_name",
+           "generate", "load_keypair", "silence_hint"]
