@@ -197,13 +197,14 @@ class TieredStore:
         with self._claim(keys) as fresh:
             fresh_keys = [keys[i] for i in fresh]
             try:
-                # The batch's blocks the top tier holds go into the reservation too: it reports them held and
-                # keeps them from being evicted to make room for the new ones.
+                # The batch's blocks the top tier holds are protected: never evicted to make room for the new
+                # ones (a block evicted meanwhile is simply not protected: it is not reserved either).
                 own = [k for k, h in zip(keys, top.contains(keys)) if h] if fresh else []
                 todo = list(range(len(fresh)))
                 while todo:
-                    res = top.reserve([fresh_keys[i] for i in todo] + own)
-                    reservations.append((res, [fresh[todo[j]] for j in res.index]))
+                    res = top.reserve([fresh_keys[i] for i in todo], protect=own)
+                    reservations.append((res, []))  # first, so any error below still gives its slots back
+                    reservations[-1] = (res, [fresh[todo[j]] for j in res.index])
                     todo = [i for i, h in zip(todo, res.held) if not h]
                     if not todo or len(reservations) == 2 or not self._reclaim():  # expired leases held the space
                         break

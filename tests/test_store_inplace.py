@@ -125,3 +125,58 @@ def test_a_top_tier_without_slots_keeps_put_only(tmp_path):
     store.close()
     with TieredStore.from_config({"dram_capacity": 4 * BB}, BB) as store:
         assert store.writes_in_place
+
+
+def test_a_held_block_of_the_batch_evicted_before_the_reservation_leaks_nothing(monkeypatch):
+    """The batch's blocks the top tier holds are only protected from eviction, never reserved: one removed by
+    another thread between the store's look and its reservation is not reserved under a wrong position
+    (that raised and left the reservation's slots pending for ever)."""
+    store = TieredStore.from_config({"dram_capacity": 8 * BB}, BB)
+    top = store.tiers[0]
+    keys, data = KEYS[:4], blocks_for(KEYS[:4], BB)
+    store.put(keys[:2], data[:2])
+    real, looks = top.contains, []
+
+    def contains_then_removed(ks):
+        held = real(ks)
+        looks.append(len(ks))
+        if len(looks) == 2:  # put_in_place's look at its own held blocks; then another thread removes one
+            top.remove([keys[0]])
+        return held
+    monkeypatch.setattr(top, "contains", contains_then_removed)
+    result = store.put_in_place(keys, fill_with(data))
+    monkeypatch.undo()
+    assert result.stored == 2 and not top._pending  # the new two published, no slot left reserved
+    assert store.contains(keys) == [False, True, True, True]
+    assert store.put(keys, data).stored == 1  # the removed one can be stored again
+    out = torch.zeros_like(data)
+    assert store.get(keys, out) == [True] * 4 and torch.equal(out, data)
+    assert top.stats().used_bytes == 4 * BB
+
+
+def test_concurrent_evictions_never_leak_a_reservation():
+    store = TieredStore.from_config({"dram_capacity": 8 * BB}, BB)
+    top = store.tiers[0]
+    keys = Namespace("inplace-churn").keys(range(64))
+    data = blocks_for(keys, BB)
+    stop = threading.Event()
+
+    def churn():  # other puts evicting the top tier's blocks all the time
+        i = 0
+        while not stop.is_set():
+            j = i % 60
+            store.put(keys[j + 4: j + 8], data[j + 4: j + 8])
+            i += 1
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        for _ in range(2000):
+            store.put(keys[:2], data[:2])
+            store.put_in_place(keys[:4], fill_with(data))  # two held (if not evicted meanwhile), two new
+    finally:
+        stop.set()
+        t.join()
+    assert not top._pending and top.stats().used_bytes <= 8 * BB
+    out = torch.zeros(4, BB, dtype=torch.uint8)
+    assert store.get(keys[:4], out) == store.contains(keys[:4])
+    assert all(torch.equal(out[i], data[i]) for i, h in enumerate(store.contains(keys[:4])) if h)

@@ -148,8 +148,9 @@ class DramTier:
 
     # ---- two-phase writes and zero-copy reads ----------------------------------------------------------
 
-    def reserve(self, keys: Sequence[bytes]) -> Reservation:
-        """Take a slot for each key not held or in flight, evicting unprotected blocks if needed.
+    def reserve(self, keys: Sequence[bytes], protect: Sequence[bytes] = ()) -> Reservation:
+        """Take a slot for each key not held or in flight, evicting unprotected blocks if needed (never a
+        block of ``keys`` or of ``protect`` this tier holds: ``protect`` only guards, it reserves nothing).
 
         Keys that get no slot (every other block is pinned or busy) have ``held`` False.
         """
@@ -165,8 +166,8 @@ class DramTier:
                 new = _first_occurrences(keys, new)
             # Keys of this batch that are already held are reported held: the batch's new keys must not
             # evict them to make room.
-            keep = ([slot_of[k] for k in keys if k in slot_of]
-                    if len(new) < n and self._alloc.free_count < len(new) else [])
+            keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
+                    if (len(new) < n or protect) and self._alloc.free_count < len(new) else [])
             np.add.at(self._busy, keep, 1)
             slots = self._take_slots(len(new))
             np.subtract.at(self._busy, keep, 1)
