@@ -5,7 +5,6 @@ say when a daemon never answers (a CURVE handshake that fails is silence to the 
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,6 @@ from typing import Any
 import zmq
 
 from kvtier.auth.files import AuthError, Keypair, endpoint_key_name, load_keypair, load_public
-
-PROBE_S = 0.2  # how long silence_hint waits for a TCP connect to the daemon's port
 
 
 @dataclass(frozen=True)
@@ -53,33 +50,14 @@ class ClientKeys:
 
 def silence_hint(endpoint: str, keys: ClientKeys | None) -> str:
     """A clause for a "no reply" error that has never had a reply from ``endpoint``: the daemon may be refusing
-    this client's keys, or requiring keys it has none of. Probes the port (a TCP or unix connect, at most
-    PROBE_S) only when the client has no keys; '' when there is nothing to suggest."""
+    this client's keys, or requiring keys it has none of (a CURVE refusal is silence to the client). Pure text:
+    no probe of the port, so a client without keys behaves as it did before kvtier had keys."""
     if keys is not None:
         return (f" (this client presents CurveZMQ keys from {keys.directory}: a daemon that does not list its "
                 f"client.key in authorized/, a server key that is not the daemon's, or a daemon without --auth-dir "
                 f"all look like silence; check auth_dir)")
-    if _port_accepts(endpoint):
-        return (" (its port accepts connections but nothing answered: the daemon is stalled, or requires "
-                "CurveZMQ keys (started with --auth-dir): then set auth_dir)")
-    return ""
-
-
-def _port_accepts(endpoint: str) -> bool:
-    scheme, _, rest = endpoint.partition("://")
-    try:
-        if scheme == "tcp":
-            host, _, port = rest.rpartition(":")
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S):
-                return True
-        if scheme == "ipc":
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(PROBE_S)
-                s.connect(rest)
-                return True
-    except (OSError, ValueError):
-        return False
-    return False
+    return (" (no reply has ever come: the daemon is down or stalled, or it requires CurveZMQ keys (started "
+            "with --auth-dir): then set auth_dir)")
 
 
 __all__ = ["ClientKeys", "silence_hint"]
