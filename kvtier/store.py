@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -32,48 +32,10 @@ from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
 from kvtier.offload import Offloader
 from kvtier.pins import PinTable
+from kvtier.store_types import Fill, Listener, PrefixLookup, PutResult, StoreEvent
 from kvtier.tiers.base import Tier
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PutResult:
-    """What a put did: ``stored`` new blocks, ``skipped`` already held or in flight, ``rejected`` keys that
-    could not be stored (every block that could make room is pinned or busy)."""
-
-    stored: int = 0
-    skipped: int = 0
-    rejected: list[bytes] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.rejected
-
-
-@dataclass
-class PrefixLookup:
-    """``length`` leading keys are held; ``tiers[i]`` names the (highest) tier holding key i."""
-
-    length: int
-    tiers: list[str]
-
-    def count(self, tier: str) -> int:
-        return self.tiers.count(tier)
-
-
-@dataclass(frozen=True)
-class StoreEvent:
-    """Keys that a tier gained ("stored") or lost ("removed": evicted or removed)."""
-
-    kind: str
-    tier: str
-    keys: list[bytes]
-
-
-Listener = Callable[[StoreEvent], None]
-# put_in_place's writer: (positions in the batch, the top-tier slot addresses to write them to).
-Fill = Callable[[list[int], BlockRows], None]
 
 
 class TieredStore:
@@ -455,3 +417,6 @@ class TieredStore:
 
 def _subset(rows: BlockRows, index: Sequence[int]) -> BlockRows:
     return rows if len(index) == len(rows.ptrs) else BlockRows(rows.ptrs[list(index)], rows.owners)
+
+
+__all__ = ["Fill", "Listener", "PrefixLookup", "PutResult", "StoreEvent", "TieredStore"]
