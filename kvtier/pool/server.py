@@ -123,12 +123,7 @@ class PoolServer:
             self.state.start(endpoints)
         except BaseException:
             frontend.close(linger=0)
-            if self.auth is not None:
-                self.auth.stop()
-            self._ctx.term()
-            if self._stream is not None:
-                self._stream.close()
-            self.state.close()
+            self._release()
             raise
         backend = self._ctx.socket(zmq.DEALER)
         backend.setsockopt(zmq.LINGER, 0)
@@ -162,14 +157,19 @@ class PoolServer:
             control.send(b"TERMINATE")
             proxy.join(5.0)
             control.close(linger=0)
-            if self.auth is not None:
-                self.auth.stop()
-            self._ctx.term()
-            if self._stream is not None:
-                self._stream.close()
             stats = self.state.stats()
-            self.state.close()
+            self._release()
             log.info("kvtier-pool %s: stopped (%s)", os.getpid(), json.dumps(stats["counters"], sort_keys=True))
+
+    def _release(self) -> None:
+        """Free what run() set up, once its sockets are closed: the authenticator (its ZAP socket lives in the
+        context, so it stops before the context ends), the context, the data port, the DRAM and the agent."""
+        if self.auth is not None:
+            self.auth.stop()
+        self._ctx.term()
+        if self._stream is not None:
+            self._stream.close()
+        self.state.close()
 
     def _start_stream(self, endpoints: list[str]) -> int:
         """Open the raw TCP data port next to the first tcp endpoint (unless --stream off); its port or 0."""
