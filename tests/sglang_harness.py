@@ -310,6 +310,12 @@ class RadixServer:
                 return False
             time.sleep(0.005)
 
+    def backend_keys(self, tokens: list[int]) -> list[str]:
+        """SGLang's page keys of a plain prompt (kvtier's SglangPageHasher, checked against SGLang's by use)."""
+        from kvtier.hashers import SglangPageHasher
+
+        return SglangPageHasher(self.page_size).hashes(tokens)
+
     def backed_up(self) -> bool:
         return not self.cache.ongoing_backup and not self.cache.ongoing_write_through
 
