@@ -3,7 +3,8 @@ own cache code on a CPU").
 
 What is replaced, and only that (everything of kvtier's and the rest of SGLang's is real):
 * torchvision: PyPI's build is CUDA-only and fails to load beside the CPU torch; nothing on the HiCache path
-  uses it, so every ``torchvision.*`` import gets a placeholder module (installed before SGLang is imported);
+  uses it, so every ``torchvision.*`` import gets a placeholder module (``kvtier.bench.sglang``'s, installed
+  before SGLang is imported);
 * the host pools' device<->host copies (``backup_from_device_all_layer``, ``load_to_device_per_layer``): their
   ``transfer_kv_*`` kernels exist only on CUDA/HIP/XPU builds; here they are torch index copies, per layout;
 * host pinning (cudaHostRegister needs CUDA): host pools are built with pin_memory off.
@@ -15,13 +16,9 @@ What is replaced, and only that (everything of kvtier's and the rest of SGLang's
 from __future__ import annotations
 
 import ctypes
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import json
-import sys
 import time
-import types
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -40,47 +37,6 @@ def sglang_available() -> bool:
     return importlib.util.find_spec("sglang") is not None
 
 
-class _Placeholder:
-    """Anything a module-level import of torchvision asks for (a class base, a default argument)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Placeholder(f"{self._name}.{attr}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _Placeholder(f"{self._name}()")
-
-    def __mro_entries__(self, bases: tuple) -> tuple:
-        return (object,)
-
-
-class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name == "torchvision" or name.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        module = types.ModuleType(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.0.0+kvtier-test-stub"
-
-        def attr(name: str) -> Any:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Placeholder(f"{spec.name}.{name}")
-
-        module.__getattr__ = attr  # type: ignore[method-assign]
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        return None
-
-
 _installed = False
 
 
@@ -89,8 +45,9 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    if importlib.util.find_spec("torchvision") is None:
-        sys.meta_path.insert(0, _TorchvisionStub())
+    from kvtier.bench.sglang import stub_missing_torchvision
+
+    stub_missing_torchvision()
     from sglang.srt.mem_cache.pool_host import base
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost

@@ -92,9 +92,14 @@ def test_mla_with_tp_and_private_stores_is_refused_and_mla_keys_carry_no_tp_rank
         StorageBackendFactory.create_backend("dynamic", storage_config({}, mla=True, tp_size=2, tp_rank=1), None)
     with PoolProcess(tmp_path, tcp=False, ipc=True, capacity="4MiB") as pool:
         shared = {"mode": "standalone", "pool": pool.ipc, "pool_timeout_ms": 2000}
-        _, r0 = backends("mla", "page_first", shared, tp_size=2, tp_rank=0)
-        _, r1 = backends("mla", "page_first", shared, tp_size=2, tp_rank=1)
+        h0, r0 = backends("mla", "page_first", shared, tp_size=2, tp_rank=0)
+        h1, r1 = backends("mla", "page_first", shared, tp_size=2, tp_rank=1)
         assert r0.page_store.keys(page_keys(3)) == r1.page_store.keys(page_keys(3))  # one copy for every rank
+        data = fill_pages(h0, [1, 2, 3], seed=20)
+        assert r0.batch_set_v1(page_keys(3), page_indices(h0, [1, 2, 3])) == [True] * 3  # the writer rank
+        assert r1.batch_exists(page_keys(3)) == 3  # SGLang's MIN over the ranks is 3, not 0
+        assert r1.batch_get_v1(page_keys(3), page_indices(h1, [4, 5, 6])) == [True] * 3
+        assert page_bytes(h1, [4, 5, 6]) == data
     _, m0 = backends("mha", "page_first", tp_size=2, tp_rank=0)
     _, m1 = backends("mha", "page_first", tp_size=2, tp_rank=1)
     _, solo = backends("mha", "page_first", tp_size=1)
