@@ -381,3 +381,20 @@ def test_segment_tables_follow_the_pools_own_meta(backends):
     swapped = seg[:, [1, 0, 3, 2, 5, 4]]  # V before K: the same bytes in another order
     backend.pages.to_blocks(swapped, np.array([block.data_ptr()], dtype=np.uint64))
     assert block.numpy().tobytes() != data[0]
+
+
+def test_a_router_computes_the_backends_keys_from_token_ids(backends):
+    """kvtier.hashers: SglangPageHasher gives SGLang's own page keys (salted too), and sglang_namespace with the
+    fingerprint the backend logs folds them into the keys the backend stores."""
+    from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+
+    from kvtier.hashers import sglang_namespace
+
+    tokens = list(range(7, 7 + 4 * 5)) + [2**33] * 4
+    assert SglangPageHasher(4).hashes(tokens) == get_hash_str(tokens, None, page_size=4)
+    salted = get_hash_str(tokens, storage_namespace_seed("lora-7", "tenant"), page_size=4)
+    assert SglangPageHasher(4, extra_key="lora-7", cache_salt="tenant").hashes(tokens) == salted
+    _, backend = backends("mha", "page_first", tp_size=2, tp_rank=1)
+    ns = sglang_namespace("test/model", backend.pages.fingerprint, tp_rank=1, tp_size=2)
+    assert ns.keys(salted) == backend.page_store.keys(salted)
+    assert sglang_namespace("test/model", backend.pages.fingerprint).keys(salted) != backend.page_store.keys(salted)

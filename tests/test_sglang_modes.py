@@ -23,7 +23,9 @@ from masterproc import MasterProcess  # noqa: E402
 
 from kvtier.client import MasterClient  # noqa: E402
 from poolproc import PoolProcess, until  # noqa: E402
-from sglang_harness import RadixServer  # noqa: E402
+from sglang_harness import RadixServer, install  # noqa: E402
+
+install()
 
 SERVER = str(Path(__file__).parent / "sglang_server.py")
 TOKENS = list(range(2000, 2000 + 9 * 4))  # 9 pages of 4 tokens
@@ -105,7 +107,7 @@ def readme_sglang_commands() -> list[list[str]]:
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for piece in re.split(r"\n\s*\n", block):
             if piece.strip().startswith("python -m sglang.launch_server "):
-                commands.append(shlex.split(piece, comments=True))
+                commands.append(shlex.split(piece.replace("\\\n", ""), comments=True))  # as a shell joins lines
     return commands
 
 

@@ -13,7 +13,9 @@ if not sglang_available():
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 import torch  # noqa: E402
-from sglang_harness import RadixServer  # noqa: E402
+from sglang_harness import RadixServer, install  # noqa: E402
+
+install()
 
 from kvtier.connectors.paths import model_dir  # noqa: E402
 from kvtier.connectors.sglang.pages import HostPages  # noqa: E402
