@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_json
-from kvtier.units import format_bytes, parse_bytes
+from kvtier.units import parse_bytes
 
 SHAPES = {  # layers, kv heads, head dim (MHA); layers, kv_lora_rank, rope dim (MLA)
     "mha": ("llama-3.1-8b", 32, 8, 128),

@@ -116,8 +116,9 @@ def _load(self: Any, device_pool: Any, host_indices: torch.Tensor, device_indice
 # ---- level 1: real host pools and the real factory ----------------------------------------------------------
 
 
-def device_pool(kind: str, *, tokens: int = 256, page_size: int = 4, layers: int = 3, dtype: torch.dtype = torch.bfloat16,
-                heads: int = 2, head_dim: int = 8, kv_lora_rank: int = 16, rope_dim: int = 8) -> Any:
+def device_pool(kind: str, *, tokens: int = 256, page_size: int = 4, layers: int = 3,
+                dtype: torch.dtype = torch.bfloat16, heads: int = 2, head_dim: int = 8, kv_lora_rank: int = 16,
+                rope_dim: int = 8) -> Any:
     install()
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 

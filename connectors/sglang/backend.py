@@ -87,7 +87,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        if mem_pool_host.kv_buffer is None:
+        # A logical anchor pool (DeepSeek V4's KV anchor, a dummy MLA pool) has no buffer, or never set one.
+        if getattr(mem_pool_host, "kv_buffer", None) is None:
             raise UnsupportedModel(f"the KV host pool {type(mem_pool_host).__name__} holds no KV pages of its own "
                                    "(a logical anchor of a hybrid model); kvtier stores KV pages only")
         self.pages = HostPages(mem_pool_host, interface=self.interface, copy_threads=self.config.copy_threads)

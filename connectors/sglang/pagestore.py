@@ -21,12 +21,10 @@ run inside ``naming`` (kvtier.connectors.tier_events) so the KV events carry SGL
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -42,8 +40,6 @@ from kvtier.tiers.ssd import DiskTier
 from kvtier.connectors.hints import Hints
 
 from .pages import HostPages
-
-log = logging.getLogger(__name__)
 
 Naming = Callable[[Sequence[bytes], Sequence[str]], AbstractContextManager[None]]
 
