@@ -60,7 +60,9 @@ class UnsupportedModel(ConfigError):
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
-    """See the module docstring. One instance per SGLang rank, in that rank's scheduler process."""
+    """One instance per SGLang rank, in that rank's scheduler process (SGLang's factory builds it). Thread-safe
+    for SGLang's concurrent calls; reads and writes the registered host pool only during a call; owns its store
+    (closed by ``close``). Lifecycle and failure contract: the module docstring."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         settings, interface_v1, store_keys = split_extra_config(storage_config.extra_config)

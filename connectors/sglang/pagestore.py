@@ -80,7 +80,9 @@ class _Staging:
 
 @dataclass
 class PageStore:
-    """See the module docstring. ``naming`` names keys for the KV events (None: no events)."""
+    """One rank's pages in ``store`` under ``namespace``: thread-safe (any of SGLang's threads, at once); reads and
+    writes the host pool only inside a call; owns its staging rows (freed by ``close``). ``naming`` names keys
+    for the KV events (None: no events). The copies per layout: the module docstring."""
 
     store: TieredStore
     namespace: Namespace
