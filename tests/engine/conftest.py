@@ -3,6 +3,7 @@ session's reference engine, and per-module engine sets closed at the module's en
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -25,10 +26,14 @@ def engine_py() -> Path:
 
 @pytest.fixture(scope="session")
 def work() -> Iterator[Path]:
-    """A short per-session directory (ipc socket paths are limited to 107 bytes)."""
+    """A short per-session directory (ipc socket paths are limited to 107 bytes) with the engines' and daemons'
+    logs; KEEP_ENGINE_TEST_DIR=1 keeps it (its path is printed)."""
     path = Path(tempfile.mkdtemp(prefix="kvte", dir="/tmp"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    if os.environ.get("KEEP_ENGINE_TEST_DIR"):
+        print(f"\nreal-engine test directory kept: {path}")
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
