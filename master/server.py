@@ -30,7 +30,7 @@ import zmq
 from kvtier import wire
 from kvtier.auth import ServerAuth
 from kvtier.master import ops_node, ops_router
-from kvtier.master.metrics import KNOWN_OPS, MasterMetrics
+from kvtier.master.metrics import MasterMetrics
 from kvtier.master.persist import MasterDisk
 from kvtier.master.service import MasterSettings, MasterState
 from kvtier.ratelog import RateLimitedLog
@@ -90,7 +90,7 @@ class MasterServer:
                                                         f"{e}"[:500]))
             self._bad("internal:" + op[:64], logging.ERROR, "internal error serving op %s", op[:64], exc_info=True)
         self.metrics.observe(op, status, time.perf_counter() - t0, nkeys)
-        self.state.activity.request(op if op in KNOWN_OPS else "unknown", status)
+        self.state.activity.request(op if op in OPS else "unknown", status)
         if status != "ok":
             self.state.activity.error(time.time(), op, status, error)
         return reply

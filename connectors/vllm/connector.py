@@ -1,4 +1,5 @@
-"""KVTierConnector: vLLM's KVConnectorBase_V1 (0.32 and 0.33, see compat.py), delegating to a scheduler half and a worker half.
+"""KVTierConnector: vLLM's KVConnectorBase_V1 (vLLM 0.32 and 0.33, see compat.py), delegating to a scheduler
+half and a worker half.
 
 vLLM builds two kinds of instance from the same config, in different processes: one with role SCHEDULER
 in the engine core (it plans; scheduler.py) and one with role WORKER per TP/PP rank (it copies and owns

@@ -94,8 +94,6 @@ class Engines:
             e.close()
 
 
-__all__ = ["BLOCK", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "assert_same", "build_model",
-           "connector", "prompt_tokens", "ServeProcess"]
 
 
 class ServeProcess:
@@ -111,10 +109,10 @@ class ServeProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1", "--port",
-               str(self.port), "--block-size", "32", "--kv-cache-memory-bytes", str(256 << 20), "--max-model-len",
-               "4096", "--enforce-eager", "--dtype", "bfloat16", "--seed", "0", "--enable-prompt-tokens-details",
-               *args]
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--block-size", "32", "--kv-cache-memory-bytes", str(256 << 20),
+               "--max-model-len", "4096", "--enforce-eager", "--dtype", "bfloat16", "--seed", "0",
+               "--enable-prompt-tokens-details", *args]
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         env = {**os.environ, **pinned_env(), "VLLM_SERVER_DEV_MODE": "1"}
@@ -163,3 +161,7 @@ class ServeProcess:
             pass
         self.proc.wait(30)
         return self.proc.returncode
+
+
+__all__ = ["BLOCK", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess", "assert_same",
+           "build_model", "connector", "prompt_tokens"]
