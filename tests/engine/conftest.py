@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from enginekit import TESTS, Engines, Reference, build_model
+from .enginekit import TESTS, Engines, Reference, build_model
 
 from kvtier.bench.engine_proc import engine_python
 

@@ -9,7 +9,7 @@ import re
 import subprocess
 
 import pytest
-from enginekit import TESTS
+from .enginekit import TESTS
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from enginekit import Engines, Reference, assert_same, connector, prompt_tokens
+from .enginekit import Engines, Reference, assert_same, connector, prompt_tokens
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skip(reason="waits for i12: session observations (store.observe) from the connector's "

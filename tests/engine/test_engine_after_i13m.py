@@ -9,7 +9,7 @@ Remove the skip when i13m is merged.
 from __future__ import annotations
 
 import pytest
-from enginekit import BLOCK, Engines, Reference, assert_same, build_model, connector, prompt_tokens
+from .enginekit import BLOCK, Engines, Reference, assert_same, build_model, connector, prompt_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.skip(
     reason="waits for i13m: a clean shutdown flushes DRAM to the SSD with the default on_evict; a weights "

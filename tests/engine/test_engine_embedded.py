@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import BLOCK, MAX_TOKENS, Engines, Reference, assert_same, build_model, connector, prompt_tokens
+from .enginekit import BLOCK, MAX_TOKENS, Engines, Reference, assert_same, build_model, connector, prompt_tokens
 
 pytestmark = pytest.mark.slow
 

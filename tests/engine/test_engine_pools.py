@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from enginekit import BLOCK, Engines, Reference, assert_same, connector, prompt_tokens
+from .enginekit import BLOCK, Engines, Reference, assert_same, connector, prompt_tokens
 from masterproc import MasterProcess
 from poolproc import PoolProcess
 

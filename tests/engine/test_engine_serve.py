@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from enginekit import BLOCK, MAX_TOKENS, Reference, ServeProcess, connector, prompt_tokens
+from .enginekit import BLOCK, MAX_TOKENS, Reference, ServeProcess, connector, prompt_tokens
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai", reason="the openai client is installed with vLLM's requirements")
