@@ -54,6 +54,11 @@ def metric_delta(before: dict[str, float], after: dict[str, float], name: str) -
 
 def test_dram_hit_equals_engine_without_connector(st: State, engines: Engines, reference: Reference):
     e1 = engines.start("embedded-e1", st.model, st.config)
+    info = e1.wait_ready()
+    assert info["kv_connector"] == "KVTierConnector" and info["vllm"].startswith("0.32")
+    # vLLM's CPU platform forces the async scheduler off (on a GPU 0.33 turns it on by default): these tests
+    # run the connector under the synchronous scheduler only. Should a CPU build turn it on, this says so.
+    assert info["async_scheduling"] is False
     a = e1.generate([A])[0]
     assert a["cached"] == 0
     assert_same(a, reference(A))  # the cold path through the connector (saves only) changes nothing
