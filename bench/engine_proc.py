@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-# Where tests/run.sh creates the engine's venv; KVTIER_ENGINE_PYTHON overrides.
+from kvtier.config import ENV_ENGINE_PYTHON
+
+# Where tests/run.sh creates the engine's venv; $KVTIER_ENGINE_PYTHON (kvtier.config.ENV_ENGINE_PYTHON) overrides.
 DEFAULT_VENV = ".venv-vllm-cpu"
 
 
@@ -35,7 +37,7 @@ class EngineError(RuntimeError):
 def engine_python(root: str | Path | None = None) -> Path | None:
     """The Python of the engine's environment: $KVTIER_ENGINE_PYTHON, else ``<root>/.venv-vllm-cpu/bin/python``
     (root: the repository); None where neither exists."""
-    env = os.environ.get("KVTIER_ENGINE_PYTHON")
+    env = os.environ.get(ENV_ENGINE_PYTHON)
     if env:
         return Path(env) if Path(env).exists() else None
     root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
