@@ -4,8 +4,9 @@ Prometheus has the same request counts as rates; this is the "right now" view on
 Prometheus server: requests by op and status, how many keys lookups asked for and how many of them were a
 held leading prefix (hits) or not (misses), and the last errors the master answered, newest first.
 
-Memory bound: ops are the master's own op names or "unknown" (the server passes them so), statuses are wire error codes, and
-the error ring keeps ``RECENT_ERRORS`` entries of at most 300 characters. Event-loop thread only.
+Memory bound: ops are the master's own op names or "unknown" (the server passes them so), statuses are wire
+error codes, and the error ring keeps ``RECENT_ERRORS`` entries of at most 300 characters. Event-loop thread
+only.
 """
 
 from __future__ import annotations
