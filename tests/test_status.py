@@ -135,3 +135,19 @@ def test_status_of_an_unreachable_master_is_a_clear_error(tmp_path):
     r = status("--master", mp.endpoint, "--timeout", "0.5")
     assert r.returncode == 1
     assert f"master {mp.endpoint} did not answer" in r.stderr and "kvtier-master running" in r.stderr
+
+
+def test_activity_keeps_a_bounded_ring_of_errors_newest_first():
+    from kvtier.master.activity import RECENT_ERRORS, Activity
+
+    a = Activity()
+    for i in range(3 * RECENT_ERRORS):
+        a.error(float(i), "lookup", "bad_request", "x" * 5000)
+        a.request("lookup", "bad_request")
+    a.lookup(10, 7)
+    v = a.view()
+    assert len(v["recent_errors"]) == RECENT_ERRORS
+    assert [e["at"] for e in v["recent_errors"][:2]] == [3 * RECENT_ERRORS - 1, 3 * RECENT_ERRORS - 2]
+    assert max(len(e["message"]) for e in v["recent_errors"]) == 300
+    assert v["requests"] == {"lookup": {"bad_request": 3 * RECENT_ERRORS}}
+    assert v["lookups"] == {"count": 1, "keys": 10, "hits": 7, "misses": 3}
