@@ -17,7 +17,7 @@ from kvtier import wire
 
 KNOWN_OPS = frozenset({
     wire.PING, wire.LOOKUP, wire.COST, wire.ROUTE_PUT, wire.HEAT, wire.TOP, wire.NODES, wire.PIN, wire.UNPIN,
-    wire.PRIORITY, wire.HINTS, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS, wire.INVENTORY,
+    wire.PRIORITY, wire.HINTS, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS, wire.INVENTORY, wire.LOCATE, wire.GOODBYE,
 })
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
 

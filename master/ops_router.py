@@ -29,7 +29,8 @@ MAX_TTL_S = 10 * 365 * 86400.0
 def ping(st: MasterState, body: Body) -> dict[str, Any]:
     return {"version": wire.VERSION, "uptime_s": st.mono() - st.started, "keys": len(st.directory),
             "directory_bytes": st.directory.nbytes, "nodes": st.registry.counts(),
-            "locations": st.registry.location_count, "lease_s": st.settings.lease_s}
+            "locations": st.registry.location_count, "lease_s": st.settings.lease_s,
+            "activity": st.activity.view()}
 
 
 def lookup(st: MasterState, body: Body) -> dict[str, Any]:
@@ -39,6 +40,7 @@ def lookup(st: MasterState, body: Body) -> dict[str, Any]:
     slots, masks = st.directory.masks(keys, st.live_mask())
     held = masks.any(axis=1)
     counts = st.directory.prefix_counts(masks, held)
+    st.activity.lookup(len(keys), counts.any)
     if touch:
         st.directory.touch(slots[held], st.wall())
     prefix = []

@@ -69,7 +69,7 @@ class MasterServer:
     def serve(self, frame: bytes) -> bytes:
         """Answer one request frame (never raises)."""
         t0 = time.perf_counter()
-        op, req_id, nkeys = "?", 0, 0
+        op, req_id, nkeys, error = "?", 0, 0, ""
         try:
             req_id, op, body = wire.decode_request(frame)
             handler = OPS.get(op)
@@ -82,14 +82,17 @@ class MasterServer:
         except WireError as e:
             req_id = req_id or wire.salvage_req_id(e)
             reply = wire.encode_error(req_id, e)
-            status = e.code
+            status, error = e.code, str(e)
             self._bad(e.code, logging.WARNING, "bad request (op %s): %s", op[:64], e)
         except (Exception, SystemExit) as e:  # a bug in an op (even a sys.exit in it): answer, log, keep serving
-            status = wire.ERR_INTERNAL
+            status, error = wire.ERR_INTERNAL, f"{type(e).__name__}: {e}"
             reply = wire.encode_error(req_id, WireError(wire.ERR_INTERNAL, f"{type(e).__name__} in op {op[:64]}: "
                                                         f"{e}"[:500]))
             self._bad("internal:" + op[:64], logging.ERROR, "internal error serving op %s", op[:64], exc_info=True)
         self.metrics.observe(op, status, time.perf_counter() - t0, nkeys)
+        self.state.activity.request(op if op in OPS else "unknown", status)
+        if status != "ok":
+            self.state.activity.error(time.time(), op, status, error)
         return reply
 
     # ---- lifetime --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.master.activity import Activity
 from kvtier.master.cost import CostDefaults, CostModel
 from kvtier.master.directory import Directory
 from kvtier.master.heat import HeatClock
@@ -66,6 +67,7 @@ class MasterState:
         self._placements: dict[str, PlacementPolicy] = {}
         make_placement(settings.placement)  # fail at start-up, not at the first route_put
         self.hints_dirty = False
+        self.activity = Activity()  # for kvtier status (ping's "activity")
         self.nodes_dirty: set[str] = set()  # node records to write to disk
 
     # ---- shared helpers for the ops --------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""KVTierConnector: vLLM 0.33's KVConnectorBase_V1, delegating to a scheduler half and a worker half.
+"""KVTierConnector: vLLM's KVConnectorBase_V1 (vLLM 0.32 and 0.33, see compat.py), delegating to a scheduler
+half and a worker half.
 
 vLLM builds two kinds of instance from the same config, in different processes: one with role SCHEDULER
 in the engine core (it plans; scheduler.py) and one with role WORKER per TP/PP rank (it copies and owns
@@ -17,6 +18,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from . import compat  # noqa: F401  (first: an unsupported vLLM fails here, naming its version)
+
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -121,6 +125,13 @@ class KVTierConnector(KVConnectorBase_V1):
         return False  # a dropped save is a future miss, never a wrong answer
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33's sleep mode frees and remaps the KV caches; the worker's PagedKV holds their addresses
+        # from register_kv_caches. vLLM refuses sleep mode with this connector instead of loading into freed
+        # memory. (0.32 has no sleep mode and never calls this.)
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Layer-wise loads wait inside the attention layers: a full CUDA graph would replay without the waits.
         return extra_config.get("load_mode") == "layerwise"
@@ -223,6 +234,11 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler.lookups.close()
         if self._worker is not None:
             self._worker.close()
+
+    def worker_side(self) -> WorkerSide:
+        """The worker half (this rank's store, lookups and copies): for tools and tests that inspect a running
+        engine's store, e.g. through ``LLM.collective_rpc``. Raises on the scheduler-role instance."""
+        return self._work()
 
     # ---- internals -----------------------------------------------------------------------------------------
 
