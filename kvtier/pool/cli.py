@@ -15,6 +15,7 @@ import sys
 
 import zmq
 
+from kvtier.auth.exposure import check_binds
 from kvtier.policies import make_policy
 from kvtier.pool.server import PoolServer
 from kvtier.pool.state import PoolSettings, block_size_problem
@@ -64,9 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest one data message may take before its connection is dropped (a peer that "
                    f"trickles bytes holds a thread no longer; default {d.stream_message_timeout_s:g})")
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this pool's "
-                   "keypair, DIR/authorized/*.key the clients admitted, DIR/master.key (optional) the master's "
-                   "public key; the data port then admits connections by a token handed out at hello (README "
-                   "'Authenticated sockets'). Default: anyone who reaches the ports is served")
+                   "keypair, DIR/authorized/{engines,operators}/*.key the clients admitted by role, DIR/master.key "
+                   "(optional) the master's public key; the data port then admits connections by a token handed "
+                   "out at hello (README 'Authenticated sockets'). Default: anyone who reaches the ports is served")
+    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind or --stream without "
+                   "--auth-dir (anyone who reaches the ports may read, overwrite and clear blocks; logged as a "
+                   "warning)")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -86,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 raise ValueError(f"--block-bytes: {why}")
         make_policy(args.eviction, 1)  # a bad policy fails now, not at the first client's hello
+        binds = list(args.bind or PoolSettings().bind)
+        if args.stream not in ("auto", "off"):  # auto follows the tcp bind's host
+            binds.append(f"tcp://{args.stream}")
+        check_binds("kvtier-pool", binds, auth=bool(args.auth_dir), insecure=args.insecure_bind,
+                    log=logging.getLogger("kvtier.pool"))
         settings = PoolSettings(
             bind=tuple(args.bind or PoolSettings().bind), capacity=args.capacity, block_bytes=args.block_bytes,
             node_id=args.node_id, master=args.master, advertise=args.advertise, workers=args.workers,
