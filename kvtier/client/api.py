@@ -246,6 +246,12 @@ def hints(since: int = -1) -> Call[Hints]:
     return Call(wire.HINTS, {"since": since}, Hints.from_wire)
 
 
+def forget(node: str) -> Call[bool]:
+    """An operator drops a node from the master now (made dead first if it is not): its placements, its record
+    on disk. True if the master knew it. Needs an operator key when the master requires keys."""
+    return Call(wire.FORGET, {"node": node}, lambda b: bool(b["forgotten"]))
+
+
 # Node side (kvtier.client.NodeAgent uses these; a benchmark or a custom node may too).
 
 def register(node: str, incarnation: str, seq: int, tiers: Sequence[tuple[str, int]], address: str = "",
