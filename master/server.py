@@ -32,7 +32,7 @@ import os
 import resource
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,7 @@ class MasterServer:
         self._stop: asyncio.Event | None = None
         self._last_snapshot = time.monotonic()
         self._snapshot_running = False
+        self._hints_job: Future[Any] | None = None  # the hint records being written (at most one at a time)
         self._bad = RateLimitedLog(log)
         # Keys are read now: a missing one is a start-up error (AuthError), before anything is opened.
         self.auth = ServerAuth(settings.auth_dir) if settings.auth_dir else None
@@ -267,9 +268,14 @@ class MasterServer:
             self._writer.submit(self._guarded, self.disk.save_node, rec)
         for node_id in forgotten:
             self._writer.submit(self._guarded, self.disk.delete_node, node_id)
+        # One hint write at a time: while one runs, changes gather in the table's log (one entry per hint
+        # changed, however often), so a burst of pins never queues work behind a SIGTERM.
+        if self._hints_job is not None and not self._hints_job.done():
+            return
         changes = self.state.hints.take_changes()
         if changes:
-            self._writer.submit(self._guarded, self.disk.save_hints, changes, self.state.hints.version)
+            self._hints_job = self._writer.submit(self._guarded, self.disk.save_hints, changes,
+                                                  self.state.hints.version)
 
     def _write_snapshot(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         if self.disk is None:
@@ -296,6 +302,8 @@ class MasterServer:
         loop = asyncio.get_running_loop()
         if self.disk is not None:
             if flush:
+                if self._hints_job is not None:
+                    await asyncio.wrap_future(self._hints_job)
                 self._persist_small()
                 await loop.run_in_executor(self._writer, self._write_snapshot, *self.state.snapshot())
             await loop.run_in_executor(self._writer, self.disk.close)
