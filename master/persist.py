@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ import msgpack
 import numpy as np
 
 from kvtier.master.hints import HintChange, HintTable, from_wire_time, wire_time
+from kvtier.private import private_dir, private_files
 
 log = logging.getLogger(__name__)
 
@@ -195,25 +195,3 @@ def _hint_entry(v: list[Any]) -> HintChange:
     which, name, until, level, owner = v
     t = from_wire_time(until)
     return HintChange(which, name, t if level is None else (level, t), owner)
-
-
-# ---- modes -----------------------------------------------------------------------------------------------------
-
-def private_dir(path: Path) -> None:
-    """Create ``path`` 0700, or make an existing one so (logged: it was readable by others)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _restrict(path, 0o700)
-
-
-def private_files(path: Path) -> None:
-    """Every file in ``path`` 0600 (lmdb's data and lock files of a data dir made before this version)."""
-    for f in path.iterdir():
-        if f.is_file():
-            _restrict(f, 0o600)
-
-
-def _restrict(path: Path, mode: int) -> None:
-    current = stat.S_IMODE(path.stat().st_mode)
-    if current & 0o077:
-        path.chmod(mode)
-        log.info("%s was readable by others (mode %04o): made it %04o", path, current, mode)
