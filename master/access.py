@@ -10,11 +10,7 @@ service.py) and what a node registration is bound to (ops_node.py). Immutable; m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
-from kvtier import wire
-from kvtier.auth.roles import forbidden_message
-from kvtier.wire import WireError
+from kvtier.auth.roles import RoleBook
 
 
 @dataclass(frozen=True)
@@ -30,13 +26,11 @@ class Caller:
         """What per-client limits count by: the key, or one shared name for everyone without keys."""
         return self.key or ANONYMOUS_QUOTA
 
-    def check(self, op: str, permission: str | None, book_dir: Path | None) -> None:
-        """ERR_FORBIDDEN unless this caller may run ``op`` (which needs ``permission``; None: unknown op, left to
-        the op table's own error)."""
-        if self.permissions is None or permission is None or permission in self.permissions:
+    def check(self, op: str, permission: str | None, book: RoleBook | None) -> None:
+        """ERR_FORBIDDEN unless this caller may run ``op`` (which needs ``permission``); no keys: every op."""
+        if self.permissions is None or book is None or permission is None or permission in self.permissions:
             return
-        raise WireError(wire.ERR_FORBIDDEN, forbidden_message(op, permission, self.key, self.roles,
-                                                              book_dir or Path("authorized")))
+        book.check(op, permission, self.key)
 
 
 ANONYMOUS_QUOTA = "anonymous"

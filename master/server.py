@@ -96,7 +96,7 @@ class MasterServer:
             handler = OPS.get(op)
             if handler is None:
                 raise WireError(wire.ERR_UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(sorted(OPS))}")
-            caller.check(op, PERMISSIONS[op], self.auth.book.directory if self.auth else None)
+            caller.check(op, PERMISSIONS[op], self.auth.book if self.auth else None)
             reply = wire.encode_reply(req_id, True, handler(self.state, body, caller))
             if op in _KEYED and isinstance(body.get("keys"), bytes):
                 nkeys = len(body["keys"]) // 16

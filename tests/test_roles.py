@@ -267,3 +267,46 @@ def test_insecure_bind_serves_and_warns(tmp_path):
             assert c.ping()["version"] == wire.VERSION
     with PoolProcess(tmp_path, host="0.0.0.0", capacity="4MiB", args=("--insecure-bind",)) as p:
         assert "WITHOUT AUTHENTICATION" in p.log()
+
+
+def test_one_key_cannot_take_every_hint_or_node_slot(tmp_path, keys):
+    """Per-key quotas (--max-hints-per-client, --max-nodes-per-client): what one key holds is bounded apart
+    from the totals, so another key is still served."""
+    args = ("--auth-dir", str(keys["daemon"]), "--max-hints-per-client", "5", "--max-nodes-per-client", "2")
+    with MasterProcess(tmp_path, lease_s=30.0, args=args) as master:
+        with client(keys, "engine", master.endpoint) as e, client(keys, "operator", master.endpoint) as o:
+            for i in range(5):
+                e.pin(session=f"s{i}", ttl_s=60)
+            with pytest.raises(MasterError) as err:
+                e.pin(session="s5", ttl_s=60)
+            assert err.value.code == wire.ERR_TOO_LARGE and "--max-hints-per-client" in err.value.message
+            e.pin(session="s0", ttl_s=120)  # extending its own hint adds none
+            assert o.pin(session="other", ttl_s=60) == 1  # another key is still served
+            e.unpin(session="s1")
+            e.pin(session="s5", ttl_s=60)
+            assert sorted(o.hints().session_pins) == ["other", "s0", "s2", "s3", "s4", "s5"]
+        with client(keys, "daemon_client", master.endpoint) as d:
+            register(d, "a")
+            register(d, "b")
+            with pytest.raises(MasterError) as err:
+                register(d, "c")
+            assert err.value.code == wire.ERR_TOO_LARGE and "--max-nodes-per-client" in err.value.message
+
+
+@pytest.mark.parametrize("program", ["kvtier-pool", "kvtier-master"])
+def test_the_readmes_daemon_commands_bind_beyond_loopback_only_with_keys_or_insecure_bind(program):
+    """Each README command, as its CLI would check it: a command that serves a network says how (--auth-dir
+    or --insecure-bind), so it starts as written."""
+    import logging
+
+    from kvtier.auth.exposure import check_binds
+    from kvtier.master.cli import build_parser as master_parser
+    from kvtier.pool.cli import build_parser as pool_parser
+    from test_vllm_connector_modes import readme_commands
+
+    parser = {"kvtier-pool": pool_parser, "kvtier-master": master_parser}[program]()
+    for words in readme_commands(program):
+        args = parser.parse_args(words[1:])
+        binds = args.bind if isinstance(args.bind, list) else [args.bind or "tcp://127.0.0.1:7300"]
+        check_binds(program, binds, auth=bool(args.auth_dir), insecure=args.insecure_bind,
+                    log=logging.getLogger("test"))

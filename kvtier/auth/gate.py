@@ -21,7 +21,6 @@ from typing import Any
 import zmq
 
 from kvtier import wire
-from kvtier.auth.roles import forbidden_message
 from kvtier.auth.server import ServerAuth
 from kvtier.wire import WireError
 
@@ -38,7 +37,6 @@ class RoleGate:
         self.permissions = permissions
         self.refuse = refuse
         self.on_refusal = on_refusal
-        self._allowed: dict[str, frozenset[str]] = {}  # User-Id -> its permissions
 
     def run(self, frontend: zmq.Socket[Any], backend: zmq.Socket[Any], control: zmq.Socket[Any]) -> None:
         poller = zmq.Poller()
@@ -76,18 +74,14 @@ class RoleGate:
             req_id, op, _ = wire.decode_request(frames[route].buffer)
         except WireError:
             return None
-        need = self.permissions.get(op)
         key = frames[0].get("User-Id")
-        allowed = self._allowed.get(key)
-        if allowed is None:
-            allowed = self._allowed[key] = self.auth.permissions(key)
-        if need is None or need in allowed:
-            return None
-        if self.on_refusal is not None:
-            self.on_refusal(op)
-        err = WireError(wire.ERR_FORBIDDEN, forbidden_message(op, need, key, self.auth.book.of(key),
-                                                              self.auth.book.directory))
-        return [f.bytes for f in frames[:route]] + [self.refuse(req_id, err)]
+        try:
+            self.auth.book.check(op, self.permissions.get(op), key)
+        except WireError as err:
+            if self.on_refusal is not None:
+                self.on_refusal(op)
+            return [f.bytes for f in frames[:route]] + [self.refuse(req_id, err)]
+        return None
 
 
 __all__ = ["RoleGate"]

@@ -26,10 +26,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.auth.files import AuthError, load_public
+from kvtier.wire import ERR_FORBIDDEN, WireError
 
 log = logging.getLogger("kvtier.auth")
 
@@ -73,6 +74,11 @@ class RoleBook:
 
     roles: Mapping[str, frozenset[str]]
     directory: Path
+    grants: Mapping[str, frozenset[str]] = field(default_factory=dict)  # key -> its permissions (from roles)
+
+    def __post_init__(self) -> None:
+        grants = {k: frozenset().union(*(ROLE_PERMISSIONS[r] for r in rs)) for k, rs in self.roles.items()}
+        object.__setattr__(self, "grants", grants)
 
     @classmethod
     def load(cls, authorized: Path) -> RoleBook:
@@ -118,10 +124,14 @@ class RoleBook:
 
     def permissions(self, key: str) -> frozenset[str]:
         """What the key ``key`` (z85 text) may do: the union of its roles' permissions."""
-        out: set[str] = set()
-        for role in self.of(key):
-            out |= ROLE_PERMISSIONS[role]
-        return frozenset(out)
+        return self.grants.get(key, frozenset())
+
+    def check(self, op: str, permission: str | None, key: str) -> None:
+        """WireError ERR_FORBIDDEN naming the role ``op`` needs, unless ``key`` may do it (``permission`` None: an
+        op the daemon does not know, left to its own error). The one check both daemons make per request."""
+        if permission is None or permission in self.permissions(key):
+            return
+        raise WireError(ERR_FORBIDDEN, forbidden_message(op, permission, key, self.of(key), self.directory))
 
     def describe(self) -> str:
         counts = {r: sum(r in rs for rs in self.roles.values()) for r in ROLES}

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "endpoint bound, with the host name for a wildcard address)")
     p.add_argument("--label", action="append", type=_label, default=[], help="key=value label for the master, "
                    "repeatable (role=pool is always set)")
+    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind or --stream without "
+                   "--auth-dir (anyone who reaches the ports may read, overwrite and clear blocks; logged as a "
+                   "warning)")
     p.add_argument("--workers", type=int, default=d.workers, help=f"request threads (default {d.workers})")
     p.add_argument("--shm-dir", default=d.shm_dir, help=f"where the shared DRAM file lives when an ipc endpoint "
                    f"is bound (default {d.shm_dir})")
@@ -65,12 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the longest one data message may take before its connection is dropped (a peer that "
                    f"trickles bytes holds a thread no longer; default {d.stream_message_timeout_s:g})")
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this pool's "
-                   "keypair, DIR/authorized/{engines,operators}/*.key the clients admitted by role, DIR/master.key "
-                   "(optional) the master's public key; the data port then admits connections by a token handed "
-                   "out at hello (README 'Authenticated sockets'). Default: anyone who reaches the ports is served")
-    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind or --stream without "
-                   "--auth-dir (anyone who reaches the ports may read, overwrite and clear blocks; logged as a "
-                   "warning)")
+                   "keypair, DIR/authorized/*.key the clients admitted, DIR/master.key (optional) the master's "
+                   "public key; the data port then admits connections by a token handed out at hello (README "
+                   "'Authenticated sockets'). Default: anyone who reaches the ports is served")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
