@@ -35,7 +35,6 @@ import numpy as np
 
 from kvtier.blocks import BlockRows
 from kvtier.tiers.base import Tier
-from kvtier.tiers.dram import DramTier
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +128,8 @@ class Offloader:
         """The store is closing: write the top tier's blocks that this policy would write on their eviction and
         the lower tier lacks (with write_through: the ones whose copy was dropped), until ``deadline``
         (time.monotonic()) has passed. Returns (written, wanted): blocks the lower tier took, of those due."""
+        from kvtier.tiers.dram import DramTier  # here, not at import: `import kvtier` must not import torch
+
         top = self.top
         if not isinstance(top, DramTier):
             return 0, 0  # no slots to read in place (a node pool on top has no offloads anyway)
