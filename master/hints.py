@@ -66,7 +66,7 @@ class HintChange:
 class HintTable:
     """Pins and priorities by key (16-byte) or session (a string), each with an expiry. Bounded: at most
     ``max_keys`` keyed hints and ``max_sessions`` session hints in all, and, when ``max_per_client`` > 0, that
-    many entries per owner (the CurveZMQ key that set them; one owner for everyone without keys), so a router
+    many entries per owner (the CurveZMQ key that set them; without keys only the totals apply), so a router
     bug or a hostile client cannot grow the master without bound. Changes are logged per entry
     (``take_changes``) so persisting one pin writes one record, not the table."""
 
@@ -105,7 +105,8 @@ class HintTable:
         if len(self.session_pins) + len(self.session_priority) + new_sessions > self.max_sessions:
             raise WireError(ERR_TOO_LARGE, f"hints would exceed {self.max_sessions} session hints; unpin sessions "
                                            "that are done, or use shorter TTLs")
-        if self.max_per_client and self._per_owner[owner] + new_keys + new_sessions > self.max_per_client:
+        if self.max_per_client and owner != ANONYMOUS and \
+                self._per_owner[owner] + new_keys + new_sessions > self.max_per_client:
             raise WireError(ERR_TOO_LARGE, f"this client ({owner[:12]}) would hold more than {self.max_per_client} "
                                            "hints (the master's --max-hints-per-client); unpin some first")
 

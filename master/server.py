@@ -114,13 +114,12 @@ class MasterServer:
         self.metrics.observe(op, status, time.perf_counter() - t0, nkeys)
         return req_id, reply
 
-    def _caller(self, frame: zmq.Frame) -> Caller:
-        """Who sent ``frame`` (with keys: its connection's CurveZMQ key, which the handshake proved)."""
-        assert self.auth is not None
+    def _caller(self, auth: ServerAuth, frame: zmq.Frame) -> Caller:
+        """Who sent ``frame``: its connection's CurveZMQ key, which the handshake proved."""
         key = frame.get("User-Id")
         caller = self._callers.get(key)
         if caller is None:
-            caller = self._callers[key] = Caller(key, self.auth.permissions(key), self.auth.book.of(key))
+            caller = self._callers[key] = Caller(key, auth.permissions(key), auth.book.of(key))
         return caller
 
     # ---- lifetime --------------------------------------------------------------------------------------
@@ -188,18 +187,18 @@ class MasterServer:
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         """Answer every queued request (up to DRAIN_LIMIT, then yield to the loop and come back)."""
-        keyed = self.auth is not None
+        auth = self.auth
         for _ in range(DRAIN_LIMIT):
             if self._stop is not None and self._stop.is_set():
                 return
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
             # With keys the frames stay zmq Frames: they carry the sender's User-Id (its key).
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=not keyed)
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=auth is None)
             if len(frames) < 2:
                 continue  # not a routed message
-            if keyed:
-                caller, payload = self._caller(frames[-1]), frames[-1].buffer
+            if auth is not None:
+                caller, payload = self._caller(auth, frames[-1]), frames[-1].buffer
                 route = [f.bytes for f in frames[:-1]]
             else:
                 caller, payload, route = ANONYMOUS, frames[-1], frames[:-1]
