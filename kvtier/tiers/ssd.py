@@ -230,6 +230,11 @@ class DiskTier(WritePath):
 
     # ---- beyond the protocol ---------------------------------------------------------------------------
 
+    def keys(self) -> list[bytes]:
+        """Every key held now, committed or queued for write-behind (a snapshot, as DramTier.keys)."""
+        with self._lock:
+            return [*self._slot_of, *(k for k in self._staged if k not in self._slot_of)]
+
     def put_later(self, keys: Sequence[bytes], blocks: Any, *, wait: bool) -> Future[list[bytes]] | None:
         """Copy blocks into staging memory now and write them in the background; the Future gives the keys
         newly held on disk. Keys already held or queued are skipped. Without ``wait``, blocks that find no
