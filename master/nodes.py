@@ -319,9 +319,9 @@ class NodeRegistry:
         node.dead_at = self.wall()
         self.dirty.add(node.node_id)
 
-    def leave(self, node: Node) -> list[int]:
-        """The node said goodbye: dead now; returns its retired locations."""
-        log.info("node %s said goodbye; dropping its placements", node.node_id)
+    def leave(self, node: Node, why: str = "said goodbye") -> list[int]:
+        """The node said goodbye (or an operator forgets it): dead now; returns its retired locations."""
+        log.info("node %s %s; dropping its placements", node.node_id, why)
         self._die(node)
         retired = self._retire(node)
         self._changed()

@@ -9,6 +9,7 @@ Run on the master's event loop, one at a time.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvtier.master.nodes import DEAD
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, WireError, field, float_field, int_field, keys_field
 
+log = logging.getLogger(__name__)
 Body = Mapping[str, Any]
 MAX_TOP = 100_000
 MAX_TTL_S = 10 * 365 * 86400.0
@@ -210,8 +212,9 @@ def forget(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str,
     if node is None:
         return {"forgotten": False}
     if node.state != DEAD:
-        st.retire(st.registry.leave(node))
+        st.retire(st.registry.leave(node, "forgotten by an operator"))
     st.retire(st.registry.forget(node))
+    log.info("node %s forgotten by an operator", node_id)
     return {"forgotten": True}
 
 
