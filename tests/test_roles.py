@@ -98,7 +98,7 @@ def forbidden(call, needs: str) -> str:
     with pytest.raises((MasterError, PoolRefused)) as e:
         call()
     assert e.value.code == wire.ERR_FORBIDDEN, e.value
-    assert f"needs a {needs}" in str(e.value), e.value
+    assert f"needs an {needs}" in str(e.value) or f"needs a {needs}" in str(e.value), e.value
     return str(e.value)
 
 
@@ -127,7 +127,7 @@ def test_an_engine_key_moves_blocks_and_looks_up_but_cannot_register_clear_or_fo
     forbidden(lambda: pool_call(keys, "engine", pool.tcp, "clear", {}), "operator")
     assert "fake-pool" not in [n["node"] for n in admin.nodes()]
     assert pool_call(keys, "operator", pool.tcp, "stats", {})["tier"]["used_bytes"] == 8 * BB  # nothing cleared
-    assert "refused op clear" in pool.log()
+    assert "op 'clear' needs an operator key" in pool.log()  # and the pool says so
 
 
 def test_a_daemon_key_registers_its_node_but_moves_no_blocks(cluster, keys):

@@ -29,10 +29,11 @@ BATCH = 64  # messages moved per socket per poll wakeup
 
 class RoleGate:
     """``permissions``: op -> the permission it needs (unknown ops pass: the daemon answers them);
-    ``refuse(req_id, error)``: the reply frame for a refused request; ``on_refusal(op)``: counts it."""
+    ``refuse(req_id, error)``: the reply frame for a refused request; ``on_refusal(op, error)``: counts and logs
+    it."""
 
     def __init__(self, auth: ServerAuth, permissions: Mapping[str, str],
-                 refuse: Callable[[int, WireError], bytes], on_refusal: Callable[[str], None] | None = None) -> None:
+                 refuse: Callable[[int, WireError], bytes], on_refusal: Callable[[str, WireError], None] | None = None) -> None:
         self.auth = auth
         self.permissions = permissions
         self.refuse = refuse
@@ -79,7 +80,7 @@ class RoleGate:
             self.auth.book.check(op, self.permissions.get(op), key)
         except WireError as err:
             if self.on_refusal is not None:
-                self.on_refusal(op)
+                self.on_refusal(op, err)
             return [f.bytes for f in frames[:route]] + [self.refuse(req_id, err)]
         return None
 

@@ -153,8 +153,9 @@ def forbidden_message(op: str, permission: str, key: str, roles: Iterable[str], 
     have = ", ".join(sorted(roles)) or "no"
     need = " or ".join(roles_with(permission))
     dirs = " or ".join(f"{book_dir}/{ROLE_DIRS[r]}/" for r in roles_with(permission))
-    return (f"op {op!r} needs a {need} key; this client's key {key[:12]}... has {have} role(s) (a key in {dirs} "
-            "may do it)")
+    article = "an" if need[:1] in "aeiou" else "a"
+    return (f"op {op!r} needs {article} {need} key; this client's key {key[:12]}... has {have} role(s) (a key in "
+            f"{dirs} may do it)")
 
 
 __all__ = ["ADMIN", "DAEMON", "DATA", "ENGINE", "HINTS", "NODE", "OPERATOR", "READ", "ROLES", "ROLE_DIRS",

@@ -209,10 +209,9 @@ class PoolServer:
     def _refusal(self, req_id: int, err: WireError) -> bytes:
         return wire.encode_reply(req_id, False, {"code": err.code, "message": err.message, "epoch": self.state.epoch})
 
-    def _refused(self, op: str) -> None:
+    def _refused(self, op: str, err: WireError) -> None:
         self.state.count(error_forbidden=1)
-        self._bad("forbidden:" + op[:64], logging.WARNING, "refused op %s: the client's key has no role for it",
-                  op[:64])
+        self._bad("forbidden:" + op[:64], logging.WARNING, "bad request (op %s): %s", op[:64], err)
 
     def _work(self, index: int) -> None:
         sock = self._ctx.socket(zmq.DEALER)
