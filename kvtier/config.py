@@ -86,6 +86,9 @@ class Config:
     ssd_staging_bytes: int = _bytes_field("256MiB", "host memory for blocks queued for the SSD (write-behind); "
                                                     "0 writes offloads synchronously on the caller's thread")
     ssd_io_threads: int = _field(4, "threads doing the SSD tier's preadv/pwritev")
+    close_timeout_s: float = _field(30.0, "on close (an engine's clean shutdown), write DRAM's blocks that the "
+                                          "lower tiers would get on eviction (on_evict: every block the SSD lacks) "
+                                          "for at most this long; the rest is lost with the process (logged)")
 
     # Modes: where the store's DRAM lives (README "Modes"). The remote/node pool is kvtier-pool.
     mode: str = _field("embedded", "embedded: private DRAM (+SSD) in this process; standalone: the node pool "
@@ -200,6 +203,8 @@ class Config:
             raise ConfigError(f"ssd_segment_bytes must be > 0, got {self.ssd_segment_bytes}")
         if not 1 <= self.ssd_io_threads <= 64:
             raise ConfigError(f"ssd_io_threads must be in 1..64, got {self.ssd_io_threads}")
+        if not 0 <= self.close_timeout_s <= 3600:
+            raise ConfigError(f"close_timeout_s must be in 0..3600, got {self.close_timeout_s}")
         self._validate_mode()
 
     def _validate_mode(self) -> None:

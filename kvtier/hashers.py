@@ -102,16 +102,17 @@ class VllmBlockHasher:
 
 
 def vllm_namespace(model: str, layout_fingerprint: str, *, rank: int = 0, world_size: int = 1,
-                   revision: str | None = None, hash_algo: str = "sha256") -> Namespace:
+                   revision: str | None = None, hash_algo: str = "sha256", weights: str = "") -> Namespace:
     """The namespace KVTierConnector's worker of TP/PP ``rank`` (of ``world_size``) stores its keys under.
 
     ``model`` is the ``model`` config key if set, else the served model as vLLM names it (``--model``);
     ``layout_fingerprint`` is that rank's ``BlockLayout.fingerprint`` (the worker logs it); ``revision`` the
-    model revision (None when not given) and ``hash_algo`` vLLM's ``--prefix-caching-hash-algo``. The one
-    place this fold is written: the connector builds its namespace here too.
+    model revision (None when not given), ``hash_algo`` vLLM's ``--prefix-caching-hash-algo`` and ``weights``
+    the checkpoint's fingerprint (kvtier.weights; the worker logs it as ``weights ...``; "" when it has none).
+    The one place this fold is written: the connector builds its namespace here too.
     """
-    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=0,
-                     extra=f"revision={revision};hash={hash_algo}")
+    extra = f"revision={revision};hash={hash_algo}" + (f";weights={weights}" if weights else "")
+    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=0, extra=extra)
 
 
 def sglang_namespace(model: str, host_fingerprint: str, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,

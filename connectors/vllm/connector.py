@@ -39,6 +39,7 @@ from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import split_extra_config
 from .stats import KVTierConnectorStats
+from .weights import model_weights
 from .worker import WorkerIdentity, WorkerSide
 
 if TYPE_CHECKING:
@@ -108,9 +109,11 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             spec = groups[0].kv_cache_spec
             model = vllm_config.model_config
+            weights = model_weights(vllm_config, settings.weights_fingerprint)  # folded into the namespace
             identity = WorkerIdentity(
                 model=str(model.model), rank=int(parallel.rank) % ranks, world_size=ranks, engine_id=engine_id,
                 dp_rank=dp_rank, block_size=int(spec.block_size), revision=model.revision,
+                weights=weights.value, weights_source=weights.source,
                 hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
                 tp_size=parallel.tensor_parallel_size, pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
                 dp_size=int(getattr(parallel, "data_parallel_size", 1)))

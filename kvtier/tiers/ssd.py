@@ -44,6 +44,7 @@ from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
 from kvtier.pins import PinTable
 from kvtier.policies import make_policy
+from kvtier.private import private_dir
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 from kvtier.tiers.ssd_index import DiskIndex, IndexFault
@@ -77,7 +78,7 @@ class DiskTier(WritePath):
             raise ValueError(f"direct_io must be auto, true or false, got {direct_io!r}")
         self.block_bytes = block_bytes
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path)  # segment files hold KV blocks (users' prompts), 0600 each (ssd_io.py)
         self._dir_lock = lock_directory(self.path)
         try:
             self.direct = self._choose_direct_io(direct_io)
