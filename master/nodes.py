@@ -82,6 +82,7 @@ class Node:
     registered_at: float = field(default_factory=time.time)
     owner: str = ANONYMOUS_QUOTA  # the key that registered it (access.Caller.quota)
     dead_at: float | None = None  # wall clock of its death (lease expiry or goodbye); None while not dead
+    beats: int = 0  # node ops applied (register, heartbeat, inventory): a logged expiry names the count it saw
 
     @property
     def incarnation_digest(self) -> str:
@@ -113,13 +114,14 @@ class NodeRegistry:
 
     def __init__(self, lease_s: float, *, max_nodes: int = 1024, max_nodes_per_client: int = 0,
                  max_locations: int = 1024, forget_dead_s: float = 3600.0,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, reclaim: Callable[[], list[int]] | None = None) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
         self.lease_s = lease_s
         self.max_nodes, self.max_nodes_per_client = max_nodes, max_nodes_per_client
         self.max_locations, self.forget_dead_s = max_locations, forget_dead_s
         self.wall = wall
+        self.reclaim = reclaim  # finishes the directory's sweep now, returning the locations it freed
         self.nodes: dict[str, Node] = {}
         self.dirty: set[str] = set()  # node records to write (register, death)
         self.forgotten: set[str] = set()  # node records to delete
@@ -141,13 +143,16 @@ class NodeRegistry:
         return self._owner[loc] if loc < len(self._owner) else None
 
     def _allocate(self, node: Node) -> None:
-        available = len(self._free) + max(0, self.max_locations - len(self._owner))
-        if available < len(node.tiers):
-            held = len(self._owner) - len(self._free)
+        # Whether a node fits depends on the locations nodes hold, never on how far the sweep of retired ones
+        # got: masters sharing one log must all give the same answer (master/shared.py).
+        held = sum(o is not None for o in self._owner)
+        if self.max_locations - held < len(node.tiers):
             raise WireError(wire.ERR_TOO_LARGE, f"node {node.node_id!r} needs {len(node.tiers)} directory locations "
                                                 f"and {held} of the master's {self.max_locations} are held (one per "
-                                                "node tier; a dead node's come back once the directory is swept): "
-                                                "retry later, or raise --max-locations")
+                                                "node tier): forget dead nodes, or raise --max-locations")
+        available = len(self._free) + max(0, self.max_locations - len(self._owner))
+        if available < len(node.tiers) and self.reclaim is not None:
+            self.release(self.reclaim())
         for tier in node.tiers:
             if self._free:
                 self._free.sort()
@@ -216,6 +221,7 @@ class NodeRegistry:
                 node.registered_at = old.registered_at
             self.nodes[node_id] = node
         node.last_seen = now
+        node.beats += 1
         self.dirty.add(node_id)
         self.forgotten.discard(node_id)
         self._changed()
@@ -313,6 +319,16 @@ class NodeRegistry:
         self._changed()
         return retired
 
+    def silent(self, now: float) -> list[Node]:
+        """Nodes (not dead) silent for longer than their lease, changing nothing (a shared master proposes
+        their deaths to the log instead of declaring them)."""
+        return [n for n in self.nodes.values() if n.state != DEAD and now - n.last_seen > self.lease_s]
+
+    def due_to_forget(self) -> bool:
+        now = self.wall()
+        return any(n.state == DEAD and n.dead_at is not None and now - n.dead_at >= self.forget_dead_s
+                   for n in self.nodes.values())
+
     def _die(self, node: Node) -> None:
         node.state = DEAD
         node.applied_seq = None
@@ -329,6 +345,7 @@ class NodeRegistry:
 
     def heard_from(self, node: Node, now: float) -> None:
         node.last_seen = now
+        node.beats += 1
         deadline = now + self.lease_s
         if deadline < self._next_deadline:
             self._next_deadline = deadline
@@ -381,6 +398,31 @@ class NodeRegistry:
                     while loc >= len(self._owner):
                         self._owner.append(None)
                     self._owner[loc] = (node.node_id, tier)
+            self.nodes[node.node_id] = node
+        self._changed()
+
+    def export(self) -> list[dict[str, Any]]:
+        """Every node, whole (what a shared snapshot holds; liveness times excepted: they are this master's)."""
+        return [{"node": n.node_id, "address": n.address, "labels": n.labels, "incarnation": n.incarnation,
+                 "state": n.state, "locations": n.locations, "applied_seq": n.applied_seq, "next_part": n.next_part,
+                 "path_bw": n.path_bw, "rpc_latency_s": n.rpc_latency_s, "registered_at": n.registered_at,
+                 "owner": n.owner, "dead_at": n.dead_at, "beats": n.beats,
+                 "tiers": [[t.name, t.capacity, t.used, t.bw, t.promised] for t in n.tiers.values()]}
+                for n in self.nodes.values()]
+
+    def load_export(self, records: list[dict[str, Any]], now: float) -> None:
+        """Nodes as ``export`` wrote them, locations numbered as they were (an empty registry only). Each
+        node not dead gets a lease from ``now``: this master has not heard it yet."""
+        for r in records:
+            tiers = {name: TierState(name, cap, used, bw, promised) for name, cap, used, bw, promised in r["tiers"]}
+            node = Node(r["node"], r["address"], tiers, r["labels"], r["incarnation"], state=r["state"],
+                        locations=dict(r["locations"]), applied_seq=r["applied_seq"], next_part=r["next_part"],
+                        last_seen=now, path_bw=dict(r["path_bw"]), rpc_latency_s=r["rpc_latency_s"],
+                        registered_at=r["registered_at"], owner=r["owner"], dead_at=r["dead_at"], beats=r["beats"])
+            for tier, loc in node.locations.items():
+                while loc >= len(self._owner):
+                    self._owner.append(None)
+                self._owner[loc] = (node.node_id, tier)
             self.nodes[node.node_id] = node
         self._changed()
 

@@ -36,7 +36,7 @@ def ping(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, A
     return {"version": wire.VERSION, "uptime_s": st.mono() - st.started, "keys": len(st.directory),
             "directory_bytes": st.directory.nbytes, "nodes": st.registry.counts(),
             "locations": st.registry.location_count, "lease_s": st.settings.lease_s,
-            "activity": st.activity.view()}
+            "activity": st.activity.view(), "backend": st.backend_status()}
 
 
 def lookup(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
@@ -200,7 +200,7 @@ def priority(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[st
 
 def hints(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     since = int_field(body, "since", -1, 1 << 62, default=-1)
-    st.hints.expire(st.wall())
+    st.expire_hints()
     if since == st.hints.version:
         return {"version": since, "unchanged": True}
     return st.hints.to_wire()

@@ -5,8 +5,8 @@
 The loop watches the socket's file descriptor and, when zmq signals, drains every queued request (up to a
 bound, so the timer still runs) and answers each before waiting again: a burst of lookups costs one wakeup,
 not one per request, and no future is created per request. Ops are synchronous numpy work on the loop; nothing else touches the state, so nothing locks.
-Disk writes (node records, hints, snapshots) run on one writer thread, so a large snapshot never stalls
-answers. A bad request gets an error reply naming the problem; a bug in an op gets ERR_INTERNAL and a
+Where the state lives is the backend's business (backend.py): this process with lmdb under it, or a log in
+Redis shared by several masters (shared.py), which answers writes once they are applied. A bad request gets an error reply naming the problem; a bug in an op gets ERR_INTERNAL and a
 logged traceback, and the loop goes on.
 
 Bounds on what clients can make the master hold (RELIABILITY.md): zmq reads at most MAXMSGSIZE per message
@@ -32,7 +32,6 @@ import os
 import resource
 import signal
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +41,8 @@ from kvtier import wire
 from kvtier.auth import ServerAuth
 from kvtier.master import ops_node, ops_router
 from kvtier.master.access import ANONYMOUS, Caller
+from kvtier.master.backend import make_backend
 from kvtier.master.metrics import MasterMetrics
-from kvtier.master.persist import MasterDisk
 from kvtier.master.replies import ReplyBudget
 from kvtier.master.service import MasterSettings, MasterState
 from kvtier.ratelog import RateLimitedLog
@@ -53,6 +52,9 @@ log = logging.getLogger("kvtier.master")
 
 OPS = {**ops_router.OPS, **ops_node.OPS}
 PERMISSIONS = {**ops_router.PERMISSIONS, **ops_node.PERMISSIONS}
+# Ops that change the state: with a shared directory they are recorded in its log and applied from there.
+WRITE_OPS = frozenset({wire.REGISTER, wire.HEARTBEAT, wire.EVENTS, wire.INVENTORY, wire.GOODBYE, wire.FORGET,
+                       wire.PIN, wire.UNPIN, wire.PRIORITY})
 DRAIN_LIMIT = 256  # requests answered per wakeup before the timer gets a turn
 TICK_S = 0.1
 RCVHWM = 32  # requests queued per connection before zmq stops reading it (backpressure: nothing is lost)
@@ -70,25 +72,26 @@ class MasterServer:
         self.settings = settings
         self.ready_file = ready_file
         self.metrics = MasterMetrics()
-        self.state = MasterState(settings, self.metrics)
-        self.disk: MasterDisk | None = None
+        self.backend = make_backend(settings, self.metrics)
         self.endpoint = ""
         self.metrics_port: int | None = None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-master-disk")
         self._stop: asyncio.Event | None = None
-        self._last_snapshot = time.monotonic()
-        self._snapshot_running = False
-        self._hints_job: Future[Any] | None = None  # the hint records being written (at most one at a time)
         self._bad = RateLimitedLog(log)
         # Keys are read now: a missing one is a start-up error (AuthError), before anything is opened.
         self.auth = ServerAuth(settings.auth_dir) if settings.auth_dir else None
         self._callers: dict[str, Caller] = {}  # User-Id -> Caller (at most one per admitted key)
         self.replies = ReplyBudget(settings.reply_budget_bytes, settings.client_reply_bytes)
 
+    @property
+    def state(self) -> MasterState:
+        return self.backend.state  # a shared backend replaces it when it reloads
+
     # ---- requests --------------------------------------------------------------------------------------
 
-    def serve(self, frame: bytes | memoryview, caller: Caller = ANONYMOUS) -> tuple[int, bytes]:
-        """Answer one request frame from ``caller``: (its req_id, the reply frame). Never raises."""
+    def serve(self, frame: bytes | memoryview, caller: Caller = ANONYMOUS,
+              answer: Any = None) -> tuple[int, bytes | None]:
+        """Answer one request frame from ``caller``: (its req_id, the reply frame). Never raises. With a shared
+        backend a write's reply is None here: ``answer(req_id, reply)`` sends it once the write is applied."""
         t0 = time.perf_counter()
         op, req_id, nkeys, error = "?", 0, 0, ""
         try:
@@ -97,6 +100,11 @@ class MasterServer:
             if handler is None:
                 raise WireError(wire.ERR_UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(sorted(OPS))}")
             caller.check(op, PERMISSIONS[op], self.auth.book if self.auth else None)
+            if self.backend.shared and op in WRITE_OPS and answer is not None:
+                self.backend.submit(req_id, op, body, caller,
+                                    lambda rid, reply, status, err: self._answered(op, t0, rid, reply, status, err,
+                                                                                   answer))
+                return req_id, None
             reply = wire.encode_reply(req_id, True, handler(self.state, body, caller))
             if op in _KEYED and isinstance(body.get("keys"), bytes):
                 nkeys = len(body["keys"]) // 16
@@ -111,11 +119,21 @@ class MasterServer:
             reply = wire.encode_error(req_id, WireError(wire.ERR_INTERNAL, f"{type(e).__name__} in op {op[:64]}: "
                                                         f"{e}"[:500]))
             self._bad("internal:" + op[:64], logging.ERROR, "internal error serving op %s", op[:64], exc_info=True)
+        self._count(op, status, error, t0, nkeys)
+        return req_id, reply
+
+    def _count(self, op: str, status: str, error: str, t0: float, nkeys: int = 0) -> None:
         self.metrics.observe(op, status, time.perf_counter() - t0, nkeys)
         self.state.activity.request(op if op in OPS else "unknown", status)
         if status != "ok":
             self.state.activity.error(time.time(), op, status, error)
-        return req_id, reply
+
+    def _answered(self, op: str, t0: float, req_id: int, reply: bytes, status: str, error: str, answer: Any) -> None:
+        """A write the shared backend applied (or refused): count it and send its reply."""
+        if status not in ("ok", wire.ERR_INTERNAL):
+            self._bad(status, logging.WARNING, "bad request (op %s): %s", op[:64], error)
+        self._count(op, status, error, t0)
+        answer(req_id, reply)
 
     def _caller(self, auth: ServerAuth, frame: zmq.Frame) -> Caller:
         """Who sent ``frame``: its connection's CurveZMQ key, which the handshake proved."""
@@ -136,9 +154,17 @@ class MasterServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        if self.settings.data_dir:
-            self.disk = MasterDisk(self.settings.data_dir)
-            self.state.restore(self.disk)
+        # Restored (lmdb) or caught up with the shared log: only then bind. A SIGTERM meanwhile stops it.
+        opening = asyncio.ensure_future(self.backend.open())
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not opening.done():
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            await self.backend.close(flush=False)
+            return
+        opening.result()
         raise_fd_limit()
         ctx = zmq.Context()
         auth = self.auth
@@ -163,11 +189,13 @@ class MasterServer:
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             if self.settings.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
-            log.info("kvtier-master %s: serving on %s%s; metrics %s; data dir %s; lease %.3g s, heat half-life "
+            log.info("kvtier-master %s: serving on %s%s; metrics %s; state %s; lease %.3g s, heat half-life "
                      "%.3g s, placement %s", os.getpid(), self.endpoint,
                      f" (CurveZMQ, keys in {self.settings.auth_dir})" if auth else "",
                      f"http://{self.settings.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port
-                     else "off", self.settings.data_dir or "none (nothing persists)", self.settings.lease_s,
+                     else "off", f"shared in {self.settings.directory}" if self.settings.directory
+                     else f"in lmdb at {self.settings.data_dir}" if self.settings.data_dir
+                     else "in memory (nothing persists)", self.settings.lease_s,
                      self.settings.heat_half_life_s, self.settings.placement)
             self._write_ready()
             serving = True
@@ -205,8 +233,9 @@ class MasterServer:
                 route = [f.bytes for f in frames[:-1]]
             else:
                 caller, payload, route = ANONYMOUS, frames[-1], frames[:-1]
-            req_id, reply = self.serve(payload, caller)
-            self._reply(sock, route, req_id, reply)
+            req_id, reply = self.serve(payload, caller, lambda rid, r, route=route: self._reply(sock, route, rid, r))
+            if reply is not None:
+                self._reply(sock, route, req_id, reply)
         asyncio.get_running_loop().call_soon(self._drain, sock)
 
     def _reply(self, sock: zmq.Socket[Any], route: list[Any], req_id: int, reply: bytes) -> None:
@@ -249,70 +278,17 @@ class MasterServer:
                 self.state.tick()
                 self.replies.collect()
                 self.metrics.unsent_reply_bytes.set(self.replies.unsent)
-                self._persist_small()
-                due = self.settings.snapshot_interval_s > 0 and \
-                    time.monotonic() - self._last_snapshot >= self.settings.snapshot_interval_s
-                if due and not self._snapshot_running and self.disk is not None:
-                    self._snapshot_running = True
-                    self._last_snapshot = time.monotonic()
-                    fut = self._writer.submit(self._write_snapshot, *self.state.snapshot())
-                    fut.add_done_callback(lambda _f: setattr(self, "_snapshot_running", False))
+                self.backend.tick()
             except Exception:
                 log.exception("master housekeeping failed; retrying at the next tick")
 
-    def _persist_small(self) -> None:
-        """Queue node records and hint entries that changed since the last call for the writer thread (only
-        those: a pin writes its own record, never the hint table)."""
-        if self.disk is None:
-            return
-        records, forgotten = self.state.dirty_records()
-        for rec in records:
-            self._writer.submit(self._guarded, self.disk.save_node, rec)
-        for node_id in forgotten:
-            self._writer.submit(self._guarded, self.disk.delete_node, node_id)
-        # One hint write at a time: while one runs, changes gather in the table's log (one entry per hint
-        # changed, however often), so a burst of pins never queues work behind a SIGTERM.
-        if self._hints_job is not None and not self._hints_job.done():
-            return
-        changes = self.state.hints.take_changes()
-        if changes:
-            self._hints_job = self._writer.submit(self._guarded, self.disk.save_hints, changes,
-                                                  self.state.hints.version)
-
-    def _write_snapshot(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-        if self.disk is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            n = self.disk.save_snapshot(arrays, meta)
-        except Exception:
-            log.exception("directory snapshot failed (the previous one stays); nodes would resync after a crash")
-            return
-        log.info("directory snapshot: %d keys, %.1f MiB in %.2f s", len(arrays["k0"]), n / 2**20,
-                 time.perf_counter() - t0)
-
-    @staticmethod
-    def _guarded(fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            log.exception("writing master state to disk failed")
-
     async def _shutdown(self, flush: bool) -> None:
-        """Flush state (if the daemon got as far as serving: a failed start must not overwrite the last
-        snapshot with a partial one) and close the disk."""
-        loop = asyncio.get_running_loop()
-        if self.disk is not None:
-            if flush:
-                if self._hints_job is not None:
-                    await asyncio.wrap_future(self._hints_job)
-                self._persist_small()
-                await loop.run_in_executor(self._writer, self._write_snapshot, *self.state.snapshot())
-            await loop.run_in_executor(self._writer, self.disk.close)
-        self._writer.shutdown(wait=True)
+        await self.backend.close(flush)
         if flush:
+            where = (", state flushed to disk" if self.settings.data_dir
+                     else f", state in {self.settings.directory}" if self.settings.directory else "")
             log.info("kvtier-master %s: stopped (%d keys, %d nodes%s)", os.getpid(), len(self.state.directory),
-                     len(self.state.registry.nodes), ", state flushed to disk" if self.disk else "")
+                     len(self.state.registry.nodes), where)
 
     def _write_ready(self) -> None:
         if not self.ready_file:

@@ -59,6 +59,13 @@ class MasterSettings:
     handshake_timeout_s: float = 5.0  # a connection that has not finished zmq's handshake by then is closed
     cost: CostDefaults = field(default_factory=CostDefaults)
     auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server.key_secret and authorized/; "" admits anyone
+    # The state's home: "" (this process, with --data-dir's lmdb if set) or redis://HOST:PORT/N, shared by every
+    # master started with the same URL (master/shared.py).
+    directory: str = ""
+    write_timeout_s: float = 2.0  # redis: a write not seen back in the log by then is answered ERR_UNAVAILABLE
+    # Hot-block replication (master/replication.py): off at 0; a prefix this hot held by one pool gets a copy.
+    replicate_heat: float = 0.0
+    replicate_interval_s: float = 5.0
 
     def message_bytes(self) -> int:
         """The largest message the master reads (zmq MAXMSGSIZE): 24 B per key of the largest batch (a key and
@@ -72,21 +79,33 @@ class MasterState:
     def __init__(self, settings: MasterSettings, metrics: MasterMetrics | None = None,
                  mono: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.settings = settings
-        self.mono, self.wall = mono, wall
+        self.mono = mono
+        self._clock_wall = wall
+        # While a shared log entry is applied, "now" is the time its master accepted it, so every master that
+        # applies it computes the same expiries and death times (master/shared.py).
+        self.command_time: float | None = None
+        # Shared (redis) state: leases, hint expiry and forgetting change state only through logged commands the
+        # backend proposes, never as a side effect of a request or of this master's clock.
+        self.shared = bool(settings.directory)
         self.started = mono()
         self.metrics = metrics or MasterMetrics()
         self.directory = Directory(HeatClock(settings.heat_half_life_s, wall()))
         self.registry = NodeRegistry(settings.lease_s, max_nodes=settings.max_nodes,
                                      max_nodes_per_client=settings.max_nodes_per_client,
                                      max_locations=settings.max_locations, forget_dead_s=settings.forget_dead_s,
-                                     wall=wall)
+                                     wall=self.wall, reclaim=self._reclaim_locations)
         self.registry.on_forget = lambda node: self.metrics.forget_node(node.node_id, list(node.tiers))
         self.hints = self._hint_table()
         self.cost = CostModel(self.registry, settings.cost)
         self._placements: dict[str, PlacementPolicy] = {}
         make_placement(settings.placement)  # fail at start-up, not at the first route_put
         self.activity = Activity()  # for kvtier status (ping's "activity")
+        self.backend_status: Callable[[], dict[str, Any]] = lambda: {"kind": "memory", "state": "ok"}
         self._next_forget = 0.0
+
+    def wall(self) -> float:
+        """Unix time: the applied command's when one is being applied, else the clock's."""
+        return self.command_time if self.command_time is not None else self._clock_wall()
 
     # ---- shared helpers for the ops --------------------------------------------------------------------
 
@@ -108,13 +127,27 @@ class MasterState:
         return self.registry.live_mask(self.directory.words)
 
     def expire_leases(self) -> None:
+        if self.shared:
+            return  # deaths are logged commands (master/shared.py proposes them), applied by every master alike
         retired = self.registry.expire(self.mono())
         if retired:
             self.metrics.lease_expiries.inc()
             self.retire(retired)
 
+    def expire_hints(self) -> None:
+        if not self.shared:
+            self.hints.expire(self.wall())
+
     def retire(self, locations: list[int]) -> None:
         self.directory.retire(locations)
+
+    def _reclaim_locations(self) -> list[int]:
+        """Finish the directory's sweep now (the registry ran out of swept location numbers while retired ones
+        are still being cleared): how many nodes fit then depends only on the nodes, not on sweep timing."""
+        freed: list[int] = []
+        while self.directory.sweeping:
+            freed += self.directory.sweep(self.directory.table.capacity)
+        return freed
 
     def node_allocated(self, node: Node) -> None:
         """A node got fresh locations: the directory masks must have room for them."""
@@ -126,8 +159,8 @@ class MasterState:
     def tick(self) -> None:
         """Periodic housekeeping (the server calls this every ~100 ms)."""
         self.expire_leases()
-        self.hints.expire(self.wall())
-        if self.mono() >= self._next_forget:
+        self.expire_hints()
+        if not self.shared and self.mono() >= self._next_forget:
             self._next_forget = self.mono() + 1.0
             self.registry.forget_dead()
         freed = self.directory.sweep(self.settings.sweep_slots_per_tick)
