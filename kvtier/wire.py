@@ -63,6 +63,9 @@ ERR_INTERNAL = "internal"  # a bug in the daemon; the message says where, the da
 ERR_FORBIDDEN = "forbidden"  # the caller's key has no role that allows the op (kvtier/auth/roles.py)
 ERR_NODE_OWNED = "node_owned"  # a node id another live registration owns (free once it leaves or its lease ends)
 ERR_BUSY = "busy"  # too many replies unread by this client (or by all clients): read them, then retry
+# The master cannot record writes now (its shared directory is unreachable, read-only or reloading): retry, maybe
+# on another master. Clients with several masters fail over on it.
+ERR_UNAVAILABLE = "unavailable"
 
 
 class WireError(Exception):

@@ -40,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default=d.bind, help=f"zmq endpoint to serve on (default {d.bind}; "
                    "tcp://host:* picks a free port)")
     p.add_argument("--data-dir", help="directory for the lmdb state (nodes, hints, directory snapshots); "
-                   "without it nothing survives a restart")
+                   "without it (and without --directory) nothing survives a restart")
+    p.add_argument("--directory", default="", help="redis://HOST:PORT/N (or unix:///path.sock?db=N): keep the state "
+                   "in Redis, shared by every master started with the same URL (README 'Running more than one "
+                   "master'); default: this process (with --data-dir's lmdb)")
+    p.add_argument("--write-timeout-s", type=float, default=d.write_timeout_s, help="with --directory: a write not "
+                   f"applied from the shared log by then is answered '{'unavailable'}' (default {d.write_timeout_s:g})")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help=f"Prometheus port (default {d.metrics_port}; 0 picks a free one; -1 disables)")
     p.add_argument("--metrics-host", default=d.metrics_host, help=f"metrics bind address (default {d.metrics_host}: "
@@ -107,11 +112,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if args.forget_dead_s < 0 or args.handshake_timeout_s <= 0:
             raise ValueError("--forget-dead-s must be >= 0 and --handshake-timeout-s > 0")
+        if args.directory and args.data_dir:
+            raise ValueError("--directory and --data-dir are exclusive: with a shared directory the state lives there")
+        if args.directory and not args.directory.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--directory {args.directory!r}: expected redis://HOST:PORT/N or unix:///path?db=N")
+        if args.directory:
+            import redis  # noqa: F401 - the optional dependency, checked now rather than at the first write
         make_placement(args.placement)
         check_binds("kvtier-master", [args.bind], auth=bool(args.auth_dir), insecure=args.insecure_bind,
                     log=logging.getLogger("kvtier.master"))
         settings = MasterSettings(
-            bind=args.bind, data_dir=args.data_dir,
+            bind=args.bind, data_dir=args.data_dir, directory=args.directory, write_timeout_s=args.write_timeout_s,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port, metrics_host=args.metrics_host,
             lease_s=args.lease_s, heat_half_life_s=args.heat_half_life_s, placement=args.placement,
             max_batch_keys=args.max_batch_keys, snapshot_interval_s=args.snapshot_interval_s,
@@ -129,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(server.run())
         else:
             uvloop.run(server.run())
+    except ImportError as e:
+        print(f"kvtier-master: error: --directory needs the redis package ({e}): pip install 'kvtier[redis]'",
+              file=sys.stderr)
+        return 2
     except (ValueError, OSError, DiskError, zmq.ZMQError) as e:  # AuthError is a ValueError
         print(f"kvtier-master: error: {e}", file=sys.stderr)
         return 2

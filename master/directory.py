@@ -186,6 +186,21 @@ class Directory:
         count[slots] = count.take(slots) + np.uint32(1)
         self.table.column("last")[slots] = int(now)
 
+    def touch_counts(self, keys: np.ndarray, counts: np.ndarray, now: float) -> None:
+        """``counts[i]`` accesses of each (distinct) key at ``now``, counted by another master; unknown keys are
+        skipped (removed since)."""
+        slots = self.table.find(keys)
+        found = slots >= 0
+        s, c = slots[found], counts[found].astype(np.uint32)
+        if s.size == 0:
+            return
+        if self.clock.needs_renormalize(now):
+            self.clock.renormalize(self.table.column("score"), now)
+        score, count, last = self.table.column("score"), self.table.column("count"), self.table.column("last")
+        score[s] = score.take(s) + np.float32(self.clock.weight(now)) * c.astype(np.float32)
+        count[s] = count.take(s) + c
+        last[s] = np.maximum(last.take(s), np.uint32(int(now)))
+
     def heat(self, keys: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(access count, decayed heat, last access unix seconds) per key; zeros for unknown keys."""
         slots = self.table.find(keys)

@@ -153,6 +153,10 @@ class HintTable:
         self.version += 1
         return len(keys) + (session is not None)
 
+    def next_expiry(self) -> float:
+        """The earliest expiry queued (maybe of an entry changed since: then ``expire`` finds nothing), or inf."""
+        return self._due[0][0] if self._due else NEVER
+
     def expire(self, now: float) -> bool:
         """Drop expired hints; True if anything changed. Costs O(1) when nothing is due."""
         due, changed = self._due, False

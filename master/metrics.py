@@ -20,6 +20,7 @@ KNOWN_OPS = frozenset({
     wire.PRIORITY, wire.HINTS, wire.LOCATE, wire.FORGET, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS,
     wire.INVENTORY, wire.GOODBYE,
 })
+STALENESS_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3, 0.5, 2.0, 10.0)
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
 
 
@@ -61,6 +62,21 @@ class MasterMetrics:
                                        registry=r)
         self.unsent_reply_bytes = Gauge("kvtier_master_unsent_reply_bytes", "Bytes of large replies zmq has not "
                                         "sent yet (bounded by --reply-budget)", registry=r)
+        # Shared directory (--directory redis://): master/shared.py.
+        self.backend_state = Gauge("kvtier_master_backend_state", "1 for the shared directory's current state: ok, "
+                                   "read_only (redis unreachable: reads served, writes refused), catching_up "
+                                   "(reloading), starting", ["state"], registry=r)
+        self.log_entries = Counter("kvtier_master_log_entries", "Shared log entries applied, by origin (self: "
+                                   "appended by this master)", ["origin"], registry=r)
+        self.log_staleness = Histogram("kvtier_master_log_staleness_seconds", "From another master accepting a "
+                                       "write to this master applying it", buckets=STALENESS_BUCKETS, registry=r)
+        self.log_append_seconds = Histogram("kvtier_master_log_append_seconds", "One append of queued writes to "
+                                            "the shared log", buckets=STALENESS_BUCKETS, registry=r)
+        self.read_only = Counter("kvtier_master_read_only", "Times the shared directory became read-only (redis "
+                                 "unreachable)", registry=r)
+        self.reloads = Counter("kvtier_master_reloads", "Reloads of the shared directory from its snapshot "
+                               "(a gap, redis restarted behind this master, a new epoch)", registry=r)
+        self.snapshots = Counter("kvtier_master_snapshots", "Shared snapshots this master wrote", registry=r)
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:

@@ -48,7 +48,7 @@ def lookup(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str,
     counts = st.directory.prefix_counts(masks, held)
     st.activity.lookup(len(keys), counts.any)
     if touch:
-        st.directory.touch(slots[held], st.wall())
+        st.touch(slots[held])
     prefix = []
     for loc, n in sorted(counts.by_location.items(), key=lambda kv: -kv[1]):
         owner = st.registry.owner(loc)
@@ -76,7 +76,7 @@ def cost(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, A
     held = masks.any(axis=1)
     prefix_len = len(keys) if held.all() else int(np.argmin(held))
     if field(body, "touch", bool, True):
-        st.directory.touch(slots[held], st.wall())
+        st.touch(slots[held])
     plans = st.cost.plans(masks, st.directory.block_bytes(slots), prefix_len, candidates,
                           CostRequest(bt, rate, prompt))
     return {"n": len(keys), "prefix_blocks": prefix_len, "plans": plans}
@@ -113,7 +113,7 @@ def route_put(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[s
         raise WireError(ERR_BAD_REQUEST, str(e)) from None
     for target, size in zip(targets, sizes):
         if target is not None:
-            st.registry.nodes[target[0]].tiers[target[1]].promised += size
+            st.promise(target[0], target[1], size)
     return {"targets": [list(t) if t is not None else None for t in targets],
             "placed": sum(t is not None for t in targets)}
 

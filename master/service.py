@@ -29,6 +29,7 @@ from kvtier.master.persist import MasterDisk
 from kvtier.master.placement import PlacementPolicy, make_placement
 
 log = logging.getLogger(__name__)
+MAX_TOUCHES = 1 << 22  # keys of accesses kept between two heat log entries (64 MiB), shared directories only
 
 
 @dataclass
@@ -102,6 +103,11 @@ class MasterState:
         self.activity = Activity()  # for kvtier status (ping's "activity")
         self.backend_status: Callable[[], dict[str, Any]] = lambda: {"kind": "memory", "state": "ok"}
         self._next_forget = 0.0
+        # Shared: accesses and promised bytes counted here since the backend last logged them (order-free sums).
+        self._touched: list[np.ndarray] = []
+        self._touched_keys = 0
+        self.touches_dropped = 0
+        self._promised: dict[str, dict[str, int]] = {}
 
     def wall(self) -> float:
         """Unix time: the applied command's when one is being applied, else the clock's."""
@@ -113,6 +119,37 @@ class MasterState:
         s = self.settings
         return HintTable.from_entries(entries, version, s.max_hint_keys, s.max_hint_sessions, s.max_hints_per_client,
                                       track_changes=bool(s.data_dir))
+
+    def touch(self, slots: np.ndarray) -> None:
+        """One access of each directory slot now (lookup, cost); shared, the keys are kept for the log too."""
+        self.directory.touch(slots, self.wall())
+        if self.shared and slots.size:
+            if self._touched_keys + slots.size > MAX_TOUCHES:
+                self.touches_dropped += int(slots.size)  # heat is a hint: past the bound, others miss some
+                return
+            t = self.directory.table
+            self._touched.append(np.stack([t.k0[slots], t.k1[slots]], axis=1))
+            self._touched_keys += int(slots.size)
+
+    def take_touches(self) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct keys (n, 2), access counts) since the last call."""
+        if not self._touched:
+            return np.zeros((0, 2), np.uint64), np.zeros(0, np.uint32)
+        keys = np.concatenate(self._touched)
+        self._touched, self._touched_keys = [], 0
+        uniq, counts = np.unique(keys.view(np.dtype((np.void, 16))).ravel(), return_counts=True)
+        return np.frombuffer(uniq.tobytes(), "<u8").reshape(-1, 2), counts.astype(np.uint32)
+
+    def promise(self, node: str, tier: str, nbytes: int) -> None:
+        """route_put sent ``nbytes`` to (node, tier): free space it no longer has until its next heartbeat."""
+        self.registry.nodes[node].tiers[tier].promised += nbytes
+        if self.shared:
+            by_tier = self._promised.setdefault(node, {})
+            by_tier[tier] = by_tier.get(tier, 0) + nbytes
+
+    def take_promises(self) -> dict[str, dict[str, int]]:
+        out, self._promised = self._promised, {}
+        return out
 
     def placement(self, spec: str | None) -> PlacementPolicy:
         spec = spec or self.settings.placement
