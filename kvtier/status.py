@@ -30,17 +30,33 @@ def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "
     from kvtier.auth.client import ClientKeys
     from kvtier.client import MasterClient
 
+    from kvtier.client.master import MasterError, parse_endpoints
+
     auth = ClientKeys.load(auth_dir, master) if auth_dir else None
-    with MasterClient(master, timeout_s=timeout_s, auth=auth) as m:
+    masters = []
+    endpoints = parse_endpoints(master)
+    if len(endpoints) > 1:  # several masters of one shared directory: each one's own state, then the cluster's
+        for endpoint in endpoints:
+            with MasterClient(endpoint, timeout_s=timeout_s, auth=auth) as one:
+                try:
+                    t0 = time.perf_counter()
+                    p = one.ping()
+                    masters.append({"endpoint": endpoint, "up": True, "rtt_s": time.perf_counter() - t0,
+                                    "uptime_s": p.get("uptime_s", 0), "backend": p.get("backend", {})})
+                except MasterError as e:
+                    masters.append({"endpoint": endpoint, "up": False, "error": str(e)})
+    with MasterClient(endpoints, timeout_s=timeout_s, auth=auth) as m:
         t0 = time.perf_counter()
         ping = m.ping()
         rtt = time.perf_counter() - t0
         nodes = m.nodes()
         hot = m.top(top) if top > 0 else None
+        master = m.endpoint
     hottest = [] if hot is None else [
         {"key": k.hex(), "heat": round(h, 3), "count": c, "last": last}
         for k, h, c, last in zip(hot.keys, hot.heat, hot.count, hot.last)]
-    return {"master": master, "at": time.time(), "rtt_s": rtt, "ping": ping, "nodes": nodes, "hottest": hottest}
+    return {"master": master, "at": time.time(), "rtt_s": rtt, "ping": ping, "nodes": nodes, "hottest": hottest,
+            "masters": masters}
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------
@@ -68,6 +84,15 @@ def _latency(seconds: float | None) -> str:
 STATE_ORDER = {"dead": 0, "syncing": 1, "pending": 2, "live": 3}
 
 
+def _backend(b: dict[str, Any]) -> str:
+    """Where the state lives, for the directory line: shared in redis (and its state when not ok), lmdb, memory."""
+    if b.get("kind") != "redis":
+        return f"   state in {b.get('kind', 'memory')}"
+    state = b.get("state", "?")
+    return f"   shared in {b.get('url')} (entry {b.get('entry', 0):,}" + ("" if state == "ok" else f", {state.upper()}: "
+                                                                      f"{b.get('why', '')}") + ")"
+
+
 def render(data: dict[str, Any], width: int = 110) -> str:
     """The screen, as text (no colours: it reads the same in a pager, a log or a ticket)."""
     ping, nodes = data["ping"], data["nodes"]
@@ -77,8 +102,20 @@ def render(data: dict[str, Any], width: int = 110) -> str:
     out = [f"kvtier-master {data['master']}   up {_ago(ping.get('uptime_s', 0))}   rtt {_latency(data['rtt_s'])}"
            f"   lease {ping.get('lease_s', 0):g}s   {when}",
            f"directory {ping.get('keys', 0):,} keys ({format_bytes(ping.get('directory_bytes', 0))})   "
-           f"{ping.get('locations', 0)} locations",
-           "",
+           f"{ping.get('locations', 0)} locations" + _backend(ping.get("backend", {})),
+           ""]
+    if data.get("masters"):
+        out.append("MASTERS  " + f"{sum(m['up'] for m in data['masters'])} of {len(data['masters'])} answering")
+        for m in data["masters"]:
+            if m["up"]:
+                b = m["backend"]
+                out.append(f"  {'  ' if b.get('state') == 'ok' else '!!'}{m['endpoint']:<30}{b.get('state', '?'):<12}"
+                           f"entry {b.get('entry', 0):<10,} rtt {_latency(m['rtt_s']):>8}   up {_ago(m['uptime_s'])}"
+                           + (f"   ({b.get('why')})" if b.get("state") != "ok" else ""))
+            else:
+                out.append(f"  !!{m['endpoint']:<30}{'down':<12}{m['error'][:width - 50]}")
+        out.append("")
+    out += [
            "NODES  " + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("live", "syncing", "pending", "dead"))]
     header = (f"  {'':2}{'node':<22}{'state':<9}{'address':<24}{'silent':>8}{'rpc':>9}  {'tier':<6}"
               f"{'capacity':>11}{'used':>11}{'util':>6}{'bandwidth':>12}")
@@ -144,7 +181,8 @@ def unreachable(master: str, error: Exception) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="one screen of a running cluster: nodes, tiers, bandwidth, hits, errors",
                        description=__doc__.split("\n")[0])
-    p.add_argument("--master", required=True, help="kvtier-master's endpoint, e.g. tcp://10.0.0.1:7300")
+    p.add_argument("--master", required=True, help="kvtier-master's endpoint, e.g. tcp://10.0.0.1:7300, or the "
+                   "masters of a shared directory, comma-separated (each one's state is shown)")
     p.add_argument("--top", type=int, default=10, help="how many of the hottest prefixes to show")
     p.add_argument("--json", action="store_true", help="print the data as JSON instead of the screen")
     p.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="redraw every SECONDS")

@@ -48,6 +48,17 @@ if ! command -v promtool >/dev/null 2>&1; then
   fi
 fi
 
+# redis-server (Debian's package): the shared-directory tests (tests/test_master_redis*.py) start real Redis
+# servers of their own (ephemeral ports, own directories). Installed like prometheus; elsewhere they skip.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; } \
+      >/dev/null || echo "tests/run.sh: apt-get could not install redis-server; its tests will skip" >&2
+  else
+    echo "tests/run.sh: not root or no apt-get: redis-server not installed; its tests will skip" >&2
+  fi
+fi
+
 slow=()
 if [ "${1:-}" = "--slow" ]; then
   shift

@@ -1,11 +1,18 @@
-"""MasterClient (blocking) and AsyncMasterClient (asyncio): talk to kvtier-master over one zmq DEALER socket.
+"""MasterClient (blocking) and AsyncMasterClient (asyncio): talk to kvtier-master over zmq DEALER sockets.
 
     with MasterClient("tcp://master:7300") as m:
         hit = m.lookup(keys)                         # LookupResult: leading blocks per node and tier
         plans = m.cost(keys, ["w1", "w2"], block_tokens=64, prefill_tokens_per_s=20_000).plans
+    MasterClient("tcp://m1:7300,tcp://m2:7300,tcp://m3:7300")   # masters sharing one directory (--directory)
 
-Every call has a timeout (``timeout_s``); a call that times out raises MasterTimeout, and the sync client
-rebuilds its socket so the next call starts clean. zmq reconnects by itself when the master restarts on the
+With several masters (a comma-separated list, or a sequence) a call goes to the one that answered last; one
+that does not answer within ``timeout_s``, or answers ERR_UNAVAILABLE (its shared directory is read-only), is
+put in a back-off (0.5 s doubling to 30 s, ended by its next answer) and the call goes on to the next, so a
+call fails only when every master failed it, after at most one timeout per master that is down. Every op may
+be retried this way: the node ops carry sequence numbers and incarnations, hints and forget are idempotent.
+
+Every call has a timeout (``timeout_s`` per master asked); a call that times out raises MasterTimeout, and the
+sync client rebuilds that socket so the next call starts clean. zmq reconnects by itself when the master restarts on the
 same endpoint. A reply to an earlier, timed-out request is recognised by its req_id and dropped. An error
 reply raises MasterError with the daemon's code and message (MasterUnknownNode for ERR_UNKNOWN_NODE; an op
 the client's key has no role for is ERR_FORBIDDEN, its message naming the role it needs).
@@ -62,6 +69,67 @@ def _error(body: Mapping[str, Any]) -> MasterError:
     return cls(code, str(body.get("message", "")))
 
 
+FAILOVER_BACKOFF_S = (0.5, 30.0)  # a master that failed a call is asked again after this (doubling), or last
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """Master endpoints from "tcp://a:7300,tcp://b:7300" or a sequence; at least one."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out = list(dict.fromkeys(e.strip() for e in items if e and e.strip()))
+    if not out:
+        raise ValueError(f"no master endpoint in {endpoints!r}")
+    return out
+
+
+class Failover:
+    """Which of a client's masters to ask, in what order: the one that answered last first, then the others not
+    in a back-off, in the order given (all of them in back-off: the one whose back-off ends first). Thread-safe
+    (a lock); with one master, always that one (a back-off is then the caller's business, as before)."""
+
+    def __init__(self, endpoints: list[str], backoff_s: tuple[float, float] = FAILOVER_BACKOFF_S) -> None:
+        self.endpoints = endpoints
+        self.first_s, self.max_s = backoff_s
+        self.preferred = 0
+        self._down_until = [0.0] * len(endpoints)
+        self._backoff = [self.first_s] * len(endpoints)
+        self._lock = threading.Lock()
+        self.failovers = 0  # calls answered by another master than the one asked first
+
+    def order(self) -> list[int]:
+        if len(self.endpoints) == 1:
+            return [0]
+        now = time.monotonic()
+        with self._lock:
+            rest = [i for i in range(len(self.endpoints)) if i != self.preferred]
+            up = [i for i in [self.preferred, *rest] if self._down_until[i] <= now]
+            return up or [min(range(len(self.endpoints)), key=lambda i: self._down_until[i])]
+
+    def answered(self, i: int, first: int) -> None:
+        with self._lock:
+            if i != first:
+                self.failovers += 1
+            self.preferred = i
+            self._down_until[i], self._backoff[i] = 0.0, self.first_s
+
+    def failed(self, i: int) -> None:
+        with self._lock:
+            self._down_until[i] = time.monotonic() + self._backoff[i]
+            self._backoff[i] = min(self._backoff[i] * 2, self.max_s)
+
+
+def _retryable(e: MasterError) -> bool:
+    """Another master may serve what this one did not: it did not answer, or cannot record writes now."""
+    return isinstance(e, MasterTimeout) or e.code == wire.ERR_UNAVAILABLE
+
+
+def _all_failed(op: str, errors: list[MasterError]) -> MasterError:
+    if len(errors) == 1:
+        return errors[0]
+    text = "; ".join(str(e) for e in errors)
+    cls = MasterTimeout if all(isinstance(e, MasterTimeout) for e in errors) else MasterError
+    return cls("timeout" if cls is MasterTimeout else wire.ERR_UNAVAILABLE, f"{op}: no master served it: {text}")
+
+
 def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -79,52 +147,85 @@ def _timeout(op: str, endpoint: str, timeout: float, answered: bool, auth: Clien
 
 
 class MasterClient:
-    """Blocking client. ``endpoint`` like "tcp://127.0.0.1:7300"."""
+    """Blocking client. ``endpoints``: "tcp://127.0.0.1:7300", or several masters of one shared directory
+    ("tcp://a:7300,tcp://b:7300" or a list); ``auth`` applies to each of them (masters of one cluster share
+    one server keypair)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, auth: ClientKeys | None = None) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 auth: ClientKeys | None = None) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.failover = Failover(self.endpoints)
         self.timeout_s = timeout_s
         self.auth = auth
-        self._answered = False  # any reply yet (a silence before the first one may be refused keys)
+        self._answered = [False] * len(self.endpoints)  # any reply yet (a silence before one may be refused keys)
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, endpoint, auth)
+        self._socks: list[zmq.Socket[Any] | None] = [None] * len(self.endpoints)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.last_rtt_s = 0.0  # round trip of the last successful call (the node agent's latency signal)
 
+    @property
+    def endpoint(self) -> str:
+        """The master calls go to first (the one that answered last)."""
+        return self.endpoints[self.failover.preferred]
+
     def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        errors: list[MasterError] = []
+        order = self.failover.order()
+        for i in order:
+            try:
+                ok, body = self._call_one(i, c, timeout)
+                if not ok:
+                    raise _error(body)
+            except MasterError as e:
+                if not _retryable(e):
+                    self.failover.answered(i, order[0])
+                    raise
+                self.failover.failed(i)
+                errors.append(e)
+                continue
+            self.failover.answered(i, order[0])
+            return c.parse(body)
+        raise _all_failed(c.op, errors)
+
+    def _call_one(self, i: int, c: Call[T], timeout: float) -> tuple[bool, dict[str, Any]]:
+        endpoint = self.endpoints[i]
         with self._lock:
+            sock = self._socks[i]
+            if sock is None:
+                sock = self._socks[i] = _socket(self._ctx, endpoint, self.auth)
             req_id = next(self._ids)
             t0 = time.perf_counter()
-            self._sock.send(wire.encode_request(req_id, c.op, c.body))
+            sock.send(wire.encode_request(req_id, c.op, c.body))
             deadline = t0 + timeout
             while True:
                 left = deadline - time.perf_counter()
-                if left <= 0 or not self._sock.poll(max(1, int(left * 1000))):
-                    self._reset()
-                    raise _timeout(c.op, self.endpoint, timeout, self._answered, self.auth)
+                if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                    self._reset(i)
+                    raise _timeout(c.op, endpoint, timeout, self._answered[i], self.auth)
                 try:
-                    rid, ok, body = wire.decode_reply(self._sock.recv())
+                    rid, ok, body = wire.decode_reply(sock.recv())
                 except wire.WireError as e:
-                    self._reset()
-                    raise MasterError(e.code, f"{c.op}: unreadable reply from {self.endpoint}: {e.message}") from None
+                    self._reset(i)
+                    raise MasterError(e.code, f"{c.op}: unreadable reply from {endpoint}: {e.message}") from None
                 if rid == req_id:
                     break  # other ids: late replies to requests that timed out
             self.last_rtt_s = time.perf_counter() - t0
-            self._answered = True
-        if not ok:
-            raise _error(body)
-        return c.parse(body)
+            self._answered[i] = True
+        return ok, body
 
-    def _reset(self) -> None:
-        """Drop the socket (and whatever it had queued for a dead master) and connect a fresh one."""
-        self._sock.close(linger=0)
-        self._sock = _socket(self._ctx, self.endpoint, self.auth)
+    def _reset(self, i: int) -> None:
+        """Drop a master's socket (and whatever it had queued for a dead master); the next call connects anew."""
+        sock = self._socks[i]
+        if sock is not None:
+            sock.close(linger=0)
+        self._socks[i] = None
 
     def close(self) -> None:
         with self._lock:
-            self._sock.close(linger=0)
+            for i in range(len(self._socks)):
+                self._reset(i)
             self._ctx.term()
 
     def __enter__(self) -> MasterClient:
@@ -180,42 +281,69 @@ class MasterClient:
 
 
 class AsyncMasterClient:
-    """asyncio client for one event loop. Calls may overlap; each waits at most ``timeout_s``."""
+    """asyncio client for one event loop. Calls may overlap; each waits at most ``timeout_s`` per master asked.
+    ``endpoints`` as MasterClient's (one master, or several of one shared directory, failed over alike)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, auth: ClientKeys | None = None) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 auth: ClientKeys | None = None) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.failover = Failover(self.endpoints)
         self.timeout_s = timeout_s
         self.auth = auth
-        self._answered = False
+        self._answered = [False] * len(self.endpoints)
         self._ctx = zmq.asyncio.Context()
-        self._sock = _socket(self._ctx, endpoint, auth)  # type: ignore[arg-type]
+        self._socks: list[zmq.asyncio.Socket | None] = [None] * len(self.endpoints)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._readers: list[asyncio.Task[None] | None] = [None] * len(self.endpoints)
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self.failover.preferred]
 
     async def call(self, c: Call[T], timeout_s: float | None = None) -> T:
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.create_task(self._read())
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        errors: list[MasterError] = []
+        order = self.failover.order()
+        for i in order:
+            try:
+                ok, body = await self._call_one(i, c, timeout)
+                if not ok:
+                    raise _error(body)
+            except MasterError as e:
+                if not _retryable(e):
+                    self.failover.answered(i, order[0])
+                    raise
+                self.failover.failed(i)
+                errors.append(e)
+                continue
+            self.failover.answered(i, order[0])
+            return c.parse(body)
+        raise _all_failed(c.op, errors)
+
+    async def _call_one(self, i: int, c: Call[T], timeout: float) -> tuple[bool, dict[str, Any]]:
+        sock = self._socks[i]
+        if sock is None:
+            sock = self._socks[i] = _socket(self._ctx, self.endpoints[i], self.auth)  # type: ignore[arg-type]
+        reader = self._readers[i]
+        if reader is None or reader.done():
+            self._readers[i] = asyncio.create_task(self._read(sock))
         req_id = next(self._ids)
         fut: asyncio.Future[tuple[bool, dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._waiting[req_id] = fut
         try:
-            await self._sock.send(wire.encode_request(req_id, c.op, c.body))
+            await sock.send(wire.encode_request(req_id, c.op, c.body))
             ok, body = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            # The hint's port probe (0.2 s at most, only without keys and before any reply) runs off the loop.
-            raise await asyncio.to_thread(_timeout, c.op, self.endpoint, timeout, self._answered, self.auth) from None
+            raise _timeout(c.op, self.endpoints[i], timeout, self._answered[i], self.auth) from None
         finally:
             self._waiting.pop(req_id, None)
-        self._answered = True
-        if not ok:
-            raise _error(body)
-        return c.parse(body)
+        self._answered[i] = True
+        return ok, body
 
-    async def _read(self) -> None:
+    async def _read(self, sock: Any) -> None:
         while True:
-            frame = await self._sock.recv()
+            frame = await sock.recv()
             try:
                 rid, ok, body = wire.decode_reply(frame)
             except wire.WireError:
@@ -225,13 +353,16 @@ class AsyncMasterClient:
                 fut.set_result((ok, body))
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, zmq.ZMQError):
-                pass
-        self._sock.close(linger=0)
+        for reader in self._readers:
+            if reader is not None:
+                reader.cancel()
+                try:
+                    await reader
+                except (asyncio.CancelledError, zmq.ZMQError):
+                    pass
+        for sock in self._socks:
+            if sock is not None:
+                sock.close(linger=0)
         self._ctx.term()
 
     async def __aenter__(self) -> AsyncMasterClient:
@@ -286,4 +417,5 @@ class AsyncMasterClient:
         return await self.call(api.forget(node))
 
 
-__all__ = ["AsyncMasterClient", "MasterClient", "MasterError", "MasterTimeout", "MasterUnknownNode"]
+__all__ = ["AsyncMasterClient", "Failover", "MasterClient", "MasterError", "MasterTimeout", "MasterUnknownNode",
+           "parse_endpoints"]
