@@ -130,7 +130,7 @@ class MasterServer:
 
     def _answered(self, op: str, t0: float, req_id: int, reply: bytes, status: str, error: str, answer: Any) -> None:
         """A write the shared backend applied (or refused): count it and send its reply."""
-        if status not in ("ok", wire.ERR_INTERNAL):
+        if status not in ("ok", wire.ERR_INTERNAL, wire.ERR_UNAVAILABLE):  # unavailable: logged once, by the backend
             self._bad(status, logging.WARNING, "bad request (op %s): %s", op[:64], error)
         self._count(op, status, error, t0)
         answer(req_id, reply)
