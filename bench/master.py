@@ -193,6 +193,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, default=16, help="candidate workers per cost query (default 16)")
     p.add_argument("--memory", default="1000000,10000000",
                    help="directory sizes for bytes/entry (default 1000000,10000000; empty: skip)")
+    p.add_argument("--masters", default="", help="also measure N masters sharing one directory in Redis, for each "
+                   "N of this list (e.g. 1,2,3), beside the lmdb single master (bench/master_shared.py)")
+    p.add_argument("--directory", default="", help="with --masters: redis://HOST:PORT (each setup takes a fresh "
+                   "database of it); default: a redis-server the bench starts")
+    p.add_argument("--shared-clients", type=int, default=4, help="with --masters: lookup client processes (default 4)")
+    p.add_argument("--staleness-samples", type=int, default=200, help="with --masters: writes timed for staleness")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
 
 
@@ -276,6 +282,10 @@ def run(args: argparse.Namespace) -> int:
             master.wait(60)
             echo_stop.set()
             echo.join(10)
+    if args.masters:
+        from kvtier.bench.master_shared import run_shared
+
+        results["shared"] = run_shared(args, keys, prompts, _populate)
     for size in [int(s) for s in args.memory.split(",") if s.strip()]:
         mem = measure_memory(size)
         results["memory"].append(mem)

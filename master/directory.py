@@ -62,8 +62,10 @@ def mask_locations(mask: np.ndarray) -> list[int]:
 class Directory:
     """The placement and heat columns over one KeyTable. ``clock`` converts heat scores (see heat.py)."""
 
-    def __init__(self, clock: HeatClock, words: int = 1) -> None:
+    def __init__(self, clock: HeatClock, words: int = 1, count_unsent: bool = False) -> None:
         self.clock = clock
+        # Shared directories: accesses counted here and not yet logged for the other masters (4 B per slot).
+        self.count_unsent = count_unsent
         self.table = KeyTable()
         self.words = words
         self.table.add_column("mask", _mask_maker(words))
@@ -71,6 +73,8 @@ class Directory:
         self.table.add_column("score", lambda cap: np.zeros(cap, np.float32))
         self.table.add_column("count", lambda cap: np.zeros(cap, np.uint32))
         self.table.add_column("last", lambda cap: np.zeros(cap, np.uint32))
+        if count_unsent:
+            self.table.add_column("unsent", lambda cap: np.zeros(cap, np.uint32))
         self._sweeping = np.zeros(words, np.uint64)  # bits being cleared by the current sweep pass
         self._queued = np.zeros(words, np.uint64)  # bits retired while a pass runs: they need a pass of their own
         self._cursor = -1  # next slot of the current pass; -1: no pass running
@@ -185,6 +189,18 @@ class Directory:
         score[slots] = score.take(slots) + np.float32(self.clock.weight(now))
         count[slots] = count.take(slots) + np.uint32(1)
         self.table.column("last")[slots] = int(now)
+        if self.count_unsent:
+            unsent = self.table.column("unsent")
+            unsent[slots] = unsent.take(slots) + np.uint32(1)
+
+    def take_unsent(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys (n, 2), access counts) counted by ``touch`` since the last call (a pass over the table)."""
+        unsent = self.table.column("unsent")
+        s = np.flatnonzero(unsent)
+        s = s[self.table.state[s] == LIVE]
+        counts = unsent[s].copy()
+        unsent[:] = 0
+        return np.stack([self.table.k0[s], self.table.k1[s]], axis=1), counts
 
     def touch_counts(self, keys: np.ndarray, counts: np.ndarray, now: float) -> None:
         """``counts[i]`` accesses of each (distinct) key at ``now``, counted by another master; unknown keys are

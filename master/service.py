@@ -29,7 +29,6 @@ from kvtier.master.persist import MasterDisk
 from kvtier.master.placement import PlacementPolicy, make_placement
 
 log = logging.getLogger(__name__)
-MAX_TOUCHES = 1 << 22  # keys of accesses kept between two heat log entries (64 MiB), shared directories only
 
 
 @dataclass
@@ -90,7 +89,7 @@ class MasterState:
         self.shared = bool(settings.directory)
         self.started = mono()
         self.metrics = metrics or MasterMetrics()
-        self.directory = Directory(HeatClock(settings.heat_half_life_s, wall()))
+        self.directory = Directory(HeatClock(settings.heat_half_life_s, wall()), count_unsent=bool(settings.directory))
         self.registry = NodeRegistry(settings.lease_s, max_nodes=settings.max_nodes,
                                      max_nodes_per_client=settings.max_nodes_per_client,
                                      max_locations=settings.max_locations, forget_dead_s=settings.forget_dead_s,
@@ -103,10 +102,7 @@ class MasterState:
         self.activity = Activity()  # for kvtier status (ping's "activity")
         self.backend_status: Callable[[], dict[str, Any]] = lambda: {"kind": "memory", "state": "ok"}
         self._next_forget = 0.0
-        # Shared: accesses and promised bytes counted here since the backend last logged them (order-free sums).
-        self._touched: list[np.ndarray] = []
-        self._touched_keys = 0
-        self.touches_dropped = 0
+        # Shared: promised bytes counted here since the backend last logged them (an order-free sum).
         self._promised: dict[str, dict[str, int]] = {}
 
     def wall(self) -> float:
@@ -121,24 +117,9 @@ class MasterState:
                                       track_changes=bool(s.data_dir))
 
     def touch(self, slots: np.ndarray) -> None:
-        """One access of each directory slot now (lookup, cost); shared, the keys are kept for the log too."""
+        """One access of each directory slot now (lookup, cost); shared, also counted for the log
+        (``directory.take_unsent``)."""
         self.directory.touch(slots, self.wall())
-        if self.shared and slots.size:
-            if self._touched_keys + slots.size > MAX_TOUCHES:
-                self.touches_dropped += int(slots.size)  # heat is a hint: past the bound, others miss some
-                return
-            t = self.directory.table
-            self._touched.append(np.stack([t.k0[slots], t.k1[slots]], axis=1))
-            self._touched_keys += int(slots.size)
-
-    def take_touches(self) -> tuple[np.ndarray, np.ndarray]:
-        """(distinct keys (n, 2), access counts) since the last call."""
-        if not self._touched:
-            return np.zeros((0, 2), np.uint64), np.zeros(0, np.uint32)
-        keys = np.concatenate(self._touched)
-        self._touched, self._touched_keys = [], 0
-        uniq, counts = np.unique(keys.view(np.dtype((np.void, 16))).ravel(), return_counts=True)
-        return np.frombuffer(uniq.tobytes(), "<u8").reshape(-1, 2), counts.astype(np.uint32)
 
     def promise(self, node: str, tier: str, nbytes: int) -> None:
         """route_put sent ``nbytes`` to (node, tier): free space it no longer has until its next heartbeat."""

@@ -345,7 +345,7 @@ class SharedBackend:
             self._log(commands.entry(commands.PROMISE, {"promised": promised}, None, st.wall(), self.id, 0))
         if now >= self._next_heat:
             self._next_heat = now + HEAT_FLUSH_S
-            keys, counts = st.take_touches()
+            keys, counts = st.directory.take_unsent()
             step = self.settings.max_batch_keys
             for i in range(0, len(keys), step):
                 self._log(commands.entry(commands.HEAT, {"keys": keys[i : i + step].tobytes(),
