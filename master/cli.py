@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--handshake-timeout-s", type=float, default=d.handshake_timeout_s, help="a connection that has "
                    f"not finished zmq's handshake (CurveZMQ's with --auth-dir) by then is closed (default "
                    f"{d.handshake_timeout_s:g})")
+    p.add_argument("--replicate-heat", type=float, default=d.replicate_heat, help="hot-block replication: a key "
+                   "this hot (decayed accesses) held by one pool gets a copy on another, dropped again below half "
+                   "of it (default 0: off; README 'Hot-block replication')")
+    p.add_argument("--replicate-interval-s", type=float, default=d.replicate_interval_s,
+                   help=f"how often replication looks at the hottest keys (default {d.replicate_interval_s:g})")
     p.add_argument("--snapshot-interval-s", type=float, default=d.snapshot_interval_s,
                    help=f"write a directory snapshot this often, 0: only at shutdown (default {d.snapshot_interval_s})")
     p.add_argument("--tier-bw", type=_bandwidths, default=dict(DEFAULT_TIER_BW),
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             max_locations=args.max_locations, forget_dead_s=args.forget_dead_s, max_hint_keys=args.max_hint_keys,
             max_hint_sessions=args.max_hint_sessions, max_hints_per_client=args.max_hints_per_client,
             reply_budget_bytes=args.reply_budget, client_reply_bytes=args.client_reply_budget,
-            handshake_timeout_s=args.handshake_timeout_s,
+            handshake_timeout_s=args.handshake_timeout_s, replicate_heat=args.replicate_heat,
+            replicate_interval_s=args.replicate_interval_s,
             cost=CostDefaults(tier_bw=args.tier_bw, path_bw=args.path_bw), auth_dir=args.auth_dir,
         )
         server = MasterServer(settings, ready_file=args.ready_file)

@@ -54,7 +54,8 @@ class CostModel:
         self.registry = registry
         self.defaults = defaults
 
-    def _tier_bw(self, node: Node, tier: str) -> float:
+    def tier_bw(self, node: Node, tier: str) -> float:
+        """Bytes/s out of ``tier`` of ``node``: its measured EWMA (lower when the node is loaded), else the default."""
         t = node.tiers.get(tier)
         if t is not None and t.bw > 0:
             return t.bw
@@ -80,7 +81,7 @@ class CostModel:
         # Per candidate and location (C, U): local or remote, and the bandwidth of reading a block from it.
         local = np.array([[o is not None and o[0] == c for o in owners] for c in candidates], bool).reshape(nc, nu)
         # (Live bits always have an owner; an unowned one would be priced as unreachable: bandwidth 0.)
-        tier_bw = np.array([self._tier_bw(nd_, o[1]) if o and nd_ else 0.0 for o, nd_ in zip(owners, nodes)])
+        tier_bw = np.array([self.tier_bw(nd_, o[1]) if o and nd_ else 0.0 for o, nd_ in zip(owners, nodes)])
         latency = np.array([self._latency(nd_) if nd_ else 0.0 for nd_ in nodes])
         path = np.full((nc, nu), self.defaults.path_bw)
         if any(n_.path_bw for n_ in self.registry.nodes.values()):  # measured paths: look each pair up

@@ -107,8 +107,9 @@ def heartbeat(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[s
     for t in node.tiers.values():
         st.metrics.node_tier(node.node_id, t.name, t.capacity, t.used, t.bw)
     st.metrics.node_rpc_latency.labels(node.node_id).set(latency)
+    work = st.replication.work_for(node.node_id) if st.replication is not None else {}
     return {"lease_s": st.settings.lease_s, "resync": resync, "applied_seq": node.applied_seq,
-            "hints_version": st.hints.version}
+            "hints_version": st.hints.version, **work}
 
 
 def events(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from kvtier.master import limits
 from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.cost import CostRequest
 from kvtier.master.directory import WORD_BITS, location_words
+from kvtier.master.replication import choose_holders
 from kvtier.master.placement import PlacementError, PlacementRequest, known_placements
 from kvtier.master.nodes import DEAD
 from kvtier.master.service import MasterState
@@ -119,7 +120,7 @@ def route_put(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[s
 
 
 def locate(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
-    """Per key, one live (node, tier) holding it (the lowest-numbered location), among the nodes whose labels
+    """Per key, one live (node, tier) holding it (among several: master/replication.py), among the nodes whose labels
     include ``labels``: ``holders`` lists [node, tier, address], ``where`` indexes it per key (-1: held by none)."""
     keys = keys_field(body, "keys", st.settings.max_batch_keys)
     labels = limits.labels(body)
@@ -128,12 +129,7 @@ def locate(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str,
         live = live & location_words([loc for n in st.registry.live_nodes() if _has_labels(n.labels, labels)
                                       for loc in n.locations.values()], len(live))
     _, masks = st.directory.masks(keys, live)
-    nonzero = masks != 0
-    held = nonzero.any(axis=1)
-    word = nonzero.argmax(axis=1)
-    bits = masks[np.arange(len(masks)), word]
-    lowest = bits & (~bits + np.uint64(1))  # the lowest set bit of each key's first non-empty word
-    locs = np.where(held, word * WORD_BITS + np.log2(np.maximum(lowest, 1).astype(np.float64)).astype(np.int64), -1)
+    locs = choose_holders(st, keys, masks)  # among replicas: by measured bandwidth, stable per key
     holders: list[list[str]] = []
     index: dict[int, int] = {}
     where = []

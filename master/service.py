@@ -27,6 +27,7 @@ from kvtier.master.metrics import MasterMetrics
 from kvtier.master.nodes import LIVE, Node, NodeRegistry
 from kvtier.master.persist import MasterDisk
 from kvtier.master.placement import PlacementPolicy, make_placement
+from kvtier.master.replication import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class MasterState:
         self.cost = CostModel(self.registry, settings.cost)
         self._placements: dict[str, PlacementPolicy] = {}
         make_placement(settings.placement)  # fail at start-up, not at the first route_put
+        # Hot-block replication between pools, when --replicate-heat is set (master/replication.py).
+        self.replication = (Replicator(settings.replicate_heat, settings.replicate_interval_s)
+                            if settings.replicate_heat > 0 else None)
         self.activity = Activity()  # for kvtier status (ping's "activity")
         self.backend_status: Callable[[], dict[str, Any]] = lambda: {"kind": "memory", "state": "ok"}
         self._next_forget = 0.0
@@ -181,6 +185,8 @@ class MasterState:
         if not self.shared and self.mono() >= self._next_forget:
             self._next_forget = self.mono() + 1.0
             self.registry.forget_dead()
+        if self.replication is not None:
+            self.replication.tick(self, self.mono())
         freed = self.directory.sweep(self.settings.sweep_slots_per_tick)
         if freed:
             self.registry.release(freed)

@@ -31,7 +31,8 @@ placements go at once instead of when its lease runs out (kvtier-pool does this 
 registration. The incarnation is the node's proof of identity: the master lets only requests carrying it act
 as the node (a stranger can neither say goodbye for it nor register over it); while another registration of
 the same node id is live (this node restarted after a kill -9), registering is refused and retried until that
-registration's lease runs out.
+registration's lease runs out. A pool's ``on_replicate`` gets the heartbeat replies that carry hot-block
+replication work (copies to make from other pools, replicas to drop: master/replication.py).
 ``on_event`` and ``record_transfer`` are thread-safe; everything else is for the thread that owns the agent.
 """
 
@@ -47,7 +48,7 @@ from typing import Any
 from kvtier import wire
 from kvtier.auth import ClientKeys
 from kvtier.client import api
-from kvtier.client.api import Hints
+from kvtier.client.api import Hints, NodeReply
 from kvtier.client.master import MasterClient, MasterError, MasterUnknownNode
 from kvtier.client.store_hints import StoreHints
 
@@ -68,7 +69,8 @@ class NodeAgent:
                  list_keys: Callable[[str], list[bytes]] | None = None, goodbye: bool = False,
                  heartbeat_s: float | None = None, batch_interval_s: float = 0.01, max_batch_keys: int = 65536,
                  inventory_part_keys: int = 262144, timeout_s: float = 2.0, ewma_alpha: float = 0.2,
-                 auth: ClientKeys | None = None) -> None:
+                 auth: ClientKeys | None = None,
+                 on_replicate: Callable[[NodeReply], None] | None = None) -> None:
         if not tiers:
             raise ValueError("a node needs at least one tier")
         self.master = master
@@ -80,6 +82,9 @@ class NodeAgent:
         self.incarnation = uuid.uuid4().hex
         self._used, self._verify, self._on_hints = used, verify, on_hints
         self._list_keys = list_keys
+        # A pool with hot-block replication: the heartbeat reply's copies and drops (kvtier/pool does them off
+        # this thread; the callback must return at once).
+        self._on_replicate = on_replicate
         self._goodbye_on_close = goodbye
         self._heartbeat_s = heartbeat_s
         self.batch_interval_s = batch_interval_s
@@ -330,6 +335,11 @@ class NodeAgent:
         self.counters["heartbeats"] += 1
         if reply.resync:
             self.need_inventory = True
+        if (reply.replicate or reply.drop) and self._on_replicate is not None:
+            try:
+                self._on_replicate(reply)
+            except Exception:
+                log.exception("node %s: on_replicate callback failed", self.node_id)
         if reply.hints_version is not None and (self.hints is None or reply.hints_version != self.hints.version):
             hints = client.call(api.hints(-1))
             self.hints = hints

@@ -154,12 +154,18 @@ class NodeReply:
     hints_version: int | None = None
     next_part: int | None = None
     max_batch_keys: int | None = None  # register: the most keys one events message or inventory part may carry
+    # heartbeat, pools with hot-block replication on (master/replication.py): copy these keys from these pools,
+    # [(source node, source address, keys)], and remove these replicas
+    replicate: list[tuple[str, str, list[bytes]]] = field(default_factory=list)
+    drop: list[bytes] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, b: Mapping[str, Any]) -> NodeReply:
         return cls(resync=bool(b.get("resync", False)), applied_seq=b.get("applied_seq"),
                    lease_s=b.get("lease_s"), hints_version=b.get("hints_version"), next_part=b.get("next_part"),
-                   max_batch_keys=b.get("max_batch_keys"))
+                   max_batch_keys=b.get("max_batch_keys"),
+                   replicate=[(src, addr, wire.unpack_keys(keys)) for src, addr, keys in b.get("replicate", [])],
+                   drop=wire.unpack_keys(b["drop"]) if b.get("drop") else [])
 
 
 # ---- calls -----------------------------------------------------------------------------------------------
