@@ -158,6 +158,44 @@ def _staleness(writer: str, reader: str, samples: int) -> dict[str, float]:
             "write_p50_ms": float(np.percentile(wr, 50)), "write_p99_ms": float(np.percentile(wr, 99))}
 
 
+def _failover(tmp: Path, ms: list[_Master], args: list[str], prompts: list[bytes], timeout_s: float = 0.5,
+              seconds: float = 4.0) -> dict[str, float]:
+    """kill -9 of the master a client is using, mid-traffic: the longest lookup (the failover time), the
+    lookups that failed, how long a write waits to be recorded; then how long a new master takes to load the
+    directory (snapshot + log) and serve."""
+    from kvtier import wire
+    from kvtier.client import MasterClient, MasterError, api
+
+    lat, failed = [], 0
+    everyone = [m.endpoint for m in ms]
+    with MasterClient(everyone, timeout_s=timeout_s) as c, MasterClient(everyone, timeout_s=timeout_s) as w:
+        c.lookup(prompts[0], touch=False)  # both clients now prefer master 0
+        w.call(api.register("failover-probe", "probe", 0, [("dram", 1 << 40)]))
+        w.call(api.inventory("failover-probe", "probe", 0, 0, True, {}, {}))
+        t_end = time.perf_counter() + seconds
+        killed_at = t_end - seconds / 2
+        killed = False
+        while (t0 := time.perf_counter()) < t_end:
+            if not killed and t0 >= killed_at:
+                ms[0].proc.kill()
+                ms[0].proc.wait(10)
+                killed = True
+                continue
+            try:
+                c.lookup(prompts[int(t0 * 1000) % len(prompts)], touch=False)
+            except MasterError:
+                failed += 1
+            lat.append(time.perf_counter() - t0)
+        w0 = time.perf_counter()
+        w.call(api.events("failover-probe", "probe", 1, [(wire.ADD, "dram", b"\1" * 16, 4096)]))
+        write_s = time.perf_counter() - w0
+    t0 = time.perf_counter()
+    ms[0] = _Master(tmp, "restarted", args)
+    restart_s = time.perf_counter() - t0
+    return {"timeout_s": timeout_s, "worst_lookup_s": round(max(lat), 3), "failed_lookups": failed,
+            "lookups": len(lat), "write_after_kill_s": round(write_s, 3), "restart_to_serving_s": round(restart_s, 2)}
+
+
 def run_shared(args: Any, keys: np.ndarray, prompts: list[bytes], populate: Any) -> dict[str, Any]:
     counts = [int(c) for c in args.masters.split(",") if c.strip()]
     ctx = mp.get_context("spawn")
@@ -172,8 +210,8 @@ def run_shared(args: Any, keys: np.ndarray, prompts: list[bytes], populate: Any)
         setups: dict[str, list[_Master]] = {}
         try:
             setups["lmdb"] = [_Master(tmp, "lmdb", ["--data-dir", str(tmp / "lmdb-data")])]
+            base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
             for db, n in enumerate(counts, start=1):  # a fresh Redis database per setup
-                base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
                 setups[f"redis x{n}"] = [_Master(tmp, f"r{n}-{i}", ["--directory", f"{base}/{db}"]) for i in range(n)]
             for name, ms in setups.items():
                 populate(ms[0].endpoint, keys, args.nodes, args.nodes)
@@ -211,6 +249,15 @@ def run_shared(args: Any, keys: np.ndarray, prompts: list[bytes], populate: Any)
                       f"writes): p50 {st['visible_p50_ms']:.3f} ms  p99 {st['visible_p99_ms']:.3f} ms | write round "
                       f"trip p50 {st['write_p50_ms']:.3f} ms p99 {st['write_p99_ms']:.3f} ms vs lmdb master "
                       f"{lmdb_w['write_p50_ms']:.3f} ms (ratio {st['write_ratio']:.2f})")
+            if multi:
+                name = multi[-1]
+                db = counts.index(len(setups[name])) + 1
+                fo = _failover(tmp, setups[name], ["--directory", f"{base}/{db}"], prompts)
+                out["failover"] = {"setup": name, **fo}
+                print(f"  {name:<9} kill -9 of the client's master mid-traffic: longest lookup {fo['worst_lookup_s']:.3f} s "
+                      f"(client timeout {fo['timeout_s']:g} s), {fo['failed_lookups']} of {fo['lookups']} lookups failed; "
+                      f"a write right after it recorded in {fo['write_after_kill_s']:.3f} s; a new master loaded "
+                      f"{len(keys):,} keys and served after {fo['restart_to_serving_s']:.2f} s")
         finally:
             for ms in setups.values():
                 for m in ms:

@@ -48,4 +48,6 @@ def test_bench_master_with_shared_masters_beside_the_lmdb_master(tmp_path):
     assert shared["rows"][0]["ratio"] == 1.0
     st = shared["staleness"]["redis x2"]
     assert 0 < st["visible_p50_ms"] <= st["visible_p99_ms"] and st["write_p50_ms"] > 0
-    assert "staleness" in r.stdout and "M keys/CPU-s" in r.stdout
+    fo = shared["failover"]
+    assert fo["failed_lookups"] == 0 and fo["worst_lookup_s"] >= fo["timeout_s"] * 0.9 and fo["restart_to_serving_s"] > 0
+    assert "staleness" in r.stdout and "M keys/CPU-s" in r.stdout and "kill -9" in r.stdout
