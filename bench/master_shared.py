@@ -130,7 +130,8 @@ def _measure(ctx: Any, masters: list[_Master], prompts: list[bytes], clients: in
         p.join(30)
     flat = np.concatenate([np.asarray(x) for x in lats]) * 1e3
     keys = len(flat) * PROMPT_BLOCKS
-    return {"keys_per_s": keys / wall, "p50_ms": float(np.percentile(flat, 50)), "p99_ms": float(np.percentile(flat, 99)),
+    return {"keys_per_s": keys / wall, "p50_ms": float(np.percentile(flat, 50)),
+            "p99_ms": float(np.percentile(flat, 99)),
             "keys_per_cpu_s": keys / max(cpu, 1e-9), "master_cpu_s": cpu}
 
 
@@ -232,7 +233,8 @@ def run_shared(args: Any, keys: np.ndarray, prompts: list[bytes], populate: Any)
                 row["cpu_ratio"] = round(median([g["keys_per_cpu_s"] / b["keys_per_cpu_s"]
                                                  for g, b in zip(got, base_rounds)]), 3)
                 out["rows"].append(row)
-                print(f"  {name:<9} lookup 2000 keys: {row['keys_per_s'] / 1e6:6.2f} M keys/s  p50 {row['p50_ms']:.3f} ms"
+                print(f"  {name:<9} lookup 2000 keys: {row['keys_per_s'] / 1e6:6.2f} M keys/s  "
+                      f"p50 {row['p50_ms']:.3f} ms"
                       f"  p99 {row['p99_ms']:.3f} ms  {row['keys_per_cpu_s'] / 1e6:.2f} M keys/CPU-s | lmdb "
                       f"{row['baseline_keys_per_s'] / 1e6:.2f} M keys/s p99 {row['baseline_p99_ms']:.3f} ms "
                       f"{row['baseline_keys_per_cpu_s'] / 1e6:.2f} M keys/CPU-s | ratio {row['ratio']:.2f}, "
@@ -254,8 +256,9 @@ def run_shared(args: Any, keys: np.ndarray, prompts: list[bytes], populate: Any)
                 db = counts.index(len(setups[name])) + 1
                 fo = _failover(tmp, setups[name], ["--directory", f"{base}/{db}"], prompts)
                 out["failover"] = {"setup": name, **fo}
-                print(f"  {name:<9} kill -9 of the client's master mid-traffic: longest lookup {fo['worst_lookup_s']:.3f} s "
-                      f"(client timeout {fo['timeout_s']:g} s), {fo['failed_lookups']} of {fo['lookups']} lookups failed; "
+                print(f"  {name:<9} kill -9 of the client's master mid-traffic: longest lookup "
+                      f"{fo['worst_lookup_s']:.3f} s (client timeout {fo['timeout_s']:g} s), {fo['failed_lookups']} "
+                      f"of {fo['lookups']} lookups failed; "
                       f"a write right after it recorded in {fo['write_after_kill_s']:.3f} s; a new master loaded "
                       f"{len(keys):,} keys and served after {fo['restart_to_serving_s']:.2f} s")
         finally:

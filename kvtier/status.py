@@ -89,8 +89,8 @@ def _backend(b: dict[str, Any]) -> str:
     if b.get("kind") != "redis":
         return f"   state in {b.get('kind', 'memory')}"
     state = b.get("state", "?")
-    return f"   shared in {b.get('url')} (entry {b.get('entry', 0):,}" + ("" if state == "ok" else f", {state.upper()}: "
-                                                                      f"{b.get('why', '')}") + ")"
+    trouble = "" if state == "ok" else f", {state.upper()}: {b.get('why', '')}"
+    return f"   shared in {b.get('url')} (entry {b.get('entry', 0):,}{trouble})"
 
 
 def render(data: dict[str, Any], width: int = 110) -> str:

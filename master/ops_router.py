@@ -20,9 +20,9 @@ from kvtier.auth.roles import ADMIN, DATA, HINTS, READ
 from kvtier.master import limits
 from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.cost import CostRequest
-from kvtier.master.directory import WORD_BITS, location_words
-from kvtier.master.replication import choose_holders
+from kvtier.master.directory import location_words
 from kvtier.master.placement import PlacementError, PlacementRequest, known_placements
+from kvtier.master.replication import choose_holders
 from kvtier.master.nodes import DEAD
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, WireError, field, float_field, int_field, keys_field

@@ -236,7 +236,8 @@ class SharedBackend:
             batch = await self.log.read(self.last_id, READ_BATCH, block=True)
             for eid, n, raw in batch:
                 if n != self.last_n + 1:
-                    raise _Resync(f"log entry {n} after {self.last_n} ({'a gap' if n > self.last_n else 'a step back'})")
+                    what = "a gap" if n > self.last_n else "a step back"
+                    raise _Resync(f"log entry {n} after {self.last_n} ({what})")
                 self._apply(self.state, raw)
                 self.last_n, self.last_id = n, eid
 
@@ -397,7 +398,8 @@ class SharedBackend:
             log.warning("kvtier-master: directory writable again (%s) at log entry %d", why, self.last_n)
 
     def status(self) -> dict[str, Any]:
-        return {"kind": "redis", "url": self.url, "state": self.mode, "since_s": round(time.monotonic() - self._since, 3),
+        return {"kind": "redis", "url": self.url, "state": self.mode,
+                "since_s": round(time.monotonic() - self._since, 3),
                 "why": self._why, "entry": self.last_n, "epoch": self.epoch, "master": self.id}
 
     async def close(self, flush: bool) -> None:

@@ -42,7 +42,8 @@ test_nodes_with_many_tiers_cannot_widen_every_directory_entry = \
     bounds.test_nodes_with_many_tiers_cannot_widen_every_directory_entry
 test_dead_nodes_are_forgotten_after_the_grace_and_stay_forgotten_after_a_restart = \
     bounds.test_dead_nodes_are_forgotten_after_the_grace_and_stay_forgotten_after_a_restart
-test_a_node_that_left_does_not_come_back_after_a_restart = bounds.test_a_node_that_left_does_not_come_back_after_a_restart
+test_a_node_that_left_does_not_come_back_after_a_restart = \
+    bounds.test_a_node_that_left_does_not_come_back_after_a_restart
 test_a_stranger_can_neither_say_goodbye_for_a_live_pool_nor_register_over_it = \
     roles.test_a_stranger_can_neither_say_goodbye_for_a_live_pool_nor_register_over_it
 keys = roles.keys  # the CurveZMQ keys fixture the quota test needs (per-key limits with the keys' roles)

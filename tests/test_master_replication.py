@@ -6,8 +6,6 @@ the other one named."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvtier import wire
 from kvtier.master import ops_node, ops_router
 from kvtier.master.service import MasterSettings, MasterState

@@ -94,7 +94,8 @@ def view(state: MasterState) -> dict:
         placements[key] = held
     count, heat, last = d.heat(np.frombuffer(b"".join(KEYS), "<u8").reshape(-1, 2), 1e6)
     nodes = {n.node_id: (n.state, n.incarnation, n.applied_seq, n.next_part, n.beats, n.dead_at, n.owner,
-                         sorted(n.locations), [(t.name, t.capacity, t.used, t.bw, t.promised) for t in n.tiers.values()])
+                         sorted(n.locations),
+                         [(t.name, t.capacity, t.used, t.bw, t.promised) for t in n.tiers.values()])
              for n in state.registry.nodes.values()}
     return {"placements": {k: v for k, v in placements.items() if v}, "nodes": nodes,
             "hints": state.hints.to_wire(), "count": count.tolist(), "heat": np.round(heat, 3).tolist(),
