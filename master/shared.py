@@ -36,6 +36,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 OK, READ_ONLY, CATCHING_UP, STARTING = "ok", "read_only", "catching_up", "starting"
 STATES = (OK, READ_ONLY, CATCHING_UP, STARTING)
 HEAT_FLUSH_S = 1.0
-READ_BATCH = 1024
+READ_BATCH = 32  # entries per read: up to 2.5 MiB each (an inventory part), so at most ~80 MiB a read
 APPEND_BATCH_BYTES = 8 << 20  # commands per append script call, by size
 
 
@@ -83,7 +84,7 @@ class SharedBackend:
         self.last_id = b"0-0"
         self._cmd = 0
         self._pending: dict[int, tuple[int, Answer, float]] = {}  # cmd -> (req_id, answer, deadline)
-        self._outbox: list[tuple[int, bytes]] = []
+        self._outbox: deque[tuple[int, bytes]] = deque()
         self._flushing = False
         self._driver: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -290,7 +291,7 @@ class SharedBackend:
             while self._outbox:
                 batch, size = [], 0
                 while self._outbox and (not batch or size + len(self._outbox[0][1]) <= APPEND_BATCH_BYTES):
-                    cmd, raw = self._outbox.pop(0)
+                    cmd, raw = self._outbox.popleft()
                     batch.append((cmd, raw))
                     size += len(raw)
                 t0 = time.perf_counter()
@@ -326,6 +327,7 @@ class SharedBackend:
                              "it may have been recorded")
         for state in STATES:
             self.metrics.backend_state.labels(state).set(1.0 if state == self.mode else 0.0)
+        self.state.dirty_records()  # the records an lmdb backend would write: here the log has them already
         if self.mode != OK:
             return
         st = self.state
