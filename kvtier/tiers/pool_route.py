@@ -5,9 +5,10 @@
   pool was down sits on the next-ranked pool and is a miss once its own pool is back (a miss, never wrong).
 * ``MasterRoute(master, requester)``: kvtier-master places (``route_put`` among nodes labelled role=pool, so
   engines' own DRAM is never a target) and finds (``locate``: per key, a live pool holding it). Its answers
-  are the directory, so ``contains`` needs no round trip to the pools. A master that does not answer is put in
-  a back-off (``MasterBackoff``: 0.5 s doubling to 30 s, reset by the next answer): calls inside it fail at
-  once (the tier turns them into misses) instead of each waiting out the timeout, so a store whose master is
+  are the directory, so ``contains`` needs no round trip to the pools. ``master`` may list several masters of
+  one shared directory ("tcp://a:7300,tcp://b:7300"): the client fails over between them by itself
+  (kvtier/client/master.py), and only when none answers is the route put in a back-off (``MasterBackoff``:
+  0.5 s doubling to 30 s, reset by the next answer): calls inside it fail at once (the tier turns them into misses) instead of each waiting out the timeout, so a store whose master is
   down still serves its DRAM and SSD hits at full speed.
 
 Both are thread-safe. A route names pools by endpoint; the tier owns the connections.
@@ -206,7 +207,8 @@ class MasterBackoff:
 
 
 class MasterRoute:
-    """kvtier-master's placements and directory. ``requester`` is this node's id (the local_first policy
+    """kvtier-master's placements and directory (``master``: one endpoint, or several of a shared directory,
+    comma-separated). ``requester`` is this node's id (the local_first policy
     places on the requester when it is a pool itself); ``backoff_s``: the first and longest back-off after
     the master fails to answer; ``auth_dir``: CurveZMQ keys for a master started with --auth-dir."""
 
