@@ -128,7 +128,9 @@ def locate(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str,
     if labels:
         live = live & location_words([loc for n in st.registry.live_nodes() if _has_labels(n.labels, labels)
                                       for loc in n.locations.values()], len(live))
-    _, masks = st.directory.masks(keys, live)
+    slots, masks = st.directory.masks(keys, live)
+    if field(body, "touch", bool, True):  # a store about to read these from a pool: the accesses replication counts
+        st.touch(slots[(masks != 0).any(axis=1)])
     locs = choose_holders(st, keys, masks)  # among replicas: by measured bandwidth, stable per key
     holders: list[list[str]] = []
     index: dict[int, int] = {}

@@ -62,7 +62,7 @@ SNDHWM = 256  # replies queued per connection; past that its client is not readi
 HEARTBEAT_IVL_MS = 5_000  # ZMTP pings: a peer that answers nothing for HEARTBEAT_TIMEOUT_MS is disconnected
 HEARTBEAT_TIMEOUT_MS = 20_000
 # Ops whose keys count toward kvtier_master_request_keys.
-_KEYED = {wire.LOOKUP, wire.COST, wire.HEAT, wire.PIN, wire.UNPIN, wire.PRIORITY}
+_KEYED = {wire.LOOKUP, wire.COST, wire.LOCATE, wire.HEAT, wire.PIN, wire.UNPIN, wire.PRIORITY}
 
 
 class MasterServer:

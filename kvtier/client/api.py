@@ -215,9 +215,10 @@ def route_put(sizes: Sequence[int], requester: str | None = None, keys: KeysLike
     return Call(wire.ROUTE_PUT, body, lambda b: [tuple(t) if t else None for t in b["targets"]])  # type: ignore[misc]
 
 
-def locate(keys: KeysLike, labels: Mapping[str, str] | None = None) -> Call[LocateResult]:
-    """Where each key is held (one live holder per key), among nodes with ``labels`` if given."""
-    body: dict[str, Any] = {"keys": _keys(keys)}
+def locate(keys: KeysLike, labels: Mapping[str, str] | None = None, touch: bool = True) -> Call[LocateResult]:
+    """Where each key is held (one live holder per key), among nodes with ``labels`` if given; ``touch``: count
+    an access of each key found (its heat: what hot-block replication looks at)."""
+    body: dict[str, Any] = {"keys": _keys(keys), "touch": touch}
     if labels:
         body["labels"] = dict(labels)
     return Call(wire.LOCATE, body, lambda b: LocateResult([tuple(h) for h in b["holders"]], b["where"]))  # type: ignore[misc]

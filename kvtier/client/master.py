@@ -251,8 +251,8 @@ class MasterClient:
                   ) -> list[tuple[str, str] | None]:
         return self.call(api.route_put(sizes, requester, keys, policy, labels))
 
-    def locate(self, keys: KeysLike, labels: Mapping[str, str] | None = None) -> LocateResult:
-        return self.call(api.locate(keys, labels))
+    def locate(self, keys: KeysLike, labels: Mapping[str, str] | None = None, touch: bool = True) -> LocateResult:
+        return self.call(api.locate(keys, labels, touch))
 
     def heat(self, keys: KeysLike) -> HeatResult:
         return self.call(api.heat(keys))
@@ -388,8 +388,9 @@ class AsyncMasterClient:
                         ) -> list[tuple[str, str] | None]:
         return await self.call(api.route_put(sizes, requester, keys, policy, labels))
 
-    async def locate(self, keys: KeysLike, labels: Mapping[str, str] | None = None) -> LocateResult:
-        return await self.call(api.locate(keys, labels))
+    async def locate(self, keys: KeysLike, labels: Mapping[str, str] | None = None,
+                     touch: bool = True) -> LocateResult:
+        return await self.call(api.locate(keys, labels, touch))
 
     async def heat(self, keys: KeysLike) -> HeatResult:
         return await self.call(api.heat(keys))
