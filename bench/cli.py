@@ -13,6 +13,8 @@ BENCHES = {
     "tiers": ("kvtier.bench.tiers", "batch put/get GB/s of a tier beside memcpy / raw I/O"),
     "kernels": ("kvtier.bench.kernels", "packed-block gather/scatter GB/s beside a contiguous copy"),
     "master": ("kvtier.bench.master", "kvtier-master lookup/cost latency beside a raw zmq echo; bytes per entry"),
+    "replication": ("kvtier.bench.replication", "hot-block replication between pools: hits kept through a pool's "
+                                                "death and read load spread, beside replication off"),
     "vllm": ("kvtier.bench.vllm_connector", "vLLM connector save/load GB/s (gather+put, get+scatter) beside memcpy"),
     "sglang": ("kvtier.bench.sglang", "SGLang HiCache L3 backend set/get GB/s per host layout beside memcpy"),
     "engine": ("kvtier.bench.engine", "TTFT on a real vLLM CPU engine: cold vs kvtier-warm vs vLLM's own "
