@@ -351,3 +351,39 @@ def test_clients_fail_over_from_a_master_that_does_not_answer(tmp_path, redis):
                 alone.ping()
     finally:
         ms[0].kill()
+
+
+def test_a_pool_and_a_distributed_store_take_the_master_list_and_survive_a_masters_death(tmp_path, redis, make_keys):
+    """kvtier-pool --master A,B and the store's ``master`` config key (what the connectors pass) with two masters:
+    the master both were using is killed -9; the pool keeps its lease through the other, and another store
+    still finds and reads the blocks."""
+    from poolproc import PoolProcess
+    import torch
+
+    ms = masters(tmp_path, redis, 2, lease_s=3.0)
+    both = endpoints(ms)
+    pool_bb = 16 << 10
+    try:
+        with PoolProcess(tmp_path, name="pl", capacity="4MiB", block_bytes=pool_bb, master=both,
+                         args=("--heartbeat-s", "0.2")) as pool:
+            with MasterClient(both) as m:
+                until(lambda: [n["state"] for n in m.nodes()] == ["live"], 15.0, "the pool live")
+            cfg = {"mode": "distributed", "master": both, "dram_capacity": 4 * pool_bb, "pool_timeout_ms": 500}
+            keys = make_keys(20, start=7000)
+            with TieredStore.from_config({**cfg, "node_id": "e1"}, pool_bb) as w:
+                w.put(keys, blocks_for(keys, pool_bb))
+                assert w.flush(10.0)
+            with MasterClient(ms[1].endpoint) as m1:
+                until(lambda: m1.lookup(keys, touch=False).any == 20)
+            ms[0].kill()  # the first in both lists: the one the pool's agent and the stores used
+            time.sleep(4.0)  # longer than a lease: the pool's heartbeats went to the other master
+            with MasterClient(ms[1].endpoint) as m1:
+                assert [n["state"] for n in m1.nodes()] == ["live"]
+            with TieredStore.from_config({**cfg, "node_id": "e2"}, pool_bb) as r:
+                out = torch.zeros(20, pool_bb, dtype=torch.uint8)
+                assert r.get(keys, out) == [True] * 20
+                assert torch.equal(out, blocks_for(keys, pool_bb))
+            assert pool.alive()
+    finally:
+        for m in ms:
+            m.kill()
