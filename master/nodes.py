@@ -216,7 +216,8 @@ class NodeRegistry:
         else:
             if old is not None:
                 retired = self._retire(old)
-            node = Node(node_id, address, tier_states, labels, incarnation, state=SYNCING, owner=owner)
+            node = Node(node_id, address, tier_states, labels, incarnation, state=SYNCING, owner=owner,
+                        registered_at=self.wall())  # a shared log's entry time: the same on every master
             if old is not None and old.incarnation == incarnation:
                 node.registered_at = old.registered_at
             self.nodes[node_id] = node
