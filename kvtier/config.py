@@ -61,8 +61,8 @@ class Config:
                                           "is present), true, false", ("auto", "true", "false"))
     dram_prefault: bool = _field(False, "touch every page of the DRAM buffer at start-up, so the first "
                                         "puts pay no page faults (costs ~0.1 s per GiB at start)")
-    eviction: str = _field("lru", "eviction policy: a registered name (lru, s3fifo, ...) or an import "
-                                  "path 'package.module:Class'")
+    eviction: str = _field("default", "DRAM eviction policy: default (the session-aware predictor, pnu), lru, "
+                                      "fifo, s3fifo, arc, chain-lru, or an import path 'package.module:Class'")
     copy_threads: int = _field(1, "threads per batched host copy (1 keeps one core free for the engine)")
     io_threads: int = _field(4, "threads serving the *_async calls")
 

@@ -77,7 +77,14 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="another store config key; *_capacity keys take bytes, %% or a comma list like --dram")
     g = p.add_argument_group("store and server")
-    g.add_argument("--policy", default="lru,s3fifo", help="eviction policies, comma-separated (default lru,s3fifo)")
+    g.add_argument("--policy", default="default,lru",
+                   help="eviction policies, comma-separated: default (the session-aware pnu), lru, fifo, s3fifo, arc, "
+                        "chain-lru, or an import path (default: default,lru)")
+    g.add_argument("--sessions", action="store_true",
+                   help="the harness sends each agent's session id with its requests (default: none; the store "
+                        "infers agents from the chains)")
+    g.add_argument("--hints", action="store_true",
+                   help="the harness also says when an agent is finished and when it waits on subagents")
     g.add_argument("--offload", choices=OFFLOAD_MODES, default="write-through",
                    help="write-through: computed blocks are stored at once; write-back: when HBM evicts them")
     g.add_argument("--prefill-rate", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="TOK/S",
@@ -116,7 +123,8 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
         tier, value = _key_value(item, "--bandwidth")
         bandwidth[tier] = float(parse_bytes(value.removesuffix("/s")))
     service = ServiceModel(args.prefill_rate, args.decode_rate, bandwidth)
-    config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload)
+    config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload,
+                          sessions=args.sessions, hints=args.hints)
     hbm = parse_capacity(args.hbm)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
 

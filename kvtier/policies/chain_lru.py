@@ -1,0 +1,103 @@
+"""Chain-aware LRU: LRU at the granularity of requests, each request's chain tail first, its root last.
+
+An arrival (observations.py) touches its whole chain: the blocks it is about to use become the most recent,
+the deepest ones oldest among them, so a prefix loses its tail before its root whatever order a put or a get
+lists its keys in (vLLM saves and looks up root first, the replay tail first). Keys inserted or hit without a
+known depth keep their batch order, as LRU; ``admit`` orders a put's new keys root-most first, so a tier short
+of victims refuses the tail. It admits every block and ignores agents, stop reasons and hints.
+
+Memory: per tracked key an order entry and its depth; per key of a recent chain not stored yet one pending
+entry (``max_pending``, oldest dropped first); per recent request its chain length (``max_requests``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Container, Sequence
+
+from kvtier.policies.base import Clock, Policy
+from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.observations import Observations
+from kvtier.policies.registry import register_policy
+
+
+@register_policy("chain-lru")
+class ChainLRUPolicy(Policy):
+    name = "chain-lru"
+    observes = True
+
+    def __init__(self, capacity: int = 0, *, clock: Clock = time.monotonic, max_pending: int | None = None,
+                 max_requests: int = 1 << 14) -> None:
+        super().__init__(capacity, clock=clock)
+        self._lru = LRUPolicy(capacity, clock=clock)
+        self._order = self._lru._order  # oldest first
+        self._depth: dict[bytes, int] = {}
+        self._pending: OrderedDict[bytes, int] = OrderedDict()
+        self._chains: OrderedDict[str, int] = OrderedDict()
+        self.max_pending = max_pending if max_pending is not None else max(capacity, 1 << 16)
+        self.max_requests = max_requests
+
+    def observe(self, batch: Observations) -> None:
+        for a in batch.arrivals:
+            self._touch(a.keys, 0)
+            self._chains[a.request] = len(a.keys)
+            self._chains.move_to_end(a.request)
+            while len(self._chains) > self.max_requests:
+                self._chains.popitem(last=False)
+        for c in batch.completions:
+            if c.keys and c.request in self._chains:
+                self._touch(c.keys, self._chains[c.request])
+
+    def _touch(self, keys: Sequence[bytes], start: int) -> None:
+        order, pending = self._order, self._pending
+        move = order.move_to_end
+        for depth in range(start + len(keys) - 1, start - 1, -1):  # tail first: the root ends most recent
+            key = keys[depth - start]
+            if key in order:
+                move(key)
+            else:
+                pending[key] = depth
+                pending.move_to_end(key)
+        while len(pending) > self.max_pending:
+            pending.popitem(last=False)
+
+    def insert(self, keys: Sequence[bytes]) -> None:
+        pop, depth = self._pending.pop, self._depth
+        found = [(pop(k, -1), k) for k in keys]
+        unknown = [k for d, k in found if d < 0]
+        known = sorted(((d, k) for d, k in found if d >= 0), reverse=True)  # deepest first: oldest
+        for d, k in known:
+            depth[k] = d
+        self._lru.insert(unknown + [k for _, k in known])
+
+    def access(self, keys: Sequence[bytes]) -> None:
+        get = self._depth.get
+        found = [(get(k, -1), k) for k in keys if k in self._order]
+        unknown = [k for d, k in found if d < 0]
+        known = sorted(((d, k) for d, k in found if d >= 0), reverse=True)
+        self._lru.access(unknown + [k for _, k in known])
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        self._lru.remove(keys)
+        pop = self._depth.pop
+        for k in keys:
+            pop(k, None)
+
+    def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
+        out = self._lru.victims(n, protected)
+        pop = self._depth.pop
+        for k in out:
+            pop(k, None)
+        return out
+
+    def admit(self, keys: Sequence[bytes], free: int) -> Sequence[int] | None:
+        get = self._pending.get
+        depths = [get(k, -1) for k in keys]
+        if max(depths, default=-1) < 0:
+            return None
+        known = sorted((d, i) for i, d in enumerate(depths) if d >= 0)
+        return [i for _, i in known] + [i for i, d in enumerate(depths) if d < 0]
+
+    def __len__(self) -> int:
+        return len(self._order)

@@ -1,0 +1,418 @@
+"""Predicted next use (PNU): keep the agents that come back soonest; evict whole agents, tails before roots.
+
+Agentic traffic is a set of interleaved loops: each turn of an agent re-reads its whole context and appends a
+little. A block's next use is its agent's next request, so the policy ranks agents, not blocks, by when each is
+predicted back, using only what a server knows online (observations.py; the study behind it:
+/work/shared/reference/POLICY-STUDY.md, summarised in the README's "Eviction policies"):
+
+* learned, no priors: the distribution of service times (arrival -> completion) and of gaps (completion -> the
+  agent's next arrival) per stop reason (``tool_use`` comes back in seconds, ``end_turn`` waits for a human);
+* an idle agent is predicted back at now + the median residual gap of its last stop reason, given how long it
+  has been away (past every gap seen: as long again); an agent in flight at now + its median residual service
+  time + the median gap; a "session finished" hint: never; a TTL hint caps the prediction while it runs;
+  priorities rank first (lower priority evicted first), then the prediction;
+* eviction: agents marked finished, then blocks of no known agent (LRU order), then agents predicted back
+  last first, each one's deepest blocks first (the depth of a key is its position in the arrival's chain, so
+  the order of keys in a put never matters);
+* admission: when a put does not fit, its new blocks are stored only as far as room can be made without
+  evicting an agent predicted back sooner than theirs (the root-most part first), or none;
+* until some agent has been seen coming back, agents rank by recency (least recently active first) and every
+  block is admitted: traffic without sessions, or without completions, behaves as LRU.
+
+Bounded memory: per tracked key one map entry and one heap entry (what a tier tracks anyway), per agent a
+small record (``max_agents``, the least recently active forgotten first: their blocks join the unknown ones),
+and per key of a recent chain that is not stored yet (``max_pending``, oldest dropped first). Work per call is
+O(batch): observe touches the observed keys, insert/remove/victims the keys they are given (plus stale heap
+entries, each popped once); the agents' order is kept sorted and re-scored in full at most once per
+``refresh_s`` of the clock, and on each observation only the agent it concerns is moved.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Container, Sequence
+from itertools import count
+
+from kvtier.policies.base import Clock, Policy
+from kvtier.policies.observations import SUBAGENTS, Arrival, Completion, Hint, Observations
+from kvtier.policies.registry import register_policy
+from kvtier.policies.samples import Samples
+
+INF = math.inf
+UNKNOWN_STOP = "unknown"
+
+
+class _Agent:
+    """One agent's state. ``heap``: (-depth, key) of its tracked keys, with stale entries left for lazy
+    deletion (a key is the agent's while ``where[key] is agent``)."""
+
+    __slots__ = ("name", "uid", "heap", "count", "arrived", "completed", "stop", "inflight", "finished",
+                 "waiting", "ttl_until", "priority", "last", "rank", "alive")
+
+    def __init__(self, name: str, uid: int, now: float) -> None:
+        self.name, self.uid = name, uid
+        self.heap: list[tuple[int, bytes]] = []
+        self.count = 0
+        self.arrived = self.last = now
+        self.completed: float | None = None
+        self.stop = UNKNOWN_STOP
+        self.inflight = 0
+        self.finished = False
+        self.waiting = 0  # subagents announced by a hint: the next gap is a SUBAGENTS gap
+        self.ttl_until: float | None = None
+        self.priority = 0.0
+        self.rank: tuple[float, float, int] | None = None  # its key in the ranking, while listed
+        self.alive = True
+
+
+@register_policy("pnu")
+class PredictedNextUse(Policy):
+    """See the module docstring. ``capacity``: the tier's blocks (bounds the pending keys)."""
+
+    name = "pnu"
+    observes = True
+
+    def __init__(self, capacity: int = 0, *, clock: Clock = time.monotonic, max_agents: int = 1 << 14,
+                 max_pending: int | None = None, window: int = 1024, refresh_s: float = 1.0,
+                 admission: bool = True) -> None:
+        super().__init__(capacity, clock=clock)
+        if max_agents < 1:
+            raise ValueError(f"max_agents must be >= 1, got {max_agents}")
+        self.max_agents = max_agents
+        self.max_pending = max_pending if max_pending is not None else max(capacity, 1 << 16)
+        self.max_requests = max(max_agents, 1 << 12)
+        self.refresh_s, self.admission = refresh_s, admission
+        self._agents: OrderedDict[str, _Agent] = OrderedDict()  # least recently active first
+        self._where: dict[bytes, _Agent] = {}  # tracked key -> the agent owning it
+        self._orphans: OrderedDict[bytes, None] = OrderedDict()  # tracked keys of no known agent, LRU order
+        self._pending: OrderedDict[bytes, tuple[_Agent, int]] = OrderedDict()  # chain keys not stored yet
+        self._requests: OrderedDict[str, tuple[_Agent, int, float]] = OrderedDict()  # -> (agent, chain len, t)
+        self._service = Samples(window)
+        self._gaps: dict[str, Samples] = {}
+        self._all_gaps = Samples(window)
+        self._window = window
+        self.returned = False  # an agent was seen coming back: predictions replace recency
+        self._uids = count()
+        self._rank_keys: list[tuple[float, float, int]] = []  # ascending: the end is evicted first
+        self._rank_agents: list[_Agent] = []
+        self._ranked_at = -INF
+        self._rebuild = True
+        self._dirty: set[_Agent] = set()
+
+    # ---- observations ----------------------------------------------------------------------------------
+
+    def observe(self, batch: Observations) -> None:
+        for a in batch.arrivals:
+            self._arrival(a)
+        for c in batch.completions:
+            self._completion(c)
+        for h in batch.hints:
+            self._hint(h)
+
+    def _arrival(self, a: Arrival) -> None:
+        if a.session is None:
+            return
+        now = self.clock() if a.time is None else a.time
+        agent = self._agent(a.session, now)
+        if agent.inflight == 0 and agent.completed is not None:
+            gap = max(0.0, now - agent.completed)
+            self._gaps.setdefault(agent.stop, Samples(self._window)).add(gap)
+            self._all_gaps.add(gap)
+            if not self.returned:
+                self.returned = self._rebuild = True
+        agent.inflight += 1
+        agent.arrived = agent.last = now
+        agent.finished = False
+        agent.waiting = 0
+        self._claim(agent, a.keys, 0)
+        requests = self._requests
+        requests[a.request] = (agent, len(a.keys), now)
+        requests.move_to_end(a.request)
+        while len(requests) > self.max_requests:
+            requests.popitem(last=False)
+        self._dirty.add(agent)
+
+    def _completion(self, c: Completion) -> None:
+        known = self._requests.get(c.request)
+        if known is None or not known[0].alive:
+            return
+        agent, chain, arrived = known
+        now = self.clock() if c.time is None else c.time
+        if agent.inflight:
+            agent.inflight -= 1
+            self._service.add(max(0.0, now - arrived))
+        agent.completed = agent.last = now
+        agent.stop = SUBAGENTS if agent.waiting else (c.stop or UNKNOWN_STOP)
+        if c.keys:
+            self._claim(agent, c.keys, chain)
+        self._dirty.add(agent)
+
+    def _hint(self, h: Hint) -> None:
+        agent = self._agents.get(h.session) if h.session is not None else None
+        if agent is None:
+            return
+        now = self.clock() if h.time is None else h.time
+        if h.finished:
+            agent.finished = True
+        if h.subagents > 0:
+            agent.waiting = h.subagents
+            if not agent.inflight:
+                agent.stop = SUBAGENTS
+        if h.ttl_s is not None:
+            agent.ttl_until = now + h.ttl_s
+        if h.priority is not None:
+            agent.priority = h.priority
+        self._dirty.add(agent)
+
+    def _agent(self, name: str, now: float) -> _Agent:
+        agents = self._agents
+        agent = agents.get(name)
+        if agent is None:
+            agent = agents[name] = _Agent(name, next(self._uids), now)
+            while len(agents) > self.max_agents:
+                self._forget(agents.popitem(last=False)[1])
+        else:
+            agents.move_to_end(name)
+        return agent
+
+    def _forget(self, agent: _Agent) -> None:
+        """An agent dropped from the table: its blocks become blocks of no known agent, the oldest ones."""
+        agent.alive = False
+        where, orphans = self._where, self._orphans
+        for _, key in agent.heap:
+            if where.get(key) is agent:
+                del where[key]
+                orphans[key] = None
+                orphans.move_to_end(key, last=False)
+        agent.heap, agent.count = [], 0
+        self._dirty.discard(agent)
+
+    def _claim(self, agent: _Agent, keys: Sequence[bytes], start: int) -> None:
+        """``keys`` (depths start, start+1, ...) belong to ``agent``: tracked ones move to it, the others
+        wait in ``pending`` for their insert."""
+        where, orphans, pending = self._where, self._orphans, self._pending
+        for depth, key in enumerate(keys, start):
+            owner = where.get(key)
+            if owner is agent:
+                continue
+            if owner is not None:
+                owner.count -= 1  # its heap entry goes stale
+            elif key in orphans:
+                del orphans[key]
+            else:
+                pending[key] = (agent, depth)
+                pending.move_to_end(key)
+                continue
+            self._own(agent, key, depth)
+        while len(pending) > self.max_pending:
+            pending.popitem(last=False)
+
+    def _own(self, agent: _Agent, key: bytes, depth: int) -> None:
+        self._where[key] = agent
+        heapq.heappush(agent.heap, (-depth, key))
+        agent.count += 1
+        if agent.count == 1:
+            self._dirty.add(agent)
+        elif len(agent.heap) > 2 * agent.count + 64:
+            self._compact(agent)
+
+    def _compact(self, agent: _Agent) -> None:
+        where, seen = self._where, set()
+        live = []
+        for entry in agent.heap:
+            key = entry[1]
+            if where.get(key) is agent and key not in seen:
+                seen.add(key)
+                live.append(entry)
+        heapq.heapify(live)
+        agent.heap = live
+
+    # ---- the keys a tier tracks ------------------------------------------------------------------------
+
+    def insert(self, keys: Sequence[bytes]) -> None:
+        pending, orphans = self._pending, self._orphans
+        for key in keys:
+            p = pending.pop(key, None)
+            if p is not None and p[0].alive:
+                self._own(p[0], key, p[1])
+            else:
+                orphans[key] = None
+
+    def access(self, keys: Sequence[bytes]) -> None:
+        orphans = self._orphans
+        move = orphans.move_to_end
+        for key in keys:
+            if key in orphans:
+                move(key)
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        where, orphans = self._where, self._orphans
+        for key in keys:
+            agent = where.pop(key, None)
+            if agent is not None:
+                agent.count -= 1
+            else:
+                orphans.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._where) + len(self._orphans)
+
+    def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        if n <= 0:
+            return out
+        ranking = self._ranking(self.clock())
+        i = len(ranking) - 1
+        while i >= 0 and len(out) < n and ranking[i].finished:  # never coming back: first
+            self._take(ranking[i], n, protected, out)
+            i -= 1
+        if len(out) < n and self._orphans:
+            self._take_orphans(n, protected, out)
+        while i >= 0 and len(out) < n:
+            self._take(ranking[i], n, protected, out)
+            i -= 1
+        return out
+
+    def _take(self, agent: _Agent, n: int, protected: Container[bytes], out: list[bytes]) -> None:
+        """The agent's deepest unprotected keys, until ``out`` has ``n``."""
+        if agent.count <= 0 or not agent.alive:
+            return
+        heap, where = agent.heap, self._where
+        kept = []
+        pop = heapq.heappop
+        while heap and len(out) < n:
+            entry = pop(heap)
+            key = entry[1]
+            if where.get(key) is not agent:
+                continue  # stale: removed, evicted, or moved to another agent
+            if key in protected:
+                kept.append(entry)
+                continue
+            del where[key]
+            agent.count -= 1
+            out.append(key)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+
+    def _take_orphans(self, n: int, protected: Container[bytes], out: list[bytes]) -> None:
+        orphans = self._orphans
+        move = orphans.move_to_end
+        for _ in range(len(orphans)):  # each looked at once per call: a protected queue is not cycled
+            if len(out) >= n:
+                break
+            key = next(iter(orphans))
+            if key in protected:
+                move(key)
+            else:
+                del orphans[key]
+                out.append(key)
+
+    # ---- admission -------------------------------------------------------------------------------------
+
+    def admit(self, keys: Sequence[bytes], free: int) -> Sequence[int] | None:
+        pending = self._pending
+        groups: dict[_Agent, list[tuple[int, int]]] = {}
+        unknown: list[int] = []
+        for i, key in enumerate(keys):
+            p = pending.get(key)
+            if p is None or not p[0].alive:
+                unknown.append(i)
+            else:
+                groups.setdefault(p[0], []).append((p[1], i))
+        if not groups:
+            return None
+        now = self.clock()
+        ranking = self._ranking(now)
+        declines = self.admission and self.returned
+        out: list[int] = []
+        for agent, members in sorted(groups.items(), key=lambda g: self._key(g[0], now)):  # soonest back first
+            members.sort()  # root-most first
+            if declines:
+                need = len(out) + len(members) - free
+                if need > 0:
+                    room = self._room_above(ranking, self._key(agent, now), agent, need)
+                    members = members[: max(0, free + room - len(out))]
+            out += [i for _, i in members]
+        # Keys of no known agent: after the others; where blocks are declined they are not worth an eviction.
+        return out if declines else out + unknown
+
+    def _room_above(self, ranking: list[_Agent], key: tuple[float, float, int], agent: _Agent, need: int) -> int:
+        """Blocks evictable without touching an agent ranked before ``key`` (up to ``need``): unknown ones,
+        then those of the agents predicted back later, from the last."""
+        room = len(self._orphans)
+        keys = self._rank_keys
+        j = len(ranking) - 1
+        while room < need and j >= 0 and keys[j] > key:
+            other = ranking[j]
+            if other is not agent and other.alive:
+                room += max(0, other.count)
+            j -= 1
+        return room
+
+    # ---- ranking ---------------------------------------------------------------------------------------
+
+    def _key(self, agent: _Agent, now: float) -> tuple[float, float, int]:
+        return (-agent.priority, self._predict(agent, now), agent.uid)
+
+    def _predict(self, agent: _Agent, now: float) -> float:
+        """Seconds until the agent is back (recency mode: seconds since it was last active)."""
+        if agent.finished:
+            return INF
+        if not self.returned:
+            return max(0.0, now - agent.last)
+        if agent.inflight or agent.completed is None:
+            left = self._service.residual(now - agent.arrived)
+            t = (left or 0.0) + (self._all_gaps.median() or 0.0)
+        else:
+            gaps = self._gaps.get(agent.stop)
+            if gaps is None or not len(gaps):
+                gaps = self._all_gaps
+            t = gaps.residual(now - agent.completed) or 0.0
+        if agent.ttl_until is not None and now < agent.ttl_until:
+            t = min(t, agent.ttl_until - now)
+        return t
+
+    def _ranking(self, now: float) -> list[_Agent]:
+        if self._rebuild or not self._ranked_at <= now < self._ranked_at + self.refresh_s:
+            # Every agent holding keys is listed or dirty (its first key made it dirty).
+            listed = {*self._rank_agents, *self._dirty}
+            for a in listed:
+                a.rank = None
+            entries = sorted((self._key(a, now), a) for a in listed if a.alive and a.count > 0)
+            self._rank_keys = [k for k, _ in entries]
+            self._rank_agents = [a for _, a in entries]
+            for k, a in entries:
+                a.rank = k
+            self._ranked_at, self._rebuild = now, False
+            self._dirty.clear()
+        elif self._dirty:
+            for agent in self._dirty:
+                self._reposition(agent, now)
+            self._dirty.clear()
+        return self._rank_agents
+
+    def _reposition(self, agent: _Agent, now: float) -> None:
+        keys, agents = self._rank_keys, self._rank_agents
+        if agent.rank is not None:
+            i = bisect_left(keys, agent.rank)
+            if i < len(keys) and agents[i] is agent:
+                del keys[i], agents[i]
+            agent.rank = None
+        if agent.alive and agent.count > 0:
+            key = self._key(agent, now)
+            j = bisect_left(keys, key)
+            keys.insert(j, key)
+            agents.insert(j, agent)
+            agent.rank = key
+
+    # ---- introspection (tests, stats) -------------------------------------------------------------------
+
+    def agents(self) -> int:
+        return len(self._agents)
+
+    def pending(self) -> int:
+        return len(self._pending)
