@@ -38,9 +38,10 @@ from collections.abc import Container, Sequence
 from itertools import count
 
 from kvtier.policies.base import Clock, Policy
+from kvtier.policies.chain_lru import ChainLRUPolicy
 from kvtier.policies.observations import SUBAGENTS, Arrival, Completion, Hint, Observations
 from kvtier.policies.registry import register_policy
-from kvtier.policies.samples import Samples
+from kvtier.policies.returns import Outcome, ReturnModel
 
 INF = math.inf
 UNKNOWN_STOP = "unknown"
@@ -51,7 +52,7 @@ class _Agent:
     deletion (a key is the agent's while ``where[key] is agent``)."""
 
     __slots__ = ("name", "uid", "heap", "count", "arrived", "completed", "stop", "inflight", "finished",
-                 "waiting", "ttl_until", "priority", "last", "rank", "alive")
+                 "waiting", "ttl_until", "priority", "last", "rank", "alive", "outcome")
 
     def __init__(self, name: str, uid: int, now: float) -> None:
         self.name, self.uid = name, uid
@@ -65,8 +66,9 @@ class _Agent:
         self.waiting = 0  # subagents announced by a hint: the next gap is a SUBAGENTS gap
         self.ttl_until: float | None = None
         self.priority = 0.0
-        self.rank: tuple[float, float, int] | None = None  # its key in the ranking, while listed
+        self.rank: tuple[float, float, float, int] | None = None  # its key in the ranking, while listed
         self.alive = True
+        self.outcome: Outcome | None = None  # its last completion, until it comes back
 
 
 @register_policy("pnu")
@@ -91,13 +93,13 @@ class PredictedNextUse(Policy):
         self._orphans: OrderedDict[bytes, None] = OrderedDict()  # tracked keys of no known agent, LRU order
         self._pending: OrderedDict[bytes, tuple[_Agent, int]] = OrderedDict()  # chain keys not stored yet
         self._requests: OrderedDict[str, tuple[_Agent, int, float]] = OrderedDict()  # -> (agent, chain len, t)
-        self._service = Samples(window)
-        self._gaps: dict[str, Samples] = {}
-        self._all_gaps = Samples(window)
-        self._window = window
-        self.returned = False  # an agent was seen coming back: predictions replace recency
+        self.model = ReturnModel(window, max_pending=self.max_requests)
+        # Recency over blocks, chain by chain: the order while no prediction can be made.
+        self._recency = ChainLRUPolicy(capacity, clock=clock, max_pending=self.max_pending,
+                                       max_requests=self.max_requests)
+        self._predicting = False
         self._uids = count()
-        self._rank_keys: list[tuple[float, float, int]] = []  # ascending: the end is evicted first
+        self._rank_keys: list[tuple[float, float, float, int]] = []  # ascending: the end is evicted first
         self._rank_agents: list[_Agent] = []
         self._ranked_at = -INF
         self._rebuild = True
@@ -106,6 +108,7 @@ class PredictedNextUse(Policy):
     # ---- observations ----------------------------------------------------------------------------------
 
     def observe(self, batch: Observations) -> None:
+        self._recency.observe(batch)
         for a in batch.arrivals:
             self._arrival(a)
         for c in batch.completions:
@@ -118,12 +121,9 @@ class PredictedNextUse(Policy):
             return
         now = self.clock() if a.time is None else a.time
         agent = self._agent(a.session, now)
-        if agent.inflight == 0 and agent.completed is not None:
-            gap = max(0.0, now - agent.completed)
-            self._gaps.setdefault(agent.stop, Samples(self._window)).add(gap)
-            self._all_gaps.add(gap)
-            if not self.returned:
-                self.returned = self._rebuild = True
+        if agent.inflight == 0 and agent.outcome is not None:
+            self.model.came_back(agent.outcome, now)
+            agent.outcome = None
         agent.inflight += 1
         agent.arrived = agent.last = now
         agent.finished = False
@@ -144,9 +144,11 @@ class PredictedNextUse(Policy):
         now = self.clock() if c.time is None else c.time
         if agent.inflight:
             agent.inflight -= 1
-            self._service.add(max(0.0, now - arrived))
-        agent.completed = agent.last = now
+            self.model.served(now - arrived)
+        agent.completed = now  # not "last": recency is when its blocks were last read, at the arrival
         agent.stop = SUBAGENTS if agent.waiting else (c.stop or UNKNOWN_STOP)
+        if not agent.inflight:
+            agent.outcome = self.model.completed(now, agent.stop)
         if c.keys:
             self._claim(agent, c.keys, chain)
         self._dirty.add(agent)
@@ -162,6 +164,8 @@ class PredictedNextUse(Policy):
             agent.waiting = h.subagents
             if not agent.inflight:
                 agent.stop = SUBAGENTS
+                if agent.outcome is not None:
+                    agent.outcome.stop = SUBAGENTS
         if h.ttl_s is not None:
             agent.ttl_until = now + h.ttl_s
         if h.priority is not None:
@@ -201,6 +205,7 @@ class PredictedNextUse(Policy):
                 continue
             if owner is not None:
                 owner.count -= 1  # its heap entry goes stale
+                self._shrunk(owner)
             elif key in orphans:
                 del orphans[key]
             else:
@@ -220,6 +225,11 @@ class PredictedNextUse(Policy):
         elif len(agent.heap) > 2 * agent.count + 64:
             self._compact(agent)
 
+    def _shrunk(self, agent: _Agent) -> None:
+        """After an agent lost keys: its heap holds at most about twice its keys (stale entries dropped)."""
+        if len(agent.heap) > 2 * agent.count + 64:
+            self._compact(agent)
+
     def _compact(self, agent: _Agent) -> None:
         where, seen = self._where, set()
         live = []
@@ -234,6 +244,7 @@ class PredictedNextUse(Policy):
     # ---- the keys a tier tracks ------------------------------------------------------------------------
 
     def insert(self, keys: Sequence[bytes]) -> None:
+        self._recency.insert(keys)
         pending, orphans = self._pending, self._orphans
         for key in keys:
             p = pending.pop(key, None)
@@ -243,6 +254,7 @@ class PredictedNextUse(Policy):
                 orphans[key] = None
 
     def access(self, keys: Sequence[bytes]) -> None:
+        self._recency.access(keys)
         orphans = self._orphans
         move = orphans.move_to_end
         for key in keys:
@@ -250,24 +262,43 @@ class PredictedNextUse(Policy):
                 move(key)
 
     def remove(self, keys: Sequence[bytes]) -> None:
+        self._recency.remove(keys)
+        self._forget_keys(keys)
+
+    def _forget_keys(self, keys: Sequence[bytes]) -> None:
         where, orphans = self._where, self._orphans
+        shrunk = set()
         for key in keys:
             agent = where.pop(key, None)
             if agent is not None:
                 agent.count -= 1
+                shrunk.add(agent)
             else:
                 orphans.pop(key, None)
+        for agent in shrunk:
+            self._shrunk(agent)
 
     def __len__(self) -> int:
         return len(self._where) + len(self._orphans)
 
     def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
-        out: list[bytes] = []
         if n <= 0:
+            return []
+        now = self.clock()
+        if not self._predicts(now):
+            out = self._recency.victims(n, protected)
+            self._forget_keys(out)
             return out
-        ranking = self._ranking(self.clock())
+        out = self._victims(n, protected, now)
+        self._recency.remove(out)
+        return out
+
+    def _victims(self, n: int, protected: Container[bytes], now: float) -> list[bytes]:
+        out: list[bytes] = []
+        ranking = self._ranking(now)
         i = len(ranking) - 1
-        while i >= 0 and len(out) < n and ranking[i].finished:  # never coming back: first
+        keys = self._rank_keys
+        while i >= 0 and len(out) < n and keys[i][1] == INF:  # finished, or not expected back: first
             self._take(ranking[i], n, protected, out)
             i -= 1
         if len(out) < n and self._orphans:
@@ -323,11 +354,11 @@ class PredictedNextUse(Policy):
                 unknown.append(i)
             else:
                 groups.setdefault(p[0], []).append((p[1], i))
-        if not groups:
-            return None
         now = self.clock()
+        if not groups or not self._predicts(now):
+            return self._recency.admit(keys, free)
         ranking = self._ranking(now)
-        declines = self.admission and self.returned
+        declines = self.admission
         out: list[int] = []
         for agent, members in sorted(groups.items(), key=lambda g: self._key(g[0], now)):  # soonest back first
             members.sort()  # root-most first
@@ -340,7 +371,8 @@ class PredictedNextUse(Policy):
         # Keys of no known agent: after the others; where blocks are declined they are not worth an eviction.
         return out if declines else out + unknown
 
-    def _room_above(self, ranking: list[_Agent], key: tuple[float, float, int], agent: _Agent, need: int) -> int:
+    def _room_above(self, ranking: list[_Agent], key: tuple[float, float, float, int], agent: _Agent,
+                    need: int) -> int:
         """Blocks evictable without touching an agent ranked before ``key`` (up to ``need``): unknown ones,
         then those of the agents predicted back later, from the last."""
         room = len(self._orphans)
@@ -355,29 +387,38 @@ class PredictedNextUse(Policy):
 
     # ---- ranking ---------------------------------------------------------------------------------------
 
-    def _key(self, agent: _Agent, now: float) -> tuple[float, float, int]:
-        return (-agent.priority, self._predict(agent, now), agent.uid)
+    def _predicts(self, now: float) -> bool:
+        """Whether agents are seen coming back often enough for a prediction (ReturnModel.predictive);
+        the first time, the agents are re-scored."""
+        self.model.settle(now)
+        predicts = self.model.predictive
+        if predicts != self._predicting:
+            self._predicting, self._rebuild = predicts, True
+        return predicts
+
+    def _key(self, agent: _Agent, now: float) -> tuple[float, float, float, int]:
+        """The agent's place in the eviction order (the largest goes first): priority, then the predicted
+        time it is back, then how long ago it was last active (ties: the least recently active first). Times
+        are absolute, so keys computed at different moments (an agent moved since the last full re-score)
+        compare right."""
+        if agent.finished:
+            return (-agent.priority, INF, INF, agent.uid)
+        return (-agent.priority, self._predict(agent, now), -agent.last, agent.uid)
 
     def _predict(self, agent: _Agent, now: float) -> float:
-        """Seconds until the agent is back (recency mode: seconds since it was last active)."""
-        if agent.finished:
-            return INF
-        if not self.returned:
-            return max(0.0, now - agent.last)
+        """When the agent is predicted back (INF: never expected; 0 for all in recency mode: the last
+        activity decides)."""
         if agent.inflight or agent.completed is None:
-            left = self._service.residual(now - agent.arrived)
-            t = (left or 0.0) + (self._all_gaps.median() or 0.0)
+            t = self.model.in_flight(now - agent.arrived)
         else:
-            gaps = self._gaps.get(agent.stop)
-            if gaps is None or not len(gaps):
-                gaps = self._all_gaps
-            t = gaps.residual(now - agent.completed) or 0.0
+            t = self.model.idle(agent.stop, now - agent.completed)
         if agent.ttl_until is not None and now < agent.ttl_until:
             t = min(t, agent.ttl_until - now)
-        return t
+        return now + t
 
     def _ranking(self, now: float) -> list[_Agent]:
         if self._rebuild or not self._ranked_at <= now < self._ranked_at + self.refresh_s:
+            self.model.settle(now)
             # Every agent holding keys is listed or dirty (its first key made it dirty).
             listed = {*self._rank_agents, *self._dirty}
             for a in listed:

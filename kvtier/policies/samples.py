@@ -33,6 +33,18 @@ class Samples:
     def __len__(self) -> int:
         return len(self._sorted)
 
+    @property
+    def values(self) -> list[float]:
+        """The samples, ascending (the live list: read, never change it)."""
+        return self._sorted
+
+    def max(self) -> float | None:
+        return self._sorted[-1] if self._sorted else None
+
+    def quantile(self, q: float) -> float | None:
+        s = self._sorted
+        return s[min(len(s) - 1, int(q * len(s)))] if s else None
+
     def median(self) -> float | None:
         s = self._sorted
         return s[len(s) // 2] if s else None
