@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Container, Sequence
+from itertools import compress, repeat
+from operator import gt, lt, not_
 
 from kvtier.policies.base import Clock, Policy
 from kvtier.policies.lru import LRUPolicy
@@ -52,31 +54,27 @@ class ChainLRUPolicy(Policy):
                 self._learn(c.keys, self._chains[c.request])
 
     def _learn(self, keys: Sequence[bytes], start: int) -> None:
-        order, pending, depth_of = self._order, self._pending, self._depth
-        for depth, key in enumerate(keys, start):
-            if key in order:
-                depth_of[key] = depth
-            else:
-                pending[key] = depth
-                pending.move_to_end(key)
+        """Remember the depths of the chain's keys not tracked yet (their insert comes); looped in C."""
+        pending = self._pending
+        untracked = list(compress(range(start, start + len(keys)), map(not_, map(self._order.__contains__, keys))))
+        pending.update(zip([keys[d - start] for d in untracked], untracked))
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
 
     def insert(self, keys: Sequence[bytes]) -> None:
-        pop, depth = self._pending.pop, self._depth
-        found = [(pop(k, -1), k) for k in keys]
-        unknown = [k for d, k in found if d < 0]
-        known = sorted(((d, k) for d, k in found if d >= 0), reverse=True)  # deepest first: oldest
-        for d, k in known:
-            depth[k] = d
-        self._lru.insert(unknown + [k for _, k in known])
+        pop = self._pending.pop
+        self.insert_at(keys, [pop(k, -1) for k in keys])
+
+    def insert_at(self, keys: Sequence[bytes], depths: Sequence[int]) -> None:
+        """insert, with each key's depth given (-1: not known) instead of learned from arrivals (a policy
+        that keeps this order beside its own knows the depths already)."""
+        known = [k for k, d in zip(keys, depths) if d >= 0]
+        if known:
+            self._depth.update(zip(known, [d for d in depths if d >= 0]))
+        self._lru.insert(_tail_first(keys, depths))
 
     def access(self, keys: Sequence[bytes]) -> None:
-        get = self._depth.get
-        found = [(get(k, -1), k) for k in keys if k in self._order]
-        unknown = [k for d, k in found if d < 0]
-        known = sorted(((d, k) for d, k in found if d >= 0), reverse=True)
-        self._lru.access(unknown + [k for _, k in known])
+        self._lru.access(_tail_first(keys, list(map(self._depth.get, keys, repeat(-1)))))
 
     def remove(self, keys: Sequence[bytes]) -> None:
         self._lru.remove(keys)
@@ -101,3 +99,19 @@ class ChainLRUPolicy(Policy):
 
     def __len__(self) -> int:
         return len(self._order)
+
+
+def _tail_first(keys: Sequence[bytes], depths: Sequence[int]) -> Sequence[bytes]:
+    """``keys`` made most recent in this order: unknown depths first (batch order), then deepest first. A
+    batch listed tail first or root first (the usual cases) is recognised without a sort."""
+    if len(keys) < 2:
+        return keys
+    if min(depths) >= 0:
+        if all(map(gt, depths, depths[1:])):
+            return keys
+        if all(map(lt, depths, depths[1:])):
+            return keys[::-1]
+        return [k for _, k in sorted(zip(depths, keys), reverse=True)]
+    unknown = [k for k, d in zip(keys, depths) if d < 0]
+    known = sorted(((d, k) for k, d in zip(keys, depths) if d >= 0), reverse=True)
+    return unknown + [k for _, k in known]

@@ -35,7 +35,8 @@ import time
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Container, Sequence
-from itertools import count
+from itertools import compress, count, repeat
+from operator import and_, is_, is_not, not_
 
 from kvtier.policies.base import Clock, Policy
 from kvtier.policies.chain_lru import ChainLRUPolicy
@@ -108,7 +109,6 @@ class PredictedNextUse(Policy):
     # ---- observations ----------------------------------------------------------------------------------
 
     def observe(self, batch: Observations) -> None:
-        self._recency.observe(batch)
         for a in batch.arrivals:
             self._arrival(a)
         for c in batch.completions:
@@ -197,22 +197,29 @@ class PredictedNextUse(Policy):
 
     def _claim(self, agent: _Agent, keys: Sequence[bytes], start: int) -> None:
         """``keys`` (depths start, start+1, ...) belong to ``agent``: tracked ones move to it, the others
-        wait in ``pending`` for their insert."""
+        wait in ``pending`` for their insert. Bulk work runs in C loops (map, compress, zip); Python work is
+        per key moved from another agent or the unknown ones (shared roots: rare on agentic traffic)."""
         where, orphans, pending = self._where, self._orphans, self._pending
-        for depth, key in enumerate(keys, start):
-            owner = where.get(key)
-            if owner is agent:
-                continue
-            if owner is not None:
-                owner.count -= 1  # its heap entry goes stale
-                self._shrunk(owner)
-            elif key in orphans:
-                del orphans[key]
-            else:
-                pending[key] = (agent, depth)
-                pending.move_to_end(key)
-                continue
-            self._own(agent, key, depth)
+        n = len(keys)
+        owners = list(map(where.get, keys))
+        free = list(map(is_, owners, repeat(None)))  # not owned: untracked, or tracked as unknown
+        depths = range(start, start + n)
+        loose = list(compress(depths, free))
+        if loose:
+            adopt = list(compress(loose, map(orphans.__contains__, [keys[d - start] for d in loose])))
+            if adopt:
+                adopted = set(adopt)
+                loose = [d for d in loose if d not in adopted]
+                for d in adopt:
+                    del orphans[keys[d - start]]
+                    self._own(agent, keys[d - start], d)
+            pending.update(zip([keys[d - start] for d in loose], zip(repeat(agent), loose)))
+        moved = list(compress(depths, map(and_, map(not_, free), map(is_not, owners, repeat(agent)))))
+        for d in moved:
+            owner = owners[d - start]
+            owner.count -= 1  # its heap entry goes stale
+            self._shrunk(owner)
+            self._own(agent, keys[d - start], d)
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
 
@@ -244,14 +251,22 @@ class PredictedNextUse(Policy):
     # ---- the keys a tier tracks ------------------------------------------------------------------------
 
     def insert(self, keys: Sequence[bytes]) -> None:
-        self._recency.insert(keys)
-        pending, orphans = self._pending, self._orphans
-        for key in keys:
-            p = pending.pop(key, None)
-            if p is not None and p[0].alive:
-                self._own(p[0], key, p[1])
-            else:
+        pop = self._pending.pop
+        found = list(map(pop, keys, repeat(None)))
+        depths = [-1 if p is None or not p[0].alive else p[1] for p in found]
+        self._recency.insert_at(keys, depths)
+        where, dirty, orphans = self._where, self._dirty, self._orphans
+        push = heapq.heappush
+        for key, p, depth in zip(keys, found, depths):
+            if depth < 0:
                 orphans[key] = None
+                continue
+            agent = p[0]  # type: ignore[index]
+            where[key] = agent
+            push(agent.heap, (-depth, key))
+            agent.count += 1
+            if agent.count == 1:
+                dirty.add(agent)
 
     def access(self, keys: Sequence[bytes]) -> None:
         self._recency.access(keys)
@@ -345,31 +360,33 @@ class PredictedNextUse(Policy):
     # ---- admission -------------------------------------------------------------------------------------
 
     def admit(self, keys: Sequence[bytes], free: int) -> Sequence[int] | None:
-        pending = self._pending
+        found = list(map(self._pending.get, keys))
+        known = [i for i, p in enumerate(found) if p is not None and p[0].alive]
+        if not known:
+            return None
         groups: dict[_Agent, list[tuple[int, int]]] = {}
-        unknown: list[int] = []
-        for i, key in enumerate(keys):
-            p = pending.get(key)
-            if p is None or not p[0].alive:
-                unknown.append(i)
-            else:
-                groups.setdefault(p[0], []).append((p[1], i))
+        for i in known:
+            agent, depth = found[i]  # type: ignore[misc]
+            members = groups.get(agent)
+            if members is None:
+                members = groups[agent] = []
+            members.append((depth, i))
         now = self.clock()
-        if not groups or not self._predicts(now):
-            return self._recency.admit(keys, free)
+        if not (self.admission and self._predicts(now)):  # every key, root-most first
+            taken = set(known)
+            unknown = [i for i in range(len(keys)) if i not in taken] if len(known) < len(keys) else []
+            return [i for _, i in sorted(m for members in groups.values() for m in members)] + unknown
         ranking = self._ranking(now)
-        declines = self.admission
         out: list[int] = []
         for agent, members in sorted(groups.items(), key=lambda g: self._key(g[0], now)):  # soonest back first
             members.sort()  # root-most first
-            if declines:
-                need = len(out) + len(members) - free
-                if need > 0:
-                    room = self._room_above(ranking, self._key(agent, now), agent, need)
-                    members = members[: max(0, free + room - len(out))]
+            need = len(out) + len(members) - free
+            if need > 0:
+                room = self._room_above(ranking, self._key(agent, now), agent, need)
+                members = members[: max(0, free + room - len(out))]
             out += [i for _, i in members]
-        # Keys of no known agent: after the others; where blocks are declined they are not worth an eviction.
-        return out if declines else out + unknown
+        # Keys of no known agent are not worth an eviction where blocks of known ones are declined.
+        return out
 
     def _room_above(self, ranking: list[_Agent], key: tuple[float, float, float, int], agent: _Agent,
                     need: int) -> int:

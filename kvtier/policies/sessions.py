@@ -63,11 +63,8 @@ class SessionTracker:
         keys = a.keys
         agent = _named(a.session)
         if agent is None:
-            tails = self._tails
-            for k in reversed(keys):  # the deepest earlier tail this chain passes through
-                agent = tails.get(k)
-                if agent is not None:
-                    break
+            # The deepest earlier tail this chain passes through (looped in C).
+            agent = next(filter(None, map(self._tails.get, reversed(keys))), None)
             if agent is None:
                 self._next += 1
                 agent = f"{INFERRED}{self._next}"
