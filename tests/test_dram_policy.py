@@ -174,3 +174,23 @@ def test_tier_invariants(policy, ops, capacity):
         pins.unpin([x] * c)
     held = st_.blocks if ops else 0
     assert len(t._policy.victims(capacity + 1, set())) == held  # every tracked key evictable
+
+
+def test_a_flood_of_sessions_keeps_the_store_bounded():
+    """20,000 agents that each come once (a million would take minutes here; the bounds are the same code)."""
+    clock = Clock()
+    store = TieredStore([dram(512, clock=clock)], clock=clock)
+    store.sessions.max_agents = store.sessions.max_requests = 1000
+    policy = store.tiers[0]._policy.policy
+    policy.max_agents = 800
+    for a in range(20_000):
+        clock.t += 0.01
+        keys = chain(a, 3)
+        store.observe(arrivals=[Arrival(f"r{a}", keys, session=None if a % 2 else f"client-{a}")])
+        if a % 10 == 0:
+            store.put(keys, rows(3))
+        store.observe(completions=[Completion(f"r{a}", stop="end_turn")])
+    assert len(store.sessions) <= 1000 and store.sessions.requests <= 1000
+    assert policy.agents() <= 800 and policy.pending() <= policy.max_pending
+    assert len(policy._requests) <= policy.max_requests and len(policy.model._pending) <= policy.model.max_pending
+    assert store.tiers[0].stats().blocks == 512 == len(policy)
