@@ -15,7 +15,7 @@ entry (``max_pending``, oldest dropped first); per recent request its chain leng
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 from itertools import compress, repeat
 from operator import gt, lt, not_
@@ -66,21 +66,26 @@ class ChainLRUPolicy(Policy):
         self.insert_at(keys, [pop(k, -1) for k in keys])
 
     def insert_at(self, keys: Sequence[bytes], depths: Sequence[int]) -> None:
-        """insert, with each key's depth given (-1: not known) instead of learned from arrivals (a policy
-        that keeps this order beside its own knows the depths already)."""
+        """insert, with each key's depth given (-1: not known; no depths at all: none known) instead of
+        learned from arrivals (a policy that keeps this order beside its own knows the depths already)."""
+        if not depths:
+            self._lru.insert(keys)
+            return
         known = [k for k, d in zip(keys, depths) if d >= 0]
         if known:
             self._depth.update(zip(known, [d for d in depths if d >= 0]))
         self._lru.insert(_tail_first(keys, depths))
 
     def access(self, keys: Sequence[bytes]) -> None:
+        if not self._depth:  # no depth known (a store told nothing): LRU
+            self._lru.access(keys)
+            return
         self._lru.access(_tail_first(keys, list(map(self._depth.get, keys, repeat(-1)))))
 
     def remove(self, keys: Sequence[bytes]) -> None:
         self._lru.remove(keys)
-        pop = self._depth.pop
-        for k in keys:
-            pop(k, None)
+        if self._depth:
+            deque(map(self._depth.pop, keys, repeat(None)), maxlen=0)
 
     def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
         out = self._lru.victims(n, protected)
@@ -96,6 +101,10 @@ class ChainLRUPolicy(Policy):
             return None
         known = sorted((d, i) for i, d in enumerate(depths) if d >= 0)
         return [i for _, i in known] + [i for i, d in enumerate(depths) if d < 0]
+
+    def keys(self) -> list[bytes]:
+        """Tracked keys, least recently used first."""
+        return list(self._order)
 
     def __len__(self) -> int:
         return len(self._order)

@@ -33,7 +33,7 @@ import heapq
 import math
 import time
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 from itertools import compress, count, repeat
 from operator import and_, is_, is_not, not_
@@ -91,7 +91,9 @@ class PredictedNextUse(Policy):
         self.refresh_s, self.admission = refresh_s, admission
         self._agents: OrderedDict[str, _Agent] = OrderedDict()  # least recently active first
         self._where: dict[bytes, _Agent] = {}  # tracked key -> the agent owning it
-        self._orphans: OrderedDict[bytes, None] = OrderedDict()  # tracked keys of no known agent, LRU order
+        # Tracked keys of no known agent, LRU order. None until the first arrival: then every tracked key is one,
+        # in the recency order, and keeping a second copy of that order would double a plain store's cost.
+        self._orphans_map: OrderedDict[bytes, None] | None = None
         self._pending: OrderedDict[bytes, tuple[_Agent, int]] = OrderedDict()  # chain keys not stored yet
         self._requests: OrderedDict[str, tuple[_Agent, int, float]] = OrderedDict()  # -> (agent, chain len, t)
         self.model = ReturnModel(window, max_pending=self.max_requests)
@@ -121,6 +123,7 @@ class PredictedNextUse(Policy):
             return
         now = self.clock() if a.time is None else a.time
         agent = self._agent(a.session, now)
+        self._orphans  # noqa: B018 - from the first arrival on, unknown keys are kept apart
         if agent.inflight == 0 and agent.outcome is not None:
             self.model.came_back(agent.outcome, now)
             agent.outcome = None
@@ -251,8 +254,14 @@ class PredictedNextUse(Policy):
     # ---- the keys a tier tracks ------------------------------------------------------------------------
 
     def insert(self, keys: Sequence[bytes]) -> None:
-        pop = self._pending.pop
-        found = list(map(pop, keys, repeat(None)))
+        if self._orphans_map is None:  # told nothing yet: recency alone
+            self._recency.insert_at(keys, ())
+            return
+        found = list(map(self._pending.pop, keys, repeat(None)))
+        if not any(found):  # no chain known: unknown blocks, in C loops
+            self._orphans.update(dict.fromkeys(keys))
+            self._recency.insert_at(keys, ())
+            return
         depths = [-1 if p is None or not p[0].alive else p[1] for p in found]
         self._recency.insert_at(keys, depths)
         where, dirty, orphans = self._where, self._dirty, self._orphans
@@ -270,18 +279,21 @@ class PredictedNextUse(Policy):
 
     def access(self, keys: Sequence[bytes]) -> None:
         self._recency.access(keys)
-        orphans = self._orphans
-        move = orphans.move_to_end
-        for key in keys:
-            if key in orphans:
-                move(key)
+        orphans = self._orphans_map
+        if orphans is not None:
+            _drain(map(orphans.move_to_end, filter(orphans.__contains__, keys)))
 
     def remove(self, keys: Sequence[bytes]) -> None:
         self._recency.remove(keys)
         self._forget_keys(keys)
 
     def _forget_keys(self, keys: Sequence[bytes]) -> None:
-        where, orphans = self._where, self._orphans
+        where, orphans = self._where, self._orphans_map
+        if orphans is None:
+            return
+        if not where:
+            _drain(map(orphans.pop, keys, repeat(None)))
+            return
         shrunk = set()
         for key in keys:
             agent = where.pop(key, None)
@@ -294,7 +306,7 @@ class PredictedNextUse(Policy):
             self._shrunk(agent)
 
     def __len__(self) -> int:
-        return len(self._where) + len(self._orphans)
+        return len(self._recency)  # it tracks every key too
 
     def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
         if n <= 0:
@@ -316,7 +328,7 @@ class PredictedNextUse(Policy):
         while i >= 0 and len(out) < n and keys[i][1] == INF:  # finished, or not expected back: first
             self._take(ranking[i], n, protected, out)
             i -= 1
-        if len(out) < n and self._orphans:
+        if len(out) < n and self._orphans_map:
             self._take_orphans(n, protected, out)
         while i >= 0 and len(out) < n:
             self._take(ranking[i], n, protected, out)
@@ -343,6 +355,14 @@ class PredictedNextUse(Policy):
             out.append(key)
         for entry in kept:
             heapq.heappush(heap, entry)
+
+    @property
+    def _orphans(self) -> OrderedDict[bytes, None]:
+        """The unknown keys (materialised by the first arrival; the paths that use this run after one)."""
+        if self._orphans_map is None:
+            where = self._where
+            self._orphans_map = OrderedDict.fromkeys(k for k in self._recency.keys() if k not in where)
+        return self._orphans_map
 
     def _take_orphans(self, n: int, protected: Container[bytes], out: list[bytes]) -> None:
         orphans = self._orphans
@@ -474,3 +494,8 @@ class PredictedNextUse(Policy):
 
     def pending(self) -> int:
         return len(self._pending)
+
+
+def _drain(it: object) -> None:
+    """Run an iterator of side effects to its end, in C."""
+    deque(it, maxlen=0)  # type: ignore[call-overload]
