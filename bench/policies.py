@@ -5,8 +5,10 @@ observes the agent's arrival (its whole chain, root first, resolved by a Session
 hits the chain's longest held prefix (``access``), stores the rest (``victims`` to make room, then
 ``insert``; what ``admit`` declines is not stored) and observes the completion. Each turn appends ``batch``
 new keys to the agent's chain, up to ``chain`` keys, then the agent starts over as a new session. Every policy
-runs the same turns; reported: CPU time per key put (offered to the tier) of observe (arrival + completion), access, insert
-(with admit) and victims, medians over ``rounds``, and the total beside LRU's (the target: at most 3x).
+runs the same turns; reported: CPU time per key of each call (observe: per key of the arrival's chain, with the
+completion; access: per hit key; victims, with admit: per key of the put's batch or per victim, whichever is
+more; insert: per inserted key), the total per key over all calls beside LRU's (the target: at most 3x), and
+the time per turn, medians over ``rounds``.
 Keys-only policies are not called for observations (a store forwards them none).
 """
 
@@ -46,7 +48,8 @@ def bench_policy(name: str, work: list[tuple[str, list[bytes]]], capacity: int, 
     tracker = SessionTracker(lambda: now[0])
     held: set[bytes] = set()
     spent = {"observe": 0.0, "access": 0.0, "insert": 0.0, "victims": 0.0}
-    stored = offered = 0
+    keys_in = {"observe": 0, "access": 0, "insert": 0, "victims": 0}
+    turns = 0
     cpu = time.process_time  # CPU time: other processes on a shared machine do not count
     gc.disable()  # the collector's pauses would land on whichever call triggers them
     try:
@@ -78,19 +81,17 @@ def bench_policy(name: str, work: list[tuple[str, list[bytes]]], capacity: int, 
                 policy.observe(tracker.resolve(Observations(completions=[Completion(rid, stop="tool_use")])))
             t6 = cpu()
             if timed:
-                spent["observe"] += (t1 - t0) + (t6 - t5)
-                spent["access"] += t2 - t1
-                spent["victims"] += t3 - t2  # admit and victims: making room
-                spent["insert"] += t4 - t3
-                stored += len(take)
-                offered += len(batch)
+                turns += 1
+                for name, dt, n in (("observe", (t1 - t0) + (t6 - t5), len(keys) if policy.observes else 0),
+                                    ("access", t2 - t1, hit), ("victims", t3 - t2, max(len(gone), len(batch))),
+                                    ("insert", t4 - t3, len(take))):
+                    spent[name] += dt
+                    keys_in[name] += n
     finally:
         gc.enable()
-    n = max(1, offered)
-    out = {f"{k}_ns": v / n * 1e9 for k, v in spent.items()}
-    out["total_ns"] = sum(spent.values()) / n * 1e9
-    out["put_per_turn"] = offered / max(1, len(work) - warm)
-    out["stored_per_turn"] = stored / max(1, len(work) - warm)
+    out = {f"{k}_ns": spent[k] / keys_in[k] * 1e9 if keys_in[k] else 0.0 for k in spent}
+    out["total_ns"] = sum(spent.values()) / max(1, sum(keys_in.values())) * 1e9
+    out["turn_us"] = sum(spent.values()) / max(1, turns) * 1e6
     return out
 
 
@@ -115,21 +116,21 @@ def run(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):  # interleaved, so machine noise hits every policy alike
         for name in names:
             per[name].append(bench_policy(name, work, args.capacity, warm))
-    cols = ("observe_ns", "access_ns", "insert_ns", "victims_ns", "total_ns", "put_per_turn", "stored_per_turn")
+    cols = ("observe_ns", "access_ns", "insert_ns", "victims_ns", "total_ns", "turn_us")
     rows: list[dict[str, Any]] = []
     lru_total = median([r["total_ns"] for r in per["lru"]])
     for name in names:
         r = {c: round(median([x[c] for x in per[name]]), 1) for c in cols}
         rows.append({"policy": name, "resolves_to": resolve_name(name), **r, "lru_total_ns": round(lru_total, 1),
                      "ratio_to_lru": round(r["total_ns"] / lru_total, 2) if lru_total else None})
-    print(f"\npolicy cost per key put (turns of {args.batch:,} new keys on chains up to {args.chain:,}, tier of "
-          f"{args.capacity:,} keys, {args.agents} agents; CPU ns, medians of {args.rounds} rounds of {args.turns} "
-          f"turns; baseline: LRU in the same run)")
+    print(f"\npolicy cost per key of each call (turns of {args.batch:,} new keys on chains up to {args.chain:,}, "
+          f"tier of {args.capacity:,} keys, {args.agents} agents; CPU ns, medians of {args.rounds} rounds of "
+          f"{args.turns} turns; baseline: LRU in the same run)")
     print(f"{'policy':<12}{'observe':>9}{'access':>9}{'insert':>9}{'victims':>9}{'total':>9}{'LRU':>9}{'ratio':>7}"
-          f"{'put/turn':>10}{'stored':>8}")
+          f"{'us/turn':>10}")
     for r in rows:
         print(f"{r['policy']:<12}{r['observe_ns']:>9.0f}{r['access_ns']:>9.0f}{r['insert_ns']:>9.0f}"
               f"{r['victims_ns']:>9.0f}{r['total_ns']:>9.0f}{r['lru_total_ns']:>9.0f}{r['ratio_to_lru']:>7.2f}"
-              f"{r['put_per_turn']:>10.0f}{r['stored_per_turn']:>8.0f}")
+              f"{r['turn_us']:>10.0f}")
     write_json(rows, args.json)
     return 0
