@@ -373,3 +373,28 @@ def test_keys_only_policies_by_import_path_still_work():
     p.observe(Observations(arrivals=[Arrival("r", [k(1)], 0.0, "s")]))
     assert p.admit([k(3)], 0) is None
     assert p.victims(1, set()) == [k(1)] and len(p) == 1
+
+
+def test_a_session_that_drops_its_chain_starts_a_branch():
+    """Bug (found on the replay with session ids: 0.372 instead of 0.481 at DRAM 5%): a session whose context
+    was compacted kept its old chain's blocks under the agent that comes back, as if it would read them."""
+    t = SessionTracker(Clock())
+    first = t.resolve(Observations(arrivals=[Arrival("1", chain(1, 4), session="s")])).arrivals[0].session
+    more = t.resolve(Observations(arrivals=[Arrival("2", chain(1, 6), session="s")])).arrivals[0].session
+    compacted = t.resolve(Observations(arrivals=[Arrival("3", chain(2, 3), session="s")])).arrivals[0].session
+    after = t.resolve(Observations(arrivals=[Arrival("4", chain(2, 5), session="s")])).arrivals[0].session
+    assert first == more == "s" and compacted == after != "s" and compacted.startswith("s#")
+    hint = t.resolve(Observations(hints=[Hint(session="s", finished=True)])).hints[0]
+    assert hint.session == compacted, "a hint for the session names its current branch"
+    clock = Clock()
+    p = make_policy("pnu", 100, clock=clock)
+    _learn(p, clock)
+    tracker = SessionTracker(clock)
+    for i, keys in enumerate((chain(1, 6), chain(1, 8), chain(2, 4))):  # the third: a compacted context
+        p.observe(tracker.resolve(Observations(arrivals=[Arrival(f"r{i}", keys, clock.t, "s")])))
+        p.insert([x for x in keys if x not in _tracked(p)])
+        clock.t += 1
+        p.observe(tracker.resolve(Observations(completions=[Completion(f"r{i}", clock.t, "tool_use")])))
+        clock.t += 5
+    clock.t += 100  # the abandoned branch is never coming back: it goes before the live one
+    assert set(p.victims(8, set())) == set(chain(1, 8))
