@@ -74,7 +74,8 @@ class Config:
                                           "(when DRAM evicts them), second_hit (on eviction, if seen twice)",
                               ("write_through", "on_evict", "second_hit"))
     ssd_promote: bool = _field(True, "copy a block served from SSD into DRAM too")
-    ssd_eviction: str = _field("lru", "SSD eviction policy: a registered name or an import path")
+    ssd_eviction: str = _field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
+                                          "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
     ssd_direct_io: str = _field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
                                         "warning, where the filesystem lacks it), true, false",
                                 ("auto", "true", "false"))

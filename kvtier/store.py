@@ -119,7 +119,7 @@ class TieredStore:
             tiers.append(DiskTier(cfg.ssd_path, cfg.ssd_capacity, block_bytes, segment_bytes=cfg.ssd_segment_bytes,
                                   policy=cfg.ssd_eviction, direct_io=cfg.ssd_direct_io, fsync=cfg.ssd_fsync,
                                   io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
-                                  fingerprint=fingerprint, dtypes=dtypes))
+                                  fingerprint=fingerprint, dtypes=dtypes, clock=clock))
             offload.append(cfg.ssd_offload)
         if not dram_capacity:
             offload = offload[1:]  # the pool is the top tier: nothing above it offloads into it

@@ -194,3 +194,28 @@ def test_a_flood_of_sessions_keeps_the_store_bounded():
     assert policy.agents() <= 800 and policy.pending() <= policy.max_pending
     assert len(policy._requests) <= policy.max_requests and len(policy.model._pending) <= policy.model.max_pending
     assert store.tiers[0].stats().blocks == 512 == len(policy)
+
+
+def test_the_ssd_tier_learns_the_same_observations(tmp_path):
+    """DRAM and the SSD under it both get the store's observations (the replay shows the SSD gains from them:
+    README, Eviction policies); an SSD policy that ignores them gets none."""
+    clock = Clock()
+    cfg = {"dram_capacity": 8 * BB, "ssd_path": str(tmp_path / "a"), "ssd_capacity": 64 * 4096, "ssd_direct_io": "false",
+           "ssd_fsync": False, "ssd_staging_bytes": 0}
+    store = TieredStore.from_config(cfg, BB, clock=clock)
+    lru_ssd = TieredStore.from_config({**cfg, "ssd_path": str(tmp_path / "b"), "ssd_eviction": "lru"}, BB, clock=clock)
+    try:
+        assert [t.name for t in store._observers] == ["dram", "ssd"]
+        assert [t.name for t in lru_ssd._observers] == ["dram"]
+        ssd_policy = store.tiers[1]._policy.policy
+        keys = chain(1, 20)
+        clock.t = 5.0
+        store.observe(arrivals=[Arrival("r", keys, session="A")])
+        for lo, hi in ((0, 8), (8, 16), (16, 20)):  # DRAM holds 8: what it evicts goes to the SSD (on_evict)
+            store.put(keys[lo:hi], rows(hi - lo))
+        assert len(ssd_policy) == 12 and ssd_policy.agents() == 1
+        assert not ssd_policy._orphans, "every block the SSD took is known as agent A's, at its depth"
+        assert sum(store.contains(keys)) == 20
+    finally:
+        store.close()
+        lru_ssd.close()

@@ -71,7 +71,7 @@ class Tier(Protocol):
 @runtime_checkable
 class ObservingTier(Protocol):
     """A tier whose eviction policy can learn from what the engine knows (TieredStore.observe forwards to it
-    while ``observes`` is True): the DRAM tier."""
+    while ``observes`` is True): the DRAM and SSD tiers."""
 
     observes: bool
 
