@@ -214,7 +214,7 @@ def test_the_ssd_tier_learns_the_same_observations(tmp_path):
         for lo, hi in ((0, 8), (8, 16), (16, 20)):  # DRAM holds 8: what it evicts goes to the SSD (on_evict)
             store.put(keys[lo:hi], rows(hi - lo))
         assert len(ssd_policy) == 12 and ssd_policy.agents() == 1
-        assert not ssd_policy._orphans, "every block the SSD took is known as agent A's, at its depth"
+        assert not ssd_policy._unknown(), "every block the SSD took is known as agent A's, at its depth"
         assert sum(store.contains(keys)) == 20
     finally:
         store.close()

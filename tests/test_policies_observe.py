@@ -51,7 +51,7 @@ def turn(p, clock, request: str, session: str, keys, stop: str, took: float = 1.
 
 
 def _tracked(p) -> set:
-    return set(p._where) | set(p._orphans)
+    return set(p._where) | set(p._unknown())
 
 
 def test_default_names_the_predictor():

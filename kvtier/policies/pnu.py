@@ -3,36 +3,36 @@
 Agentic traffic is a set of interleaved loops: each turn of an agent re-reads its whole context and appends a
 little. A block's next use is its agent's next request, so the policy ranks agents, not blocks, by when each is
 predicted back, using only what a server knows online (observations.py; the study behind it:
-/work/shared/reference/POLICY-STUDY.md, summarised in the README's "Eviction policies"):
+/work/shared/reference/POLICY-STUDY.md; the README's "Eviction policies" has the measurements):
 
-* learned, no priors: the distribution of service times (arrival -> completion) and of gaps (completion -> the
-  agent's next arrival) per stop reason (``tool_use`` comes back in seconds, ``end_turn`` waits for a human);
-* an idle agent is predicted back at now + the median residual gap of its last stop reason, given how long it
-  has been away (past every gap seen: as long again); an agent in flight at now + its median residual service
-  time + the median gap; a "session finished" hint: never; a TTL hint caps the prediction while it runs;
-  priorities rank first (lower priority evicted first), then the prediction;
-* eviction: agents marked finished, then blocks of no known agent (LRU order), then agents predicted back
-  last first, each one's deepest blocks first (the depth of a key is its position in the arrival's chain, so
-  the order of keys in a put never matters);
+* learned, no priors (returns.py): service times, and per stop reason the gaps until the agent's next request
+  and the share of completions after which it comes back at all;
+* an idle agent is predicted back at the median of that mixture given how long it has waited (never, if the
+  mixture has no median: too few come back); one in flight after its median residual service time and then
+  a gap; a "finished" hint: never; a TTL hint caps the prediction while it runs; priorities rank first
+  (lower priority evicted first), then the prediction, then the least recently active (agents.py);
+* eviction: agents not expected back (finished, or never predicted back), then blocks of no known agent (LRU
+  order), then agents predicted back last first, each one's deepest blocks first (the depth of a key is its
+  position in the arrival's chain, so the order of keys in a put never matters);
 * admission: when a put does not fit, its new blocks are stored only as far as room can be made without
   evicting an agent predicted back sooner than theirs (the root-most part first), or none;
-* until some agent has been seen coming back, agents rank by recency (least recently active first) and every
-  block is admitted: traffic without sessions, or without completions, behaves as LRU.
+* until some stop reason is followed by a return at least two times in three (ReturnModel.predictive), the
+  order is chain-aware LRU (chain_lru.py, kept beside at all times) and every block is admitted: traffic
+  without sessions or completions, and chat traffic where half the requests are never followed up (Mooncake),
+  get LRU's hit rates exactly.
 
-Bounded memory: per tracked key one map entry and one heap entry (what a tier tracks anyway), per agent a
-small record (``max_agents``, the least recently active forgotten first: their blocks join the unknown ones),
-and per key of a recent chain that is not stored yet (``max_pending``, oldest dropped first). Work per call is
-O(batch): observe touches the observed keys, insert/remove/victims the keys they are given (plus stale heap
-entries, each popped once); the agents' order is kept sorted and re-scored in full at most once per
-``refresh_s`` of the clock, and on each observation only the agent it concerns is moved.
+Bounded memory: per tracked key one map entry and one heap entry here and an LRU entry in the recency order
+(what a tier tracks anyway), per agent a small record (``max_agents``, the least recently active forgotten
+first: their blocks join the unknown ones), per recent request its chain length, and per key of a recent
+chain that is not stored yet one entry (``max_pending``, oldest dropped first). Work per call is O(batch),
+bulk loops in C; the agents are re-scored in full at most once per ``refresh_s`` of the clock, and between
+only the agents an observation concerns are moved.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import time
-from bisect import bisect_left
 from collections import OrderedDict, deque
 from collections.abc import Container, Sequence
 from itertools import compress, count, repeat
@@ -42,34 +42,8 @@ from kvtier.policies.base import Clock, Policy
 from kvtier.policies.chain_lru import ChainLRUPolicy
 from kvtier.policies.observations import SUBAGENTS, Arrival, Completion, Hint, Observations
 from kvtier.policies.registry import register_policy
-from kvtier.policies.returns import Outcome, ReturnModel
-
-INF = math.inf
-UNKNOWN_STOP = "unknown"
-
-
-class _Agent:
-    """One agent's state. ``heap``: (-depth, key) of its tracked keys, with stale entries left for lazy
-    deletion (a key is the agent's while ``where[key] is agent``)."""
-
-    __slots__ = ("name", "uid", "heap", "count", "arrived", "completed", "stop", "inflight", "finished",
-                 "waiting", "ttl_until", "priority", "last", "rank", "alive", "outcome")
-
-    def __init__(self, name: str, uid: int, now: float) -> None:
-        self.name, self.uid = name, uid
-        self.heap: list[tuple[int, bytes]] = []
-        self.count = 0
-        self.arrived = self.last = now
-        self.completed: float | None = None
-        self.stop = UNKNOWN_STOP
-        self.inflight = 0
-        self.finished = False
-        self.waiting = 0  # subagents announced by a hint: the next gap is a SUBAGENTS gap
-        self.ttl_until: float | None = None
-        self.priority = 0.0
-        self.rank: tuple[float, float, float, int] | None = None  # its key in the ranking, while listed
-        self.alive = True
-        self.outcome: Outcome | None = None  # its last completion, until it comes back
+from kvtier.policies.agents import INF, UNKNOWN_STOP, Agent, Key, Ranking
+from kvtier.policies.returns import ReturnModel
 
 
 @register_policy("pnu")
@@ -89,24 +63,20 @@ class PredictedNextUse(Policy):
         self.max_pending = max_pending if max_pending is not None else max(capacity, 1 << 16)
         self.max_requests = max(max_agents, 1 << 12)
         self.refresh_s, self.admission = refresh_s, admission
-        self._agents: OrderedDict[str, _Agent] = OrderedDict()  # least recently active first
-        self._where: dict[bytes, _Agent] = {}  # tracked key -> the agent owning it
+        self._agents: OrderedDict[str, Agent] = OrderedDict()  # least recently active first
+        self._where: dict[bytes, Agent] = {}  # tracked key -> the agent owning it
         # Tracked keys of no known agent, LRU order. None until the first arrival: then every tracked key is one,
         # in the recency order, and keeping a second copy of that order would double a plain store's cost.
         self._orphans_map: OrderedDict[bytes, None] | None = None
-        self._pending: OrderedDict[bytes, tuple[_Agent, int]] = OrderedDict()  # chain keys not stored yet
-        self._requests: OrderedDict[str, tuple[_Agent, int, float]] = OrderedDict()  # -> (agent, chain len, t)
+        self._pending: OrderedDict[bytes, tuple[Agent, int]] = OrderedDict()  # chain keys not stored yet
+        self._requests: OrderedDict[str, tuple[Agent, int, float]] = OrderedDict()  # -> (agent, chain len, t)
         self.model = ReturnModel(window, max_pending=self.max_requests)
         # Recency over blocks, chain by chain: the order while no prediction can be made.
         self._recency = ChainLRUPolicy(capacity, clock=clock, max_pending=self.max_pending,
                                        max_requests=self.max_requests)
         self._predicting = False
         self._uids = count()
-        self._rank_keys: list[tuple[float, float, float, int]] = []  # ascending: the end is evicted first
-        self._rank_agents: list[_Agent] = []
-        self._ranked_at = -INF
-        self._rebuild = True
-        self._dirty: set[_Agent] = set()
+        self._ranking = Ranking(self._key, refresh_s)
 
     # ---- observations ----------------------------------------------------------------------------------
 
@@ -123,7 +93,7 @@ class PredictedNextUse(Policy):
             return
         now = self.clock() if a.time is None else a.time
         agent = self._agent(a.session, now)
-        self._orphans  # noqa: B018 - from the first arrival on, unknown keys are kept apart
+        self._unknown()  # from the first arrival on, the keys of no known agent are kept apart
         if agent.inflight == 0 and agent.outcome is not None:
             self.model.came_back(agent.outcome, now)
             agent.outcome = None
@@ -137,7 +107,7 @@ class PredictedNextUse(Policy):
         requests.move_to_end(a.request)
         while len(requests) > self.max_requests:
             requests.popitem(last=False)
-        self._dirty.add(agent)
+        self._ranking.touch(agent)
 
     def _completion(self, c: Completion) -> None:
         known = self._requests.get(c.request)
@@ -154,7 +124,7 @@ class PredictedNextUse(Policy):
             agent.outcome = self.model.completed(now, agent.stop)
         if c.keys:
             self._claim(agent, c.keys, chain)
-        self._dirty.add(agent)
+        self._ranking.touch(agent)
 
     def _hint(self, h: Hint) -> None:
         agent = self._agents.get(h.session) if h.session is not None else None
@@ -173,36 +143,36 @@ class PredictedNextUse(Policy):
             agent.ttl_until = now + h.ttl_s
         if h.priority is not None:
             agent.priority = h.priority
-        self._dirty.add(agent)
+        self._ranking.touch(agent)
 
-    def _agent(self, name: str, now: float) -> _Agent:
+    def _agent(self, name: str, now: float) -> Agent:
         agents = self._agents
         agent = agents.get(name)
         if agent is None:
-            agent = agents[name] = _Agent(name, next(self._uids), now)
+            agent = agents[name] = Agent(name, next(self._uids), now)
             while len(agents) > self.max_agents:
                 self._forget(agents.popitem(last=False)[1])
         else:
             agents.move_to_end(name)
         return agent
 
-    def _forget(self, agent: _Agent) -> None:
+    def _forget(self, agent: Agent) -> None:
         """An agent dropped from the table: its blocks become blocks of no known agent, the oldest ones."""
         agent.alive = False
-        where, orphans = self._where, self._orphans
+        where, orphans = self._where, self._unknown()
         for _, key in agent.heap:
             if where.get(key) is agent:
                 del where[key]
                 orphans[key] = None
                 orphans.move_to_end(key, last=False)
         agent.heap, agent.count = [], 0
-        self._dirty.discard(agent)
+        self._ranking.forget(agent)
 
-    def _claim(self, agent: _Agent, keys: Sequence[bytes], start: int) -> None:
+    def _claim(self, agent: Agent, keys: Sequence[bytes], start: int) -> None:
         """``keys`` (depths start, start+1, ...) belong to ``agent``: tracked ones move to it, the others
         wait in ``pending`` for their insert. Bulk work runs in C loops (map, compress, zip); Python work is
         per key moved from another agent or the unknown ones (shared roots: rare on agentic traffic)."""
-        where, orphans, pending = self._where, self._orphans, self._pending
+        where, orphans, pending = self._where, self._unknown(), self._pending
         n = len(keys)
         owners = list(map(where.get, keys))
         free = list(map(is_, owners, repeat(None)))  # not owned: untracked, or tracked as unknown
@@ -226,21 +196,21 @@ class PredictedNextUse(Policy):
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
 
-    def _own(self, agent: _Agent, key: bytes, depth: int) -> None:
+    def _own(self, agent: Agent, key: bytes, depth: int) -> None:
         self._where[key] = agent
         heapq.heappush(agent.heap, (-depth, key))
         agent.count += 1
         if agent.count == 1:
-            self._dirty.add(agent)
+            self._ranking.touch(agent)
         elif len(agent.heap) > 2 * agent.count + 64:
             self._compact(agent)
 
-    def _shrunk(self, agent: _Agent) -> None:
+    def _shrunk(self, agent: Agent) -> None:
         """After an agent lost keys: its heap holds at most about twice its keys (stale entries dropped)."""
         if len(agent.heap) > 2 * agent.count + 64:
             self._compact(agent)
 
-    def _compact(self, agent: _Agent) -> None:
+    def _compact(self, agent: Agent) -> None:
         where, seen = self._where, set()
         live = []
         for entry in agent.heap:
@@ -259,12 +229,12 @@ class PredictedNextUse(Policy):
             return
         found = list(map(self._pending.pop, keys, repeat(None)))
         if not any(found):  # no chain known: unknown blocks, in C loops
-            self._orphans.update(dict.fromkeys(keys))
+            self._unknown().update(dict.fromkeys(keys))
             self._recency.insert_at(keys, ())
             return
         depths = [-1 if p is None or not p[0].alive else p[1] for p in found]
         self._recency.insert_at(keys, depths)
-        where, dirty, orphans = self._where, self._dirty, self._orphans
+        where, touch, orphans = self._where, self._ranking.touch, self._unknown()
         push = heapq.heappush
         for key, p, depth in zip(keys, found, depths):
             if depth < 0:
@@ -275,7 +245,7 @@ class PredictedNextUse(Policy):
             push(agent.heap, (-depth, key))
             agent.count += 1
             if agent.count == 1:
-                dirty.add(agent)
+                touch(agent)
 
     def access(self, keys: Sequence[bytes]) -> None:
         self._recency.access(keys)
@@ -322,9 +292,9 @@ class PredictedNextUse(Policy):
 
     def _victims(self, n: int, protected: Container[bytes], now: float) -> list[bytes]:
         out: list[bytes] = []
-        ranking = self._ranking(now)
+        ranking = self._ranking.current(now)
         i = len(ranking) - 1
-        keys = self._rank_keys
+        keys = self._ranking.keys
         while i >= 0 and len(out) < n and keys[i][1] == INF:  # finished, or not expected back: first
             self._take(ranking[i], n, protected, out)
             i -= 1
@@ -335,7 +305,7 @@ class PredictedNextUse(Policy):
             i -= 1
         return out
 
-    def _take(self, agent: _Agent, n: int, protected: Container[bytes], out: list[bytes]) -> None:
+    def _take(self, agent: Agent, n: int, protected: Container[bytes], out: list[bytes]) -> None:
         """The agent's deepest unprotected keys, until ``out`` has ``n``."""
         if agent.count <= 0 or not agent.alive:
             return
@@ -356,16 +326,16 @@ class PredictedNextUse(Policy):
         for entry in kept:
             heapq.heappush(heap, entry)
 
-    @property
-    def _orphans(self) -> OrderedDict[bytes, None]:
-        """The unknown keys (materialised by the first arrival; the paths that use this run after one)."""
+    def _unknown(self) -> OrderedDict[bytes, None]:
+        """The keys of no known agent, LRU order (made at the first arrival; the paths that use them run
+        after one)."""
         if self._orphans_map is None:
             where = self._where
             self._orphans_map = OrderedDict.fromkeys(k for k in self._recency.keys() if k not in where)
         return self._orphans_map
 
     def _take_orphans(self, n: int, protected: Container[bytes], out: list[bytes]) -> None:
-        orphans = self._orphans
+        orphans = self._unknown()
         move = orphans.move_to_end
         for _ in range(len(orphans)):  # each looked at once per call: a protected queue is not cycled
             if len(out) >= n:
@@ -384,7 +354,7 @@ class PredictedNextUse(Policy):
         known = [i for i, p in enumerate(found) if p is not None and p[0].alive]
         if not known:
             return None
-        groups: dict[_Agent, list[tuple[int, int]]] = {}
+        groups: dict[Agent, list[tuple[int, int]]] = {}
         for i in known:
             agent, depth = found[i]  # type: ignore[misc]
             members = groups.get(agent)
@@ -396,31 +366,17 @@ class PredictedNextUse(Policy):
             taken = set(known)
             unknown = [i for i in range(len(keys)) if i not in taken] if len(known) < len(keys) else []
             return [i for _, i in sorted(m for members in groups.values() for m in members)] + unknown
-        ranking = self._ranking(now)
+        self._ranking.current(now)
         out: list[int] = []
         for agent, members in sorted(groups.items(), key=lambda g: self._key(g[0], now)):  # soonest back first
             members.sort()  # root-most first
             need = len(out) + len(members) - free
             if need > 0:
-                room = self._room_above(ranking, self._key(agent, now), agent, need)
+                room = len(self._unknown()) + self._ranking.room_above(self._key(agent, now), agent, need)
                 members = members[: max(0, free + room - len(out))]
             out += [i for _, i in members]
         # Keys of no known agent are not worth an eviction where blocks of known ones are declined.
         return out
-
-    def _room_above(self, ranking: list[_Agent], key: tuple[float, float, float, int], agent: _Agent,
-                    need: int) -> int:
-        """Blocks evictable without touching an agent ranked before ``key`` (up to ``need``): unknown ones,
-        then those of the agents predicted back later, from the last."""
-        room = len(self._orphans)
-        keys = self._rank_keys
-        j = len(ranking) - 1
-        while room < need and j >= 0 and keys[j] > key:
-            other = ranking[j]
-            if other is not agent and other.alive:
-                room += max(0, other.count)
-            j -= 1
-        return room
 
     # ---- ranking ---------------------------------------------------------------------------------------
 
@@ -430,10 +386,11 @@ class PredictedNextUse(Policy):
         self.model.settle(now)
         predicts = self.model.predictive
         if predicts != self._predicting:
-            self._predicting, self._rebuild = predicts, True
+            self._predicting = predicts
+            self._ranking.invalidate()
         return predicts
 
-    def _key(self, agent: _Agent, now: float) -> tuple[float, float, float, int]:
+    def _key(self, agent: Agent, now: float) -> Key:
         """The agent's place in the eviction order (the largest goes first): priority, then the predicted
         time it is back, then how long ago it was last active (ties: the least recently active first). Times
         are absolute, so keys computed at different moments (an agent moved since the last full re-score)
@@ -442,7 +399,7 @@ class PredictedNextUse(Policy):
             return (-agent.priority, INF, INF, agent.uid)
         return (-agent.priority, self._predict(agent, now), -agent.last, agent.uid)
 
-    def _predict(self, agent: _Agent, now: float) -> float:
+    def _predict(self, agent: Agent, now: float) -> float:
         """When the agent is predicted back (INF: never expected; 0 for all in recency mode: the last
         activity decides)."""
         if agent.inflight or agent.completed is None:
@@ -452,40 +409,6 @@ class PredictedNextUse(Policy):
         if agent.ttl_until is not None and now < agent.ttl_until:
             t = min(t, agent.ttl_until - now)
         return now + t
-
-    def _ranking(self, now: float) -> list[_Agent]:
-        if self._rebuild or not self._ranked_at <= now < self._ranked_at + self.refresh_s:
-            self.model.settle(now)
-            # Every agent holding keys is listed or dirty (its first key made it dirty).
-            listed = {*self._rank_agents, *self._dirty}
-            for a in listed:
-                a.rank = None
-            entries = sorted((self._key(a, now), a) for a in listed if a.alive and a.count > 0)
-            self._rank_keys = [k for k, _ in entries]
-            self._rank_agents = [a for _, a in entries]
-            for k, a in entries:
-                a.rank = k
-            self._ranked_at, self._rebuild = now, False
-            self._dirty.clear()
-        elif self._dirty:
-            for agent in self._dirty:
-                self._reposition(agent, now)
-            self._dirty.clear()
-        return self._rank_agents
-
-    def _reposition(self, agent: _Agent, now: float) -> None:
-        keys, agents = self._rank_keys, self._rank_agents
-        if agent.rank is not None:
-            i = bisect_left(keys, agent.rank)
-            if i < len(keys) and agents[i] is agent:
-                del keys[i], agents[i]
-            agent.rank = None
-        if agent.alive and agent.count > 0:
-            key = self._key(agent, now)
-            j = bisect_left(keys, key)
-            keys.insert(j, key)
-            agents.insert(j, agent)
-            agent.rank = key
 
     # ---- introspection (tests, stats) -------------------------------------------------------------------
 
