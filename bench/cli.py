@@ -14,6 +14,9 @@ BENCHES = {
     "kernels": ("kvtier.bench.kernels", "packed-block gather/scatter GB/s beside a contiguous copy"),
     "master": ("kvtier.bench.master", "kvtier-master lookup/cost latency beside a raw zmq echo; bytes per entry"),
     "vllm": ("kvtier.bench.vllm_connector", "vLLM connector save/load GB/s (gather+put, get+scatter) beside memcpy"),
+    "sglang": ("kvtier.bench.sglang", "SGLang HiCache L3 backend set/get GB/s per host layout beside memcpy"),
+    "engine": ("kvtier.bench.engine", "TTFT on a real vLLM CPU engine: cold vs kvtier-warm vs vLLM's own "
+                                      "prefix-cache hit"),
     "policies": ("kvtier.bench.policies", "eviction policies' cost per key (observe, insert, victims) beside LRU's"),
     "ssd-eviction": ("kvtier.bench.ssd_eviction", "SSD eviction schemes on agentic-cc traces: hit rates, SSD writes "
                                                   "(a key-level study, no bytes move)"),

@@ -36,10 +36,12 @@ def row(fields: dict[str, Any], figure: float, baseline: float) -> dict[str, Any
 def print_rows(rows: Sequence[dict[str, Any]], title: str, baseline_name: str) -> None:
     print(f"\n{title}  (GB/s = 1e9 B/s, medians; baseline: {baseline_name})")
     keys = [k for k in rows[0] if k not in ("gbps", "baseline_gbps", "ratio")] if rows else []
-    header = "".join(f"{k:>12}" for k in keys) + f"{'GB/s':>10}{'baseline':>10}{'ratio':>8}"
+    text = [{k: str(format_bytes(r[k]) if k == "block_bytes" else r[k]) for k in keys} for r in rows]
+    width = {k: max(12, 2 + max(len(k), *(len(t[k]) for t in text))) for k in keys}  # long values stay apart
+    header = "".join(f"{k:>{width[k]}}" for k in keys) + f"{'GB/s':>10}{'baseline':>10}{'ratio':>8}"
     print(header)
-    for r in rows:
-        cells = "".join(f"{format_bytes(r[k]) if k == 'block_bytes' else r[k]:>12}" for k in keys)
+    for r, t in zip(rows, text):
+        cells = "".join(f"{t[k]:>{width[k]}}" for k in keys)
         print(f"{cells}{r['gbps']:>10.2f}{r['baseline_gbps']:>10.2f}{r['ratio']:>8.2f}")
 
 

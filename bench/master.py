@@ -129,11 +129,12 @@ def _populate(endpoint: str, keys: np.ndarray, nodes: int, workers: int) -> None
     with MasterClient(endpoint, timeout_s=120.0) as m:
         for w in range(workers):
             node = f"node-{w}"
-            m.call(api.register(node, "bench", 0, [("dram", 1 << 40), ("ssd", 1 << 44)]))
+            reply = m.call(api.register(node, "bench", 0, [("dram", 1 << 40), ("ssd", 1 << 44)]))
+            per = reply.max_batch_keys or 65536  # the largest inventory part the master reads
             dram = prompts[w::nodes].reshape(-1, 2) if w < nodes else keys[:0]
             ssd = prompts[(w - 1) % nodes :: nodes, : PROMPT_BLOCKS // 2].reshape(-1, 2) if w < nodes else keys[:0]
-            parts = [("dram", dram[i : i + 200_000]) for i in range(0, len(dram), 200_000)]
-            parts += [("ssd", ssd[i : i + 200_000]) for i in range(0, len(ssd), 200_000)]
+            parts = [("dram", dram[i : i + per]) for i in range(0, len(dram), per)]
+            parts += [("ssd", ssd[i : i + per]) for i in range(0, len(ssd), per)]
             parts = parts or [("dram", keys[:0])]
             for i, (tier, chunk) in enumerate(parts):
                 m.call(api.inventory(node, "bench", 0, i, i == len(parts) - 1, {tier: chunk}, {tier: 2 << 20}))

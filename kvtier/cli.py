@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "kvtier.bench.cli",
     "kvtier.replay.cli",
     "kvtier.auth.cli",
+    "kvtier.status",
 ]
 
 

@@ -34,7 +34,9 @@ ENV_CACHE_DIR = "KVTIER_CACHE_DIR"  # where native_build.py caches the compiled 
 ENV_CUDA_ARCH = "KVTIER_CUDA_ARCH"  # GPU architectures native_build.py compiles for when none is visible
 ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": hostcopy.py and master/table.py skip the native CPU library
 ENV_RDMA_DEVICE = "KVTIER_RDMA_DEVICE"  # name[:port[:gid_index]]: the device kvtier/transport/rdma.py opens
-ENV_NOT_CONFIG = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_NATIVE_CPU, ENV_RDMA_DEVICE})
+ENV_ENGINE_PYTHON = "KVTIER_ENGINE_PYTHON"  # the real vLLM engine's python for bench/engine_proc.py (tests, bench)
+ENV_NOT_CONFIG = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_NATIVE_CPU, ENV_RDMA_DEVICE,
+                            ENV_ENGINE_PYTHON})
 
 
 class ConfigError(ValueError):
@@ -85,6 +87,9 @@ class Config:
     ssd_staging_bytes: int = _bytes_field("256MiB", "host memory for blocks queued for the SSD (write-behind); "
                                                     "0 writes offloads synchronously on the caller's thread")
     ssd_io_threads: int = _field(4, "threads doing the SSD tier's preadv/pwritev")
+    close_timeout_s: float = _field(30.0, "on close (an engine's clean shutdown), write DRAM's blocks that the "
+                                          "lower tiers would get on eviction (on_evict: every block the SSD lacks) "
+                                          "for at most this long; the rest is lost with the process (logged)")
 
     # Modes: where the store's DRAM lives (README "Modes"). The remote/node pool is kvtier-pool.
     mode: str = _field("embedded", "embedded: private DRAM (+SSD) in this process; standalone: the node pool "
@@ -199,6 +204,8 @@ class Config:
             raise ConfigError(f"ssd_segment_bytes must be > 0, got {self.ssd_segment_bytes}")
         if not 1 <= self.ssd_io_threads <= 64:
             raise ConfigError(f"ssd_io_threads must be in 1..64, got {self.ssd_io_threads}")
+        if not 0 <= self.close_timeout_s <= 3600:
+            raise ConfigError(f"close_timeout_s must be in 0..3600, got {self.close_timeout_s}")
         self._validate_mode()
 
     def _validate_mode(self) -> None:

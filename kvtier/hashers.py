@@ -3,7 +3,8 @@
 A router that wants to ask "who holds this prompt's prefix" must name the blocks exactly as the engine that
 stored them did. Connectors fold the engine's own block hashes into kvtier keys (``Namespace.keys``), so a
 router does ``ns.keys(hasher.hashes(token_ids))`` with the hasher of that engine and the namespace the
-connector used (``vllm_namespace`` for KVTierConnector) and gets the same keys.
+connector used (``vllm_namespace`` for KVTierConnector, ``sglang_namespace`` for KVTierHiCacheStorage) and
+gets the same keys.
 
 * vLLM 0.33 (v1, ``--prefix-caching-hash-algo sha256``, the default): block i's hash is
   ``sha256(pickle.dumps((parent, tuple(tokens_i), extra_keys), HIGHEST_PROTOCOL))`` with parent = the
@@ -101,16 +102,33 @@ class VllmBlockHasher:
 
 
 def vllm_namespace(model: str, layout_fingerprint: str, *, rank: int = 0, world_size: int = 1,
-                   revision: str | None = None, hash_algo: str = "sha256") -> Namespace:
+                   revision: str | None = None, hash_algo: str = "sha256", weights: str = "") -> Namespace:
     """The namespace KVTierConnector's worker of TP/PP ``rank`` (of ``world_size``) stores its keys under.
 
     ``model`` is the ``model`` config key if set, else the served model as vLLM names it (``--model``);
     ``layout_fingerprint`` is that rank's ``BlockLayout.fingerprint`` (the worker logs it); ``revision`` the
-    model revision (None when not given) and ``hash_algo`` vLLM's ``--prefix-caching-hash-algo``. The one
-    place this fold is written: the connector builds its namespace here too.
+    model revision (None when not given), ``hash_algo`` vLLM's ``--prefix-caching-hash-algo`` and ``weights``
+    the checkpoint's fingerprint (kvtier.weights; the worker logs it as ``weights ...``; "" when it has none).
+    The one place this fold is written: the connector builds its namespace here too.
     """
-    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=0,
-                     extra=f"revision={revision};hash={hash_algo}")
+    extra = f"revision={revision};hash={hash_algo}" + (f";weights={weights}" if weights else "")
+    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=0, extra=extra)
+
+
+def sglang_namespace(model: str, host_fingerprint: str, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
+                     pp_size: int = 1, cp_rank: int = 0, cp_size: int = 1, rank_replicated: bool = False) -> Namespace:
+    """The namespace KVTierHiCacheStorage (kvtier.connectors.sglang) stores an SGLang rank's pages under.
+
+    ``model`` is the ``model`` config key if set, else SGLang's storage model name (the served model name);
+    ``host_fingerprint`` the fingerprint of that rank's host pool layout (the backend logs it at start-up as
+    ``fp ...``). MHA pages are one TP rank's heads: the namespace carries ``tp_rank`` of ``tp_size``. MLA
+    pages (``rank_replicated``) are the same on every TP rank: no TP rank or size, so every rank reads the
+    one copy TP rank 0 wrote. Pipeline stages and attention context-parallel ranks hold different bytes and
+    always count. The one place this fold is written: the backend builds its namespace here too.
+    """
+    rank, world = (0, 1) if rank_replicated else (tp_rank, tp_size)
+    return Namespace(model, host_fingerprint, rank=rank, world_size=world, cache_group=0,
+                     extra=f"engine=sglang;pp={pp_rank}/{pp_size};cp={cp_rank}/{cp_size}")
 
 
 class SglangPageHasher:

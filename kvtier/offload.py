@@ -11,7 +11,12 @@ One policy, by name:
   second_hit     like on_evict, but only blocks seen at least twice (a put and a hit, or put again after it was
                  dropped): one-shot blocks, such as a subagent's private suffix, never cost a disk write
 Every policy also writes, on eviction, a block that should be on the disk but is not (its write-through copy
-was dropped: staging full, or the disk stopped admitting then).
+was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM could not
+take (full of pinned blocks, or a batch larger than DRAM) goes down as if DRAM had evicted it at once: with
+write_through the whole batch reaches the disk, as far as the disk has room.
+On close (``write_down``) DRAM is about to vanish as if evicted whole: every block the policy would write on
+eviction and the lower tier lacks is written, until a deadline; what is left when it passes is lost with the
+process (the count is logged).
 Promotion (``promote``): a block served by the lower tier is copied into DRAM as well, so the session's next
 turn finds it there; it stays on disk too, so evicting it again costs no write.
 """
@@ -20,10 +25,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from kvtier.blocks import BlockRows
 from kvtier.tiers.base import Tier
@@ -53,26 +61,46 @@ class Offloader:
 
     # ---- hooks the store calls ----------------------------------------------------------------------
 
-    def after_put(self, keys: Sequence[bytes], rows: BlockRows) -> None:
-        """``keys`` were just stored in the top tier from ``rows`` (valid during this call)."""
+    def after_put(self, keys: Sequence[bytes], rows: BlockRows, refused: Sequence[bytes] = (),
+                  refused_rows: BlockRows | None = None) -> None:
+        """``keys`` were just stored in the top tier from ``rows``; ``refused`` (from ``refused_rows``) were
+        offered by the same put but the top tier had no room for them (rows valid during this call)."""
         if self.policy == "second_hit":
             self._see(keys)
         elif self.policy == "write_through" and keys:
             self._offload(list(keys), rows, wait=True)
+        if refused and refused_rows is not None:
+            self._refused_by_top(refused, refused_rows)
+
+    def _refused_by_top(self, keys: Sequence[bytes], rows: BlockRows) -> None:
+        """Blocks the top tier could not take go down as its evictions would (write_through: all of them, waiting
+        for staging memory as its puts do; the other policies: what they write on eviction, never waiting)."""
+        if self.policy == "second_hit":
+            self._see(keys)
+        wanted = self._due_on_eviction(keys)
+        if wanted:
+            sub = rows if len(wanted) == len(keys) else BlockRows(rows.ptrs[wanted], rows.owners)
+            self._offload([keys[i] for i in wanted], sub, wait=self.policy == "write_through")
 
     def on_top_evict(self, keys: Sequence[bytes], views: Sequence[Any]) -> None:
         """The top tier evicts ``keys``; ``views`` of their bytes are valid during this call only."""
-        # This runs under the top tier's lock: a remote tier's contains is a network round trip, so it answers
-        # from what it knows locally (``held_locally``: sent or fetched recently); the pool skips the rest if held.
-        held = self.lower.held_locally(keys) if getattr(self.lower, "remote", False) else self.lower.contains(keys)
-        if self.policy == "second_hit":
-            with self._lock:
-                wanted = [i for i, k in enumerate(keys) if not held[i] and self._seen.get(k, 0) >= 2]
-                self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
-        else:
-            wanted = [i for i, h in enumerate(held) if not h]
+        wanted = self._due_on_eviction(keys)
         if wanted:
             self._offload([keys[i] for i in wanted], [views[i] for i in wanted], wait=False)
+
+    def _due_on_eviction(self, keys: Sequence[bytes]) -> list[int]:
+        """Positions of ``keys`` the policy writes down when they leave the top tier: those the lower tier lacks
+        (second_hit: and seen at least twice)."""
+        # This runs under the top tier's lock on eviction: a remote tier's contains is a network round trip, so
+        # it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool skips the
+        # rest if held.
+        held = self._lower_holds(keys)
+        if self.policy != "second_hit":
+            return [i for i, h in enumerate(held) if not h]
+        with self._lock:
+            wanted = [i for i, k in enumerate(keys) if not held[i] and self._seen.get(k, 0) >= 2]
+            self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
+        return wanted
 
     def after_borrow(self, keys: Sequence[bytes]) -> None:
         """``keys`` were hits read in place from the top tier (a connector's zero-copy borrow)."""
@@ -95,6 +123,50 @@ class Offloader:
         with self._lock:
             self._counts["promoted"] += len(promoted)
         self._emit("stored", self.top.name, promoted)
+
+    def write_down(self, deadline: float, chunk: int = 256) -> tuple[int, int]:
+        """The store is closing: write the top tier's blocks that this policy would write on their eviction and
+        the lower tier lacks (with write_through: the ones whose copy was dropped), until ``deadline``
+        (time.monotonic()) has passed. Returns (written, wanted): blocks the lower tier took, of those due."""
+        from kvtier.tiers.dram import DramTier  # here, not at import: `import kvtier` must not import torch
+
+        top = self.top
+        if not isinstance(top, DramTier):
+            return 0, 0  # no slots to read in place (a node pool on top has no offloads anyway)
+        keys = top.keys()
+        want = [keys[i] for i in self._due_on_eviction(keys)] if keys else []
+        with self._lock:
+            self._counts["close_wanted"] += len(want)
+        futures: list[Future[list[bytes]]] = []
+        written_now = 0
+        put_later = getattr(self.lower, "put_later", None)
+        for i in range(0, len(want), chunk):
+            if time.monotonic() >= deadline:
+                break
+            part = want[i : i + chunk]
+            with top.acquire(part) as addresses:  # read in place: nothing evicts or reuses them meanwhile
+                there = [j for j, a in enumerate(addresses) if a is not None]
+                rows = BlockRows(np.asarray([addresses[j] for j in there], np.uint64), (top,))
+                part = [part[j] for j in there]
+                if not part:
+                    continue
+                if put_later is None:  # no write-behind: written now
+                    stored = [k for k, h in zip(part, self.lower.put(part, rows)) if h]
+                    self._written(stored)
+                    written_now += len(stored)
+                    continue
+                future = put_later(part, rows, wait=True)  # staged (copied) before it returns
+            if future is None:
+                break  # the lower tier stopped admitting (disk full or failing): its stats say why
+            future.add_done_callback(lambda f: self._written(f.result() if not f.exception() else []))
+            futures.append(future)
+        self.flush(max(0.0, deadline - time.monotonic()))
+        written = written_now + sum(len(f.result()) for f in futures if f.done() and not f.exception())
+        return written, len(want)
+
+    def _lower_holds(self, keys: Sequence[bytes]) -> list[bool]:
+        # A remote tier answers from what it knows locally (sent or fetched recently), as on eviction.
+        return self.lower.held_locally(keys) if getattr(self.lower, "remote", False) else self.lower.contains(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload queued so far is written (or failed); False on timeout."""
@@ -136,3 +208,27 @@ class Offloader:
             while len(seen) > self._seen_capacity:
                 seen.popitem(last=False)
 
+
+
+def write_down(offloads: Sequence[Offloader], timeout_s: float, block_bytes: int) -> None:
+    """A closing store's DRAM to its lower tiers (``Offloader.write_down``), all within ``timeout_s``; logs what
+    was written, and what was not (lost with the process) when the bound passed or a tier refused."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    for offload in offloads:
+        try:
+            written, wanted = offload.write_down(deadline)
+        except Exception:
+            log.exception("close: writing DRAM's blocks to %s failed; they are lost with this process",
+                          offload.lower.name)
+            continue
+        if not wanted:
+            continue
+        took = time.monotonic() - t0
+        if written < wanted:
+            log.warning("close: wrote %d of %d DRAM blocks (%s policy) to %s in %.2f s; the %d not written (the "
+                        "%.3g s close_timeout_s passed, or the tier refused them) are lost with this process",
+                        written, wanted, offload.policy, offload.lower.name, took, wanted - written, timeout_s)
+        else:
+            log.info("close: wrote %d DRAM blocks (%.1f MiB) to %s in %.2f s (%s policy, bound %.3g s)", written,
+                     written * block_bytes / 2**20, offload.lower.name, took, offload.policy, timeout_s)

@@ -31,7 +31,7 @@ from kvtier.config import Config
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
-from kvtier.offload import Offloader
+from kvtier.offload import Offloader, write_down
 from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
@@ -45,7 +45,8 @@ class TieredStore:
     """The embedded store. Build with ``TieredStore.from_config(config, layout)`` or from tier objects."""
 
     def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = (),
-                 offload: str | Sequence[str] = "on_evict", promote: bool = True, clock: Clock | None = None) -> None:
+                 offload: str | Sequence[str] = "on_evict", promote: bool = True,
+                 close_timeout_s: float = 30.0, clock: Clock | None = None) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         sizes = {t.block_bytes for t in tiers}
@@ -66,6 +67,7 @@ class TieredStore:
         self.leases = LeaseTable(self)  # registers its sweep with add_reclaimer
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
+        self.close_timeout_s = close_timeout_s
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
         # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py).
         # ``offload`` is one policy for every lower tier, or one per lower tier in order.
@@ -124,7 +126,7 @@ class TieredStore:
         if not dram_capacity:
             offload = offload[1:]  # the pool is the top tier: nothing above it offloads into it
         return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=offload, promote=cfg.ssd_promote,
-                   clock=clock)
+                   close_timeout_s=cfg.close_timeout_s, clock=clock)
 
     # ---- writes ----------------------------------------------------------------------------------------
 
@@ -142,10 +144,12 @@ class TieredStore:
                     stored[i] = ok
         new_keys = [k for k, ok in zip(fresh_keys, stored) if ok]
         result = self._stored(keys, fresh_keys, new_keys)
-        if self._offloads and new_keys:
+        if self._offloads and fresh:
+            # What the top tier had no room for goes down as if evicted at once (write_through: the whole batch).
             stored_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if ok])
+            refused_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if not ok])
             for offload in self._offloads:
-                offload.after_put(new_keys, stored_rows)
+                offload.after_put(new_keys, stored_rows, result.rejected, refused_rows)
         return result
 
     @property
@@ -360,11 +364,19 @@ class TieredStore:
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
                 **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}, **extra}
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the async calls, write DRAM's blocks down (below), close every tier. Idempotent.
+
+        DRAM vanishes with the process, so a clean close treats it as evicted whole: each lower tier gets the
+        blocks its offload policy would get on their eviction and does not hold yet (``on_evict``: every block
+        the SSD lacks), for at most ``timeout_s`` (the ``close_timeout_s`` config key; default 30 s). Blocks not
+        written by then are lost with the process; the log line says how many.
+        """
         if self._closed:
             return
         self._closed = True
         self._executor.shutdown(wait=True)
+        write_down(self._offloads, self.close_timeout_s if timeout_s is None else timeout_s, self.block_bytes)
         for tier in self.tiers:
             tier.close()
 

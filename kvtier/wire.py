@@ -40,6 +40,8 @@ UNPIN = "unpin"
 PRIORITY = "priority"
 HINTS = "hints"
 LOCATE = "locate"
+# Operators (an operator key when the master requires keys).
+FORGET = "forget"
 # Nodes (kvtier.client.NodeAgent).
 REGISTER = "register"
 HEARTBEAT = "heartbeat"
@@ -58,6 +60,9 @@ ERR_BAD_REQUEST = "bad_request"  # a field is missing, of the wrong type or out 
 ERR_TOO_LARGE = "too_large"  # a batch over the daemon's --max-batch-keys
 ERR_UNKNOWN_NODE = "unknown_node"  # a node op from a node the master does not know (register again)
 ERR_INTERNAL = "internal"  # a bug in the daemon; the message says where, the daemon keeps serving
+ERR_FORBIDDEN = "forbidden"  # the caller's key has no role that allows the op (kvtier/auth/roles.py)
+ERR_NODE_OWNED = "node_owned"  # a node id another live registration owns (free once it leaves or its lease ends)
+ERR_BUSY = "busy"  # too many replies unread by this client (or by all clients): read them, then retry
 
 
 class WireError(Exception):

@@ -14,6 +14,7 @@ import sys
 
 import zmq
 
+from kvtier.auth.exposure import check_binds
 from kvtier.master.cost import DEFAULT_TIER_BW, CostDefaults
 from kvtier.master.persist import DiskError
 from kvtier.master.placement import known_placements, make_placement
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "without it nothing survives a restart")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help=f"Prometheus port (default {d.metrics_port}; 0 picks a free one; -1 disables)")
-    p.add_argument("--metrics-host", default=d.metrics_host, help=f"metrics bind address (default {d.metrics_host})")
+    p.add_argument("--metrics-host", default=d.metrics_host, help=f"metrics bind address (default {d.metrics_host}: "
+                   "the metrics port has no authentication; e.g. 0.0.0.0 to let a Prometheus on another host scrape)")
     p.add_argument("--lease-s", type=float, default=d.lease_s,
                    help=f"a node silent this long is dead and its placements vanish (default {d.lease_s})")
     p.add_argument("--heat-half-life-s", type=float, default=d.heat_half_life_s,
@@ -50,7 +52,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", default=d.placement, help=f"route_put policy: {', '.join(known_placements())} "
                    f"or package.module:Class (default {d.placement})")
     p.add_argument("--max-batch-keys", type=int, default=d.max_batch_keys,
-                   help=f"largest batch one request may carry (default {d.max_batch_keys})")
+                   help=f"largest batch one request may carry (default {d.max_batch_keys}); the largest message "
+                   "read is 24 B per key of it plus 1 MiB")
+    g = p.add_argument_group("memory bounds (RELIABILITY.md)")
+    g.add_argument("--max-nodes", type=int, default=d.max_nodes, help=f"node records kept, dead ones included "
+                   f"(default {d.max_nodes}; past it the oldest dead node is forgotten, else a register is refused)")
+    g.add_argument("--max-nodes-per-client", type=int, default=d.max_nodes_per_client,
+                   help="nodes one CurveZMQ key may hold (with --auth-dir; default 0: only --max-nodes)")
+    g.add_argument("--max-locations", type=int, default=d.max_locations, help="node tiers numbered at once (a bit "
+                   f"of every directory entry's mask each; default {d.max_locations})")
+    g.add_argument("--forget-dead-s", type=float, default=d.forget_dead_s, help="a dead node is forgotten, here "
+                   f"and on disk, this long after it died (default {d.forget_dead_s:g})")
+    g.add_argument("--max-hint-keys", type=int, default=d.max_hint_keys,
+                   help=f"keyed pins and priorities kept (default {d.max_hint_keys})")
+    g.add_argument("--max-hint-sessions", type=int, default=d.max_hint_sessions,
+                   help=f"session pins and priorities kept (default {d.max_hint_sessions})")
+    g.add_argument("--max-hints-per-client", type=int, default=d.max_hints_per_client,
+                   help="hints one CurveZMQ key may hold (with --auth-dir; default 0: only the totals)")
+    g.add_argument("--reply-budget", type=parse_bytes, default=d.reply_budget_bytes, help="bytes of large replies "
+                   "unsent to slow or absent readers, all clients together, before more get ERR_BUSY (default "
+                   f"{d.reply_budget_bytes >> 20}MiB)")
+    g.add_argument("--client-reply-budget", type=parse_bytes, default=d.client_reply_bytes, help="the same per "
+                   f"client connection (default {d.client_reply_bytes >> 20}MiB)")
+    g.add_argument("--handshake-timeout-s", type=float, default=d.handshake_timeout_s, help="a connection that has "
+                   f"not finished zmq's handshake (CurveZMQ's with --auth-dir) by then is closed (default "
+                   f"{d.handshake_timeout_s:g})")
     p.add_argument("--snapshot-interval-s", type=float, default=d.snapshot_interval_s,
                    help=f"write a directory snapshot this often, 0: only at shutdown (default {d.snapshot_interval_s})")
     p.add_argument("--tier-bw", type=_bandwidths, default=dict(DEFAULT_TIER_BW),
@@ -62,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this daemon's "
                    "keypair, DIR/authorized/*.key the clients admitted (kvtier keys generate; README "
                    "'Authenticated sockets'). Default: anyone who reaches the port is served")
+    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind without --auth-dir "
+                   "(anyone who reaches the port may do any op; logged as a warning)")
     p.add_argument("--ready-file", help="write {endpoint, metrics_port, pid} as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -73,14 +101,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.lease_s <= 0 or args.heat_half_life_s <= 0:
             raise ValueError("--lease-s and --heat-half-life-s must be > 0")
-        if args.max_batch_keys <= 0:
-            raise ValueError("--max-batch-keys must be > 0")
+        for name in ("max_batch_keys", "max_nodes", "max_locations", "max_hint_keys", "max_hint_sessions",
+                     "reply_budget", "client_reply_budget"):
+            if getattr(args, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if args.forget_dead_s < 0 or args.handshake_timeout_s <= 0:
+            raise ValueError("--forget-dead-s must be >= 0 and --handshake-timeout-s > 0")
         make_placement(args.placement)
+        check_binds("kvtier-master", [args.bind], auth=bool(args.auth_dir), insecure=args.insecure_bind,
+                    log=logging.getLogger("kvtier.master"))
         settings = MasterSettings(
             bind=args.bind, data_dir=args.data_dir,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port, metrics_host=args.metrics_host,
             lease_s=args.lease_s, heat_half_life_s=args.heat_half_life_s, placement=args.placement,
             max_batch_keys=args.max_batch_keys, snapshot_interval_s=args.snapshot_interval_s,
+            max_nodes=args.max_nodes, max_nodes_per_client=args.max_nodes_per_client,
+            max_locations=args.max_locations, forget_dead_s=args.forget_dead_s, max_hint_keys=args.max_hint_keys,
+            max_hint_sessions=args.max_hint_sessions, max_hints_per_client=args.max_hints_per_client,
+            reply_budget_bytes=args.reply_budget, client_reply_bytes=args.client_reply_budget,
+            handshake_timeout_s=args.handshake_timeout_s,
             cost=CostDefaults(tier_bw=args.tier_bw, path_bw=args.path_bw), auth_dir=args.auth_dir,
         )
         server = MasterServer(settings, ready_file=args.ready_file)
@@ -90,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(server.run())
         else:
             uvloop.run(server.run())
-    except (ValueError, OSError, DiskError, zmq.ZMQError) as e:
+    except (ValueError, OSError, DiskError, zmq.ZMQError) as e:  # AuthError is a ValueError
         print(f"kvtier-master: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -280,6 +280,8 @@ class Directory:
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         """Load entries exported by ``export`` into an empty directory."""
         keys = np.stack([arrays["k0"], arrays["k1"]], axis=1)
+        if not len(keys):
+            return  # an empty snapshot (reshape(0, -1) cannot infer the width)
         mask = arrays["mask"].reshape(len(keys), -1)
         self.ensure_locations(mask.shape[1] * WORD_BITS)
         self.table.reserve(len(keys))

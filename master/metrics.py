@@ -17,7 +17,8 @@ from kvtier import wire
 
 KNOWN_OPS = frozenset({
     wire.PING, wire.LOOKUP, wire.COST, wire.ROUTE_PUT, wire.HEAT, wire.TOP, wire.NODES, wire.PIN, wire.UNPIN,
-    wire.PRIORITY, wire.HINTS, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS, wire.INVENTORY,
+    wire.PRIORITY, wire.HINTS, wire.LOCATE, wire.FORGET, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS,
+    wire.INVENTORY, wire.GOODBYE,
 })
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
 
@@ -54,6 +55,12 @@ class MasterMetrics:
                                registry=r)
         self.lease_expiries = Counter("kvtier_master_lease_expiries", "Nodes declared dead for silence",
                                       registry=r)
+        self.replies_dropped = Counter("kvtier_master_replies_dropped", "Replies not sent, by reason: the client's "
+                                       "queue was full (not reading), it was gone, or the unsent-reply budget was "
+                                       "spent (the client got a short 'busy' error instead)", ["reason"],
+                                       registry=r)
+        self.unsent_reply_bytes = Gauge("kvtier_master_unsent_reply_bytes", "Bytes of large replies zmq has not "
+                                        "sent yet (bounded by --reply-budget)", registry=r)
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
@@ -73,6 +80,20 @@ class MasterMetrics:
         self.node_used.labels(node, tier).set(used)
         self.node_utilization.labels(node, tier).set(used / capacity if capacity else 0.0)
         self.node_bandwidth.labels(node, tier).set(bw)
+
+    def forget_node(self, node: str, tiers: list[str]) -> None:
+        """A forgotten node's series go (a churn of node ids must not grow the metrics without bound)."""
+        for tier in tiers:
+            for g in (self.node_capacity, self.node_used, self.node_utilization, self.node_bandwidth):
+                try:
+                    g.remove(node, tier)
+                except KeyError:
+                    pass
+        for g in (self.node_rpc_latency, self.resyncs):
+            try:
+                g.remove(node)
+            except KeyError:
+                pass
 
     def serve(self, port: int, host: str) -> int:
         """Start the HTTP endpoint; returns the port it bound (``port`` 0 picks a free one)."""

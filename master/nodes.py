@@ -8,7 +8,18 @@ A node goes through these states:
     pending: loaded from disk after a master restart, not heard from yet (not answered from, lease running)
 
 Only *live* nodes are answered from: a syncing node's placements are incomplete, a pending one's may be
-stale, a dead one's are gone. Each (node, tier) of a sync generation owns one *location* (a bit of the
+stale, a dead one's are gone. A dead node is kept (``nodes`` shows it) for ``forget_dead_s``, then forgotten,
+here and on disk; a restarted master forgets the ones whose grace ran out while it was down.
+
+A node id belongs to the registration that holds it while it is not dead: only a request carrying that
+registration's incarnation (a random id the node draws at start and never shows; ``nodes`` shows a digest)
+and, with keys, coming from the same key may act as the node (heartbeat, events, inventory, goodbye) or
+register it again; anyone else gets ERR_NODE_OWNED until it says goodbye or its lease runs out. With keys, the
+key that holds it may also register it afresh (the node restarted): keys are the cluster's own daemons.
+
+Bounds: at most ``max_nodes`` nodes (live, syncing, pending or dead: the oldest dead one is forgotten early to
+make room), at most ``max_nodes_per_client`` registered by one key (0: no such limit), and at most
+``max_locations`` locations numbered at once (each is a bit in every directory entry's mask). Each (node, tier) of a sync generation owns one *location* (a bit of the
 directory masks); a new sync generation or a death retires the old locations, which the directory sweeps
 and hands back here for reuse.
 
@@ -18,14 +29,19 @@ Runs in the master's event loop; not thread-safe. Times: ``now`` is time.monoton
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from kvtier import wire
+from kvtier.master.access import ANONYMOUS_QUOTA
 from kvtier.master.directory import location_words
+from kvtier.wire import WireError
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +80,20 @@ class Node:
     path_bw: dict[str, float] = field(default_factory=dict)  # peer node id -> bytes/s into this node
     rpc_latency_s: float = 0.0
     registered_at: float = field(default_factory=time.time)
+    owner: str = ANONYMOUS_QUOTA  # the key that registered it (access.Caller.quota)
+    dead_at: float | None = None  # wall clock of its death (lease expiry or goodbye); None while not dead
+
+    @property
+    def incarnation_digest(self) -> str:
+        """What ``nodes`` shows of the incarnation: enough to tell two apart, not enough to act as the node."""
+        return hashlib.sha256(self.incarnation.encode()).hexdigest()[:12]
 
     def view(self, now: float, lease_s: float) -> dict[str, Any]:
         """The node as the ``nodes`` op answers it."""
         return {
             "node": self.node_id, "address": self.address, "state": self.state, "labels": self.labels,
-            "incarnation": self.incarnation, "applied_seq": self.applied_seq,
+            "incarnation": self.incarnation_digest, "owner": self.owner[:12], "dead_at": self.dead_at,
+            "applied_seq": self.applied_seq,
             "silent_s": round(max(0.0, now - self.last_seen), 3), "lease_s": lease_s,
             "rpc_latency_s": self.rpc_latency_s, "path_bw": self.path_bw,
             "tiers": [{"name": t.name, "capacity": t.capacity, "used": t.used, "bw": t.bw} for t in self.tiers.values()],
@@ -80,17 +104,26 @@ class Node:
         """What persists across master restarts (liveness does not: a restarted master hears nodes anew)."""
         return {"node": self.node_id, "address": self.address, "labels": self.labels,
                 "incarnation": self.incarnation, "registered_at": self.registered_at,
-                "tiers": [[t.name, t.capacity] for t in self.tiers.values()]}
+                "tiers": [[t.name, t.capacity] for t in self.tiers.values()], "owner": self.owner,
+                "dead_at": self.dead_at}
 
 
 class NodeRegistry:
     """Nodes by id, leases of ``lease_s`` seconds, and the location numbering the directory masks use."""
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, *, max_nodes: int = 1024, max_nodes_per_client: int = 0,
+                 max_locations: int = 1024, forget_dead_s: float = 3600.0,
+                 wall: Callable[[], float] = time.time) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease must be > 0 seconds, got {lease_s}")
         self.lease_s = lease_s
+        self.max_nodes, self.max_nodes_per_client = max_nodes, max_nodes_per_client
+        self.max_locations, self.forget_dead_s = max_locations, forget_dead_s
+        self.wall = wall
         self.nodes: dict[str, Node] = {}
+        self.dirty: set[str] = set()  # node records to write (register, death)
+        self.forgotten: set[str] = set()  # node records to delete
+        self.on_forget: Callable[[Node], None] | None = None  # e.g. drop its metric series
         self._owner: list[tuple[str, str] | None] = []  # location -> (node, tier) while owned
         self._free: list[int] = []  # swept locations, reusable
         self._live_mask = np.zeros(1, np.uint64)
@@ -108,6 +141,13 @@ class NodeRegistry:
         return self._owner[loc] if loc < len(self._owner) else None
 
     def _allocate(self, node: Node) -> None:
+        available = len(self._free) + max(0, self.max_locations - len(self._owner))
+        if available < len(node.tiers):
+            held = len(self._owner) - len(self._free)
+            raise WireError(wire.ERR_TOO_LARGE, f"node {node.node_id!r} needs {len(node.tiers)} directory locations "
+                                                f"and {held} of the master's {self.max_locations} are held (one per "
+                                                "node tier; a dead node's come back once the directory is swept): "
+                                                "retry later, or raise --max-locations")
         for tier in node.tiers:
             if self._free:
                 self._free.sort()
@@ -143,13 +183,21 @@ class NodeRegistry:
     # ---- node lifecycle --------------------------------------------------------------------------------
 
     def register(self, node_id: str, address: str, tiers: list[tuple[str, int]], labels: dict[str, str],
-                 incarnation: str, seq: int, now: float) -> tuple[Node, bool, list[int]]:
+                 incarnation: str, seq: int, now: float, owner: str = ANONYMOUS_QUOTA,
+                 keyed: bool = False) -> tuple[Node, bool, list[int]]:
         """Register (or re-register) a node. Returns (node, needs_inventory, retired locations).
 
         A node that re-registers with the incarnation and sequence number the master last applied (a master
-        restart, a lost reply) keeps its placements; anything else starts a new sync generation.
+        restart, a lost reply) keeps its placements; anything else starts a new sync generation. A node id
+        that another registration holds (not dead) is refused (ERR_NODE_OWNED), unless ``keyed`` (the master
+        requires keys) and ``owner`` is the key that holds it. A new id past the node limits is refused
+        (ERR_TOO_LARGE) after forgetting the oldest dead node, if any, to make room.
         """
         old = self.nodes.get(node_id)
+        if old is not None and old.state != DEAD:
+            self.check_owner(old, incarnation, owner, keyed, "register")
+        if old is None:
+            self._make_room(owner)
         tier_states = {name: TierState(name, cap) for name, cap in tiers}
         keep = (old is not None and old.incarnation == incarnation and old.state != DEAD
                 and old.applied_seq == seq and old.locations and list(old.tiers) == list(tier_states))
@@ -163,13 +211,66 @@ class NodeRegistry:
         else:
             if old is not None:
                 retired = self._retire(old)
-            node = Node(node_id, address, tier_states, labels, incarnation, state=SYNCING)
+            node = Node(node_id, address, tier_states, labels, incarnation, state=SYNCING, owner=owner)
             if old is not None and old.incarnation == incarnation:
                 node.registered_at = old.registered_at
             self.nodes[node_id] = node
         node.last_seen = now
+        self.dirty.add(node_id)
+        self.forgotten.discard(node_id)
         self._changed()
         return node, not keep, retired
+
+    def check_owner(self, node: Node, incarnation: str, owner: str, keyed: bool, op: str) -> None:
+        """ERR_NODE_OWNED unless the request comes from the registration holding ``node`` (see the module doc)."""
+        same_key = not keyed or node.owner == owner
+        if same_key and (node.incarnation == incarnation or (keyed and op == "register")):
+            return
+        raise WireError(wire.ERR_NODE_OWNED, f"node {node.node_id!r} is {node.state} and held by another "
+                                             f"registration (incarnation {node.incarnation_digest}"
+                                             f"{', key ' + node.owner[:12] if keyed else ''}); a {op} for it "
+                                             "must come from that node. It is free once that node says goodbye "
+                                             f"or stays silent for its lease ({self.lease_s:g} s)")
+
+    def _make_room(self, owner: str) -> None:
+        if self.max_nodes_per_client and owner != ANONYMOUS_QUOTA:
+            mine = sum(n.owner == owner and n.state != DEAD for n in self.nodes.values())
+            if mine >= self.max_nodes_per_client:
+                raise WireError(wire.ERR_TOO_LARGE, f"this key ({owner[:12]}) holds {mine} nodes, the master's "
+                                                    f"--max-nodes-per-client is {self.max_nodes_per_client}")
+        if len(self.nodes) < self.max_nodes:
+            return
+        dead = [n for n in self.nodes.values() if n.state == DEAD]
+        if not dead:
+            counts = self.counts()
+            raise WireError(wire.ERR_TOO_LARGE, f"the master keeps at most {self.max_nodes} nodes and holds "
+                                                f"{len(self.nodes)} ({', '.join(f'{v} {k}' for k, v in counts.items())}"
+                                                "): none is dead to forget (raise --max-nodes)")
+        oldest = min(dead, key=lambda n: n.dead_at or 0.0)
+        log.info("node table full (%d): forgetting dead node %s early to make room", self.max_nodes, oldest.node_id)
+        self.forget(oldest)
+
+    def forget(self, node: Node) -> list[int]:
+        """Drop ``node`` from the registry and (through ``forgotten``) from disk; returns retired locations."""
+        retired = self._retire(node) if node.locations else []
+        del self.nodes[node.node_id]
+        self.dirty.discard(node.node_id)
+        self.forgotten.add(node.node_id)
+        self._changed()
+        if self.on_forget is not None:
+            self.on_forget(node)
+        return retired
+
+    def forget_dead(self) -> list[str]:
+        """Forget nodes dead for longer than ``forget_dead_s``; their ids."""
+        now = self.wall()
+        gone = [n for n in self.nodes.values()
+                if n.state == DEAD and n.dead_at is not None and now - n.dead_at >= self.forget_dead_s]
+        for n in gone:
+            log.info("forgetting node %s: dead for %.0f s (--forget-dead-s %g)", n.node_id, now - n.dead_at,
+                     self.forget_dead_s)
+            self.forget(n)
+        return [n.node_id for n in gone]
 
     def begin_inventory(self, node: Node) -> list[int]:
         """Part 0 of a full inventory: a fresh sync generation. Returns the retired old locations."""
@@ -207,17 +308,21 @@ class NodeRegistry:
             if node.state != DEAD and now - node.last_seen > self.lease_s:
                 log.warning("node %s lease expired: silent %.1f s > lease %.1f s; dropping its placements "
                             "(state was %s)", node.node_id, now - node.last_seen, self.lease_s, node.state)
-                node.state = DEAD
-                node.applied_seq = None
+                self._die(node)
                 retired += self._retire(node)
         self._changed()
         return retired
 
-    def leave(self, node: Node) -> list[int]:
-        """The node said goodbye: dead now; returns its retired locations."""
-        log.info("node %s said goodbye; dropping its placements", node.node_id)
+    def _die(self, node: Node) -> None:
         node.state = DEAD
         node.applied_seq = None
+        node.dead_at = self.wall()
+        self.dirty.add(node.node_id)
+
+    def leave(self, node: Node, why: str = "said goodbye") -> list[int]:
+        """The node said goodbye (or an operator forgets it): dead now; returns its retired locations."""
+        log.info("node %s %s; dropping its placements", node.node_id, why)
+        self._die(node)
         retired = self._retire(node)
         self._changed()
         return retired
@@ -257,12 +362,19 @@ class NodeRegistry:
     def load(self, records: list[dict[str, Any]], synced: dict[str, dict[str, Any]], now: float) -> None:
         """Nodes from disk after a restart: pending, with the locations and sequence number of the directory
         snapshot (``synced``: node id -> {"incarnation", "seq", "locations"}) where it has them."""
+        wall = self.wall()
         for rec in records:
             tiers = {name: TierState(name, cap) for name, cap in rec["tiers"]}
-            node = Node(rec["node"], rec["address"], tiers, rec["labels"], rec["incarnation"], state=PENDING,
-                        registered_at=rec["registered_at"], last_seen=now)
+            dead_at = rec.get("dead_at")
+            if dead_at is not None and wall - dead_at >= self.forget_dead_s:
+                self.forgotten.add(rec["node"])  # its grace ran out while the master was down
+                continue
+            node = Node(rec["node"], rec["address"], tiers, rec["labels"], rec["incarnation"],
+                        state=PENDING if dead_at is None else DEAD, registered_at=rec["registered_at"],
+                        last_seen=now, owner=rec.get("owner", ANONYMOUS_QUOTA), dead_at=dead_at)
             snap = synced.get(node.node_id)
-            if snap and snap["incarnation"] == node.incarnation and set(snap["locations"]) == set(tiers):
+            if node.state != DEAD and snap and snap["incarnation"] == node.incarnation and \
+                    set(snap["locations"]) == set(tiers):
                 node.applied_seq = snap["seq"]
                 node.locations = dict(snap["locations"])
                 for tier, loc in node.locations.items():

@@ -12,8 +12,11 @@ The protocol keeps the master's view of a node exact or absent, never silently w
 * ``heartbeat`` renews the lease and carries used bytes, measured bandwidths and RPC latency; its reply
   says ``resync`` when the master needs an inventory, and the hints version.
 
-A dead node (lease expired) or an unknown incarnation gets ERR_UNKNOWN_NODE: it registers again.
-Run on the master's event loop, one at a time.
+A dead node (lease expired) or an unknown incarnation gets ERR_UNKNOWN_NODE: it registers again. A node id
+is held by the registration that made it (its incarnation, and with keys its key: nodes.py); a register or
+node op for it from anyone else gets ERR_NODE_OWNED, so a stranger can neither say goodbye for a real pool
+nor register over it. Every field is bounded (limits.py). With keys, only daemon keys reach these ops at
+all (server.py checks ``PERMISSIONS``). Run on the master's event loop, one at a time.
 """
 
 from __future__ import annotations
@@ -22,79 +25,63 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtier import wire
+from kvtier.auth.roles import NODE
+from kvtier.master import limits
+from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.nodes import DEAD, LIVE, PENDING, SYNCING, Node
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError, field, float_field, int_field, keys_field
 
 Body = Mapping[str, Any]
-MAX_NAME = 256
-MAX_TIERS = 16
 MAX_SEQ = (1 << 63) - 1
 
 
-def _name(body: Body, key: str) -> str:
-    v = field(body, key, str)
-    if not 0 < len(v) <= MAX_NAME:
-        raise WireError(ERR_BAD_REQUEST, f"field {key!r}: must be 1..{MAX_NAME} characters")
-    return v
-
-
-def _str_map(body: Body, key: str, kind: type | tuple[type, ...]) -> dict[str, Any]:
-    m = field(body, key, dict, default={})
-    if len(m) > 1024:
-        raise WireError(ERR_TOO_LARGE, f"field {key!r}: {len(m)} entries, the limit is 1024")
-    for k, v in m.items():
-        if not isinstance(k, str) or not isinstance(v, kind) or isinstance(v, bool):
-            raise WireError(ERR_BAD_REQUEST, f"field {key!r}: entry {k!r} must map a string to "
-                                             f"{getattr(kind, '__name__', kind)}")
-    return m
-
-
-def _known_node(st: MasterState, body: Body) -> Node:
-    node_id = _name(body, "node")
-    incarnation = _name(body, "incarnation")
+def _known_node(st: MasterState, body: Body, caller: Caller) -> Node:
+    node_id = limits.name(body, "node")
+    incarnation = limits.text(body, "incarnation", limits.MAX_INCARNATION)
     node = st.registry.nodes.get(node_id)
     if node is None or node.state == DEAD or node.incarnation != incarnation:
         why = ("not registered" if node is None else "dead (its lease expired)" if node.state == DEAD
                else "registered with another incarnation")
         raise WireError(wire.ERR_UNKNOWN_NODE, f"node {node_id!r} is {why}; register again")
+    st.registry.check_owner(node, incarnation, caller.quota, caller.permissions is not None, "node op")
     return node
 
 
-def register(st: MasterState, body: Body) -> dict[str, Any]:
-    node_id = _name(body, "node")
-    address = field(body, "address", str, default="")
-    incarnation = _name(body, "incarnation")
+def register(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+    node_id = limits.name(body, "node")
+    address = limits.text(body, "address", limits.MAX_ADDRESS, default="", empty=True)
+    incarnation = limits.text(body, "incarnation", limits.MAX_INCARNATION)
     seq = int_field(body, "seq", 0, MAX_SEQ)
     raw_tiers = field(body, "tiers", list)
-    if not 0 < len(raw_tiers) <= MAX_TIERS:
-        raise WireError(ERR_BAD_REQUEST, f"field 'tiers': 1..{MAX_TIERS} tiers, got {len(raw_tiers)}")
+    if not 0 < len(raw_tiers) <= limits.MAX_TIERS:
+        raise WireError(ERR_BAD_REQUEST, f"field 'tiers': 1..{limits.MAX_TIERS} tiers, got {len(raw_tiers)}")
     tiers = []
     for i, t in enumerate(raw_tiers):
-        if not (isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) and 0 < len(t[0]) <= MAX_NAME
-                and type(t[1]) is int and t[1] >= 0):  # noqa: E721 - bool is not a capacity
+        if not (isinstance(t, list) and len(t) == 2 and type(t[1]) is int and t[1] >= 0):  # noqa: E721
             raise WireError(ERR_BAD_REQUEST, f"field 'tiers'[{i}]: expected [name, capacity_bytes]")
-        tiers.append((t[0], t[1]))
+        tiers.append((limits.checked_str(t[0], f"field 'tiers'[{i}]: the name", limits.MAX_NAME), t[1]))
     if len({t[0] for t in tiers}) != len(tiers):
         raise WireError(ERR_BAD_REQUEST, "field 'tiers': tier names must be unique")
-    labels = _str_map(body, "labels", str)
+    labels = limits.labels(body)
     st.expire_leases()
-    node, resync, retired = st.registry.register(node_id, address, tiers, labels, incarnation, seq, st.mono())
+    node, resync, retired = st.registry.register(node_id, address, tiers, labels, incarnation, seq, st.mono(),
+                                                 owner=caller.quota, keyed=caller.permissions is not None)
     st.retire(retired)
-    st.nodes_dirty.add(node_id)
     for t in node.tiers.values():
         st.metrics.node_tier(node_id, t.name, t.capacity, t.used, t.bw)
+    # max_batch_keys: the largest events message or inventory part this master reads (a larger one is refused).
     return {"lease_s": st.settings.lease_s, "resync": resync, "applied_seq": node.applied_seq,
-            "hints_version": st.hints.version}
+            "hints_version": st.hints.version, "max_batch_keys": st.settings.max_batch_keys}
 
 
-def heartbeat(st: MasterState, body: Body) -> dict[str, Any]:
+def heartbeat(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     st.expire_leases()
-    node = _known_node(st, body)
+    node = _known_node(st, body, caller)
     seq = int_field(body, "seq", 0, MAX_SEQ)
-    used = _str_map(body, "used", int)
-    bw = _str_map(body, "bw", (int, float))
-    path_bw = _str_map(body, "path_bw", (int, float))
+    used = limits.str_map(body, "used", int, limits.MAX_TIERS)
+    bw = limits.str_map(body, "bw", (int, float), limits.MAX_TIERS)
+    path_bw = limits.str_map(body, "path_bw", (int, float), limits.MAX_PEERS)
     latency = float_field(body, "rpc_latency_s", 0.0, 3600.0, default=0.0)
     st.registry.heard_from(node, st.mono())
     resync = False
@@ -124,9 +111,9 @@ def heartbeat(st: MasterState, body: Body) -> dict[str, Any]:
             "hints_version": st.hints.version}
 
 
-def events(st: MasterState, body: Body) -> dict[str, Any]:
+def events(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     st.expire_leases()
-    node = _known_node(st, body)
+    node = _known_node(st, body, caller)
     seq = int_field(body, "seq", 1, MAX_SEQ)
     batch = field(body, "events", list)
     # Check the whole message before applying any of it: a bad event must not leave half a batch applied.
@@ -173,14 +160,14 @@ def events(st: MasterState, body: Body) -> dict[str, Any]:
     return {"resync": False, "applied_seq": seq}
 
 
-def inventory(st: MasterState, body: Body) -> dict[str, Any]:
+def inventory(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     st.expire_leases()
-    node = _known_node(st, body)
+    node = _known_node(st, body, caller)
     seq = int_field(body, "seq", 0, MAX_SEQ)
     part = int_field(body, "part", 0, 1 << 31)
     last = field(body, "last", bool)
     tiers = field(body, "tiers", dict, default={})
-    block_bytes = _str_map(body, "block_bytes", int)
+    block_bytes = limits.str_map(body, "block_bytes", int, limits.MAX_TIERS)
     parsed = []
     total = 0
     for tier, blob in tiers.items():
@@ -210,18 +197,19 @@ def inventory(st: MasterState, body: Body) -> dict[str, Any]:
     node.next_part = part + 1
     if last:
         st.registry.finish_inventory(node, seq)
-        st.nodes_dirty.add(node.node_id)
+        st.registry.dirty.add(node.node_id)
     return {"applied_seq": node.applied_seq, "next_part": None if last else part + 1}
 
 
-def goodbye(st: MasterState, body: Body) -> dict[str, Any]:
+def goodbye(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     """The node is leaving (a clean shutdown): its placements go now, not when its lease runs out."""
-    node = _known_node(st, body)
+    node = _known_node(st, body, caller)
     st.retire(st.registry.leave(node))
     return {"resync": False, "applied_seq": None}
 
 
-OPS: dict[str, Callable[[MasterState, Body], dict[str, Any]]] = {
+OPS: dict[str, Callable[[MasterState, Body, Caller], dict[str, Any]]] = {
     wire.REGISTER: register, wire.HEARTBEAT: heartbeat, wire.EVENTS: events, wire.INVENTORY: inventory,
     wire.GOODBYE: goodbye,
 }
+PERMISSIONS = {op: NODE for op in OPS}  # daemon keys only (kvtier/auth/roles.py)

@@ -1,44 +1,52 @@
 """The ops routers and operators call: ping, lookup, cost, route_put, heat, top, nodes, pin, unpin, priority,
-hints. Each takes the MasterState and a request body (already msgpack-decoded) and returns the reply body,
-or raises WireError naming the bad field. Field layouts are documented in kvtier/client/api.py, which
-builds these requests.
+hints, and the operators' forget. Each takes the MasterState, a request body (already msgpack-decoded) and the
+Caller (access.py), and returns the reply body, or raises WireError naming the bad field. Field layouts are
+documented in kvtier/client/api.py, which builds these requests; every field is bounded (limits.py), and
+``PERMISSIONS`` says which permission each op needs when the master requires keys (kvtier/auth/roles.py).
 
 Run on the master's event loop, one at a time.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from kvtier import wire
+from kvtier.auth.roles import ADMIN, DATA, HINTS, READ
+from kvtier.master import limits
+from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.cost import CostRequest
 from kvtier.master.directory import WORD_BITS, location_words
 from kvtier.master.placement import PlacementError, PlacementRequest, known_placements
+from kvtier.master.nodes import DEAD
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, WireError, field, float_field, int_field, keys_field
 
+log = logging.getLogger(__name__)
 Body = Mapping[str, Any]
-MAX_CANDIDATES = 4096
 MAX_TOP = 100_000
 MAX_TTL_S = 10 * 365 * 86400.0
 
 
-def ping(st: MasterState, body: Body) -> dict[str, Any]:
+def ping(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     return {"version": wire.VERSION, "uptime_s": st.mono() - st.started, "keys": len(st.directory),
             "directory_bytes": st.directory.nbytes, "nodes": st.registry.counts(),
-            "locations": st.registry.location_count, "lease_s": st.settings.lease_s}
+            "locations": st.registry.location_count, "lease_s": st.settings.lease_s,
+            "activity": st.activity.view()}
 
 
-def lookup(st: MasterState, body: Body) -> dict[str, Any]:
+def lookup(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     """For each live node and tier, how many leading ``keys`` it holds; ``any``: leading keys held anywhere."""
     keys = keys_field(body, "keys", st.settings.max_batch_keys)
     touch = field(body, "touch", bool, True)
     slots, masks = st.directory.masks(keys, st.live_mask())
     held = masks.any(axis=1)
     counts = st.directory.prefix_counts(masks, held)
+    st.activity.lookup(len(keys), counts.any)
     if touch:
         st.directory.touch(slots[held], st.wall())
     prefix = []
@@ -49,11 +57,11 @@ def lookup(st: MasterState, body: Body) -> dict[str, Any]:
     return {"n": len(keys), "any": counts.any, "prefix": prefix}
 
 
-def cost(st: MasterState, body: Body) -> dict[str, Any]:
+def cost(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     """Per candidate worker: prefix tokens per local tier, remote tokens, load and recompute seconds, and
     the cheapest load-then-recompute plan (see master/cost.py)."""
     keys = keys_field(body, "keys", st.settings.max_batch_keys)
-    candidates = wire.str_list_field(body, "candidates", MAX_CANDIDATES)
+    candidates = limits.str_list(body, "candidates", limits.MAX_CANDIDATES)
     model = field(body, "model", dict)
     try:
         bt = int_field(model, "block_tokens", 1, 1 << 20)
@@ -74,7 +82,7 @@ def cost(st: MasterState, body: Body) -> dict[str, Any]:
     return {"n": len(keys), "prefix_blocks": prefix_len, "plans": plans}
 
 
-def route_put(st: MasterState, body: Body) -> dict[str, Any]:
+def route_put(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     """Target (node, tier) per block to store, from the placement policy (``policy`` or the daemon's)."""
     sizes = field(body, "sizes", list)
     if len(sizes) > st.settings.max_batch_keys:
@@ -85,9 +93,9 @@ def route_put(st: MasterState, body: Body) -> dict[str, Any]:
     keys = keys_field(body, "keys", st.settings.max_batch_keys, default=None)
     if keys is not None and len(keys) != len(sizes):
         raise WireError(ERR_BAD_REQUEST, f"'keys' has {len(keys)} keys for {len(sizes)} sizes")
-    requester = field(body, "requester", str, default=None)
-    spec = field(body, "policy", str, default=None)
-    labels = _labels(body)
+    requester = limits.text(body, "requester", limits.MAX_NAME, default=None)
+    spec = limits.text(body, "policy", limits.MAX_POLICY, default=None)
+    labels = limits.labels(body)
     # Over the wire only registered names: an import path would let any client make the daemon import (and
     # run) an arbitrary module. Import paths are for the operator's --placement.
     if spec is not None and spec != st.settings.placement and spec not in known_placements():
@@ -110,11 +118,11 @@ def route_put(st: MasterState, body: Body) -> dict[str, Any]:
             "placed": sum(t is not None for t in targets)}
 
 
-def locate(st: MasterState, body: Body) -> dict[str, Any]:
+def locate(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     """Per key, one live (node, tier) holding it (the lowest-numbered location), among the nodes whose labels
     include ``labels``: ``holders`` lists [node, tier, address], ``where`` indexes it per key (-1: held by none)."""
     keys = keys_field(body, "keys", st.settings.max_batch_keys)
-    labels = _labels(body)
+    labels = limits.labels(body)
     live = st.live_mask()
     if labels:
         live = live & location_words([loc for n in st.registry.live_nodes() if _has_labels(n.labels, labels)
@@ -139,30 +147,23 @@ def locate(st: MasterState, body: Body) -> dict[str, Any]:
     return {"holders": holders, "where": where}
 
 
-def _labels(body: Body) -> dict[str, str]:
-    labels = field(body, "labels", dict, default={})
-    if len(labels) > 64 or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
-        raise WireError(ERR_BAD_REQUEST, "field 'labels': expected a map of at most 64 strings to strings")
-    return labels
-
-
 def _has_labels(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
     return all(have.get(k) == v for k, v in want.items())
 
 
-def heat(st: MasterState, body: Body) -> dict[str, Any]:
+def heat(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     keys = keys_field(body, "keys", st.settings.max_batch_keys)
     count, h, last = st.directory.heat(keys, st.wall())
     return {"count": count.tolist(), "heat": h.tolist(), "last": last.tolist()}
 
 
-def top(st: MasterState, body: Body) -> dict[str, Any]:
+def top(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     n = int_field(body, "n", 1, MAX_TOP)
     keys, h, count, last = st.directory.top(n, st.wall())
     return {"keys": wire.pack_keys(keys), "heat": h.tolist(), "count": count.tolist(), "last": last.tolist()}
 
 
-def nodes(st: MasterState, body: Body) -> dict[str, Any]:
+def nodes(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     st.expire_leases()
     now = st.mono()
     return {"nodes": [n.view(now, st.settings.lease_s) for n in st.registry.nodes.values()]}
@@ -170,37 +171,34 @@ def nodes(st: MasterState, body: Body) -> dict[str, Any]:
 
 def _hint_target(st: MasterState, body: Body) -> tuple[list[bytes], str | None]:
     keys = keys_field(body, "keys", st.settings.max_batch_keys, default=None)
-    session = field(body, "session", str, default=None)
+    session = limits.text(body, "session", limits.MAX_SESSION, default=None)
     if keys is None and session is None:
         raise WireError(ERR_BAD_REQUEST, "give 'keys' or 'session' (or both)")
     return (wire.unpack_keys(keys.tobytes()) if keys is not None else []), session
 
 
-def pin(st: MasterState, body: Body) -> dict[str, Any]:
+def pin(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     keys, session = _hint_target(st, body)
     ttl = float_field(body, "ttl_s", 0.0, MAX_TTL_S, default=0.0)
-    n = st.hints.pin(keys, session, ttl, st.wall())
-    st.hints_dirty = True
+    n = st.hints.pin(keys, session, ttl, st.wall(), caller.quota)
     return {"count": n, "version": st.hints.version}
 
 
-def unpin(st: MasterState, body: Body) -> dict[str, Any]:
+def unpin(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     keys, session = _hint_target(st, body)
     n = st.hints.unpin(keys, session)
-    st.hints_dirty = True
     return {"count": n, "version": st.hints.version}
 
 
-def priority(st: MasterState, body: Body) -> dict[str, Any]:
+def priority(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     keys, session = _hint_target(st, body)
     level = int_field(body, "level", -(1 << 31), (1 << 31) - 1)
     ttl = float_field(body, "ttl_s", 0.0, MAX_TTL_S, default=0.0)
-    n = st.hints.set_priority(keys, session, level, ttl, st.wall())
-    st.hints_dirty = True
+    n = st.hints.set_priority(keys, session, level, ttl, st.wall(), caller.quota)
     return {"count": n, "version": st.hints.version}
 
 
-def hints(st: MasterState, body: Body) -> dict[str, Any]:
+def hints(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     since = int_field(body, "since", -1, 1 << 62, default=-1)
     st.hints.expire(st.wall())
     if since == st.hints.version:
@@ -208,8 +206,27 @@ def hints(st: MasterState, body: Body) -> dict[str, Any]:
     return st.hints.to_wire()
 
 
-OPS: dict[str, Callable[[MasterState, Body], dict[str, Any]]] = {
+def forget(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+    """An operator drops a node now: its placements, its record here and on disk (a node that is not dead is
+    made dead first; if it is still running it registers again, as after a lease expiry)."""
+    node_id = limits.name(body, "node")
+    node = st.registry.nodes.get(node_id)
+    if node is None:
+        return {"forgotten": False}
+    if node.state != DEAD:
+        st.retire(st.registry.leave(node, "forgotten by an operator"))
+    st.retire(st.registry.forget(node))
+    log.info("node %s forgotten by an operator", node_id)
+    return {"forgotten": True}
+
+
+OPS: dict[str, Callable[[MasterState, Body, Caller], dict[str, Any]]] = {
     wire.PING: ping, wire.LOOKUP: lookup, wire.COST: cost, wire.ROUTE_PUT: route_put, wire.HEAT: heat,
     wire.TOP: top, wire.NODES: nodes, wire.PIN: pin, wire.UNPIN: unpin, wire.PRIORITY: priority,
-    wire.HINTS: hints, wire.LOCATE: locate,
+    wire.HINTS: hints, wire.LOCATE: locate, wire.FORGET: forget,
+}
+PERMISSIONS = {
+    wire.PING: READ, wire.LOOKUP: READ, wire.COST: READ, wire.LOCATE: READ, wire.HEAT: READ, wire.TOP: READ,
+    wire.NODES: READ, wire.HINTS: READ, wire.ROUTE_PUT: DATA, wire.PIN: HINTS, wire.UNPIN: HINTS,
+    wire.PRIORITY: HINTS, wire.FORGET: ADMIN,
 }

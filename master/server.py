@@ -9,6 +9,16 @@ Disk writes (node records, hints, snapshots) run on one writer thread, so a larg
 answers. A bad request gets an error reply naming the problem; a bug in an op gets ERR_INTERNAL and a
 logged traceback, and the loop goes on.
 
+Bounds on what clients can make the master hold (RELIABILITY.md): zmq reads at most MAXMSGSIZE per message
+(``MasterSettings.message_bytes``) and RCVHWM messages per connection before it stops reading that connection;
+a connection has ``--handshake-timeout-s`` to finish zmq's handshake; ZMTP heartbeats drop peers that stop
+answering; replies wait in SNDHWM per connection and, when large, in the ReplyBudget (replies.py). The
+process raises its soft file-descriptor limit to the hard one at start, so idle connections do not lock new
+clients out at the usual 1,024.
+
+With keys (``--auth-dir``) every message carries its connection's CurveZMQ key (zmq's User-Id), and an op the
+key's roles do not allow is refused with ERR_FORBIDDEN before it runs (access.py, kvtier/auth/roles.py).
+
 Shutdown (SIGTERM or SIGINT): stop taking requests, write the final snapshot, node records and hints,
 close lmdb, exit 0.
 """
@@ -19,9 +29,10 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +41,10 @@ import zmq
 from kvtier import wire
 from kvtier.auth import ServerAuth
 from kvtier.master import ops_node, ops_router
+from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.metrics import MasterMetrics
 from kvtier.master.persist import MasterDisk
+from kvtier.master.replies import ReplyBudget
 from kvtier.master.service import MasterSettings, MasterState
 from kvtier.ratelog import RateLimitedLog
 from kvtier.wire import WireError
@@ -39,8 +52,13 @@ from kvtier.wire import WireError
 log = logging.getLogger("kvtier.master")
 
 OPS = {**ops_router.OPS, **ops_node.OPS}
+PERMISSIONS = {**ops_router.PERMISSIONS, **ops_node.PERMISSIONS}
 DRAIN_LIMIT = 256  # requests answered per wakeup before the timer gets a turn
 TICK_S = 0.1
+RCVHWM = 32  # requests queued per connection before zmq stops reading it (backpressure: nothing is lost)
+SNDHWM = 256  # replies queued per connection; past that its client is not reading: further replies are dropped
+HEARTBEAT_IVL_MS = 5_000  # ZMTP pings: a peer that answers nothing for HEARTBEAT_TIMEOUT_MS is disconnected
+HEARTBEAT_TIMEOUT_MS = 20_000
 # Ops whose keys count toward kvtier_master_request_keys.
 _KEYED = {wire.LOOKUP, wire.COST, wire.HEAT, wire.PIN, wire.UNPIN, wire.PRIORITY}
 
@@ -60,37 +78,52 @@ class MasterServer:
         self._stop: asyncio.Event | None = None
         self._last_snapshot = time.monotonic()
         self._snapshot_running = False
+        self._hints_job: Future[Any] | None = None  # the hint records being written (at most one at a time)
         self._bad = RateLimitedLog(log)
         # Keys are read now: a missing one is a start-up error (AuthError), before anything is opened.
         self.auth = ServerAuth(settings.auth_dir) if settings.auth_dir else None
+        self._callers: dict[str, Caller] = {}  # User-Id -> Caller (at most one per admitted key)
+        self.replies = ReplyBudget(settings.reply_budget_bytes, settings.client_reply_bytes)
 
     # ---- requests --------------------------------------------------------------------------------------
 
-    def serve(self, frame: bytes) -> bytes:
-        """Answer one request frame (never raises)."""
+    def serve(self, frame: bytes | memoryview, caller: Caller = ANONYMOUS) -> tuple[int, bytes]:
+        """Answer one request frame from ``caller``: (its req_id, the reply frame). Never raises."""
         t0 = time.perf_counter()
-        op, req_id, nkeys = "?", 0, 0
+        op, req_id, nkeys, error = "?", 0, 0, ""
         try:
             req_id, op, body = wire.decode_request(frame)
             handler = OPS.get(op)
             if handler is None:
                 raise WireError(wire.ERR_UNKNOWN_OP, f"unknown op {op[:64]!r}; known: {', '.join(sorted(OPS))}")
-            reply = wire.encode_reply(req_id, True, handler(self.state, body))
+            caller.check(op, PERMISSIONS[op], self.auth.book if self.auth else None)
+            reply = wire.encode_reply(req_id, True, handler(self.state, body, caller))
             if op in _KEYED and isinstance(body.get("keys"), bytes):
                 nkeys = len(body["keys"]) // 16
             status = "ok"
         except WireError as e:
             req_id = req_id or wire.salvage_req_id(e)
             reply = wire.encode_error(req_id, e)
-            status = e.code
+            status, error = e.code, str(e)
             self._bad(e.code, logging.WARNING, "bad request (op %s): %s", op[:64], e)
         except (Exception, SystemExit) as e:  # a bug in an op (even a sys.exit in it): answer, log, keep serving
-            status = wire.ERR_INTERNAL
+            status, error = wire.ERR_INTERNAL, f"{type(e).__name__}: {e}"
             reply = wire.encode_error(req_id, WireError(wire.ERR_INTERNAL, f"{type(e).__name__} in op {op[:64]}: "
                                                         f"{e}"[:500]))
             self._bad("internal:" + op[:64], logging.ERROR, "internal error serving op %s", op[:64], exc_info=True)
         self.metrics.observe(op, status, time.perf_counter() - t0, nkeys)
-        return reply
+        self.state.activity.request(op if op in OPS else "unknown", status)
+        if status != "ok":
+            self.state.activity.error(time.time(), op, status, error)
+        return req_id, reply
+
+    def _caller(self, auth: ServerAuth, frame: zmq.Frame) -> Caller:
+        """Who sent ``frame``: its connection's CurveZMQ key, which the handshake proved."""
+        key = frame.get("User-Id")
+        caller = self._callers.get(key)
+        if caller is None:
+            caller = self._callers[key] = Caller(key, auth.permissions(key), auth.book.of(key))
+        return caller
 
     # ---- lifetime --------------------------------------------------------------------------------------
 
@@ -106,15 +139,21 @@ class MasterServer:
         if self.settings.data_dir:
             self.disk = MasterDisk(self.settings.data_dir)
             self.state.restore(self.disk)
+        raise_fd_limit()
         ctx = zmq.Context()
         auth = self.auth
         if auth is not None:
             auth.start(ctx)  # a thread of its own: it answers ZAP requests beside the loop, on the same context
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.message_bytes())
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished client's reply raises: counted, not silent
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.settings.handshake_timeout_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         serving = False
         try:
             if auth is not None:
@@ -151,20 +190,51 @@ class MasterServer:
 
     def _drain(self, sock: zmq.Socket[Any]) -> None:
         """Answer every queued request (up to DRAIN_LIMIT, then yield to the loop and come back)."""
+        auth = self.auth
         for _ in range(DRAIN_LIMIT):
             if self._stop is not None and self._stop.is_set():
                 return
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            # With keys the frames stay zmq Frames: they carry the sender's User-Id (its key).
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=auth is None)
             if len(frames) < 2:
                 continue  # not a routed message
-            frames[-1] = self.serve(frames[-1])
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                self._bad("send", logging.WARNING, "reply dropped: the client's queue is full")
+            if auth is not None:
+                caller, payload = self._caller(auth, frames[-1]), frames[-1].buffer
+                route = [f.bytes for f in frames[:-1]]
+            else:
+                caller, payload, route = ANONYMOUS, frames[-1], frames[:-1]
+            req_id, reply = self.serve(payload, caller)
+            self._reply(sock, route, req_id, reply)
         asyncio.get_running_loop().call_soon(self._drain, sock)
+
+    def _reply(self, sock: zmq.Socket[Any], route: list[Any], req_id: int, reply: bytes) -> None:
+        """Queue ``reply`` for the client at ``route`` within the ReplyBudget; drops are counted and logged."""
+        client = bytes(route[0])
+        big = len(reply) >= self.replies.track_bytes
+        if big and not self.replies.admits(client, len(reply)):
+            self.metrics.replies_dropped.labels("budget").inc()
+            self._bad("budget", logging.WARNING, "a %d-byte reply replaced by ERR_BUSY: %d bytes of replies are "
+                      "unsent (a client not reading its replies?)", len(reply), self.replies.unsent)
+            reply, big = wire.encode_error(req_id, WireError(
+                wire.ERR_BUSY, f"this reply ({len(reply)} bytes) would pass the master's budget of unsent replies "
+                f"({self.replies.unsent} bytes unsent, {self.replies.of(client)} of them to this "
+                "client): read the replies you asked for, then retry")), False
+        try:
+            if big:
+                tracker = sock.send_multipart([*route, reply], zmq.NOBLOCK, copy=False, track=True)
+                self.replies.sent(client, len(reply), tracker)
+                self.metrics.unsent_reply_bytes.set(self.replies.unsent)
+            else:
+                sock.send_multipart([*route, reply], zmq.NOBLOCK)
+        except zmq.Again:
+            self.metrics.replies_dropped.labels("queue_full").inc()
+            self._bad("send", logging.WARNING, "reply dropped: the client's queue is full (%d replies unread)", SNDHWM)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.metrics.replies_dropped.labels("gone").inc()  # the client disconnected before its answer
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("kvtier-master: %s received, shutting down", signal.Signals(sig).name)
@@ -177,6 +247,8 @@ class MasterServer:
             try:
                 self._drain(sock)
                 self.state.tick()
+                self.replies.collect()
+                self.metrics.unsent_reply_bytes.set(self.replies.unsent)
                 self._persist_small()
                 due = self.settings.snapshot_interval_s > 0 and \
                     time.monotonic() - self._last_snapshot >= self.settings.snapshot_interval_s
@@ -189,14 +261,23 @@ class MasterServer:
                 log.exception("master housekeeping failed; retrying at the next tick")
 
     def _persist_small(self) -> None:
-        """Queue node records and hints that changed for the writer thread."""
+        """Queue node records and hint entries that changed since the last call for the writer thread (only
+        those: a pin writes its own record, never the hint table)."""
         if self.disk is None:
             return
-        for rec in self.state.dirty_records():
+        records, forgotten = self.state.dirty_records()
+        for rec in records:
             self._writer.submit(self._guarded, self.disk.save_node, rec)
-        if self.state.hints_dirty:
-            self.state.hints_dirty = False
-            self._writer.submit(self._guarded, self.disk.save_hints, self.state.hints.to_wire())
+        for node_id in forgotten:
+            self._writer.submit(self._guarded, self.disk.delete_node, node_id)
+        # One hint write at a time: while one runs, changes gather in the table's log (one entry per hint
+        # changed, however often), so a burst of pins never queues work behind a SIGTERM.
+        if self._hints_job is not None and not self._hints_job.done():
+            return
+        changes = self.state.hints.take_changes()
+        if changes:
+            self._hints_job = self._writer.submit(self._guarded, self.disk.save_hints, changes,
+                                                  self.state.hints.version)
 
     def _write_snapshot(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         if self.disk is None:
@@ -223,6 +304,8 @@ class MasterServer:
         loop = asyncio.get_running_loop()
         if self.disk is not None:
             if flush:
+                if self._hints_job is not None:
+                    await asyncio.wrap_future(self._hints_job)
                 self._persist_small()
                 await loop.run_in_executor(self._writer, self._write_snapshot, *self.state.snapshot())
             await loop.run_in_executor(self._writer, self.disk.close)
@@ -239,3 +322,18 @@ class MasterServer:
         tmp.write_text(json.dumps({"endpoint": self.endpoint, "metrics_port": self.metrics_port,
                                    "pid": os.getpid()}))
         tmp.replace(path)
+
+
+def raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit: every client connection is a descriptor, and at the usual soft
+    1,024 a thousand idle connections would keep new clients out of the port."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        log.info("file descriptor limit raised from %d to %d (one per client connection)", soft, want)
+    except (ValueError, OSError) as e:
+        log.warning("file descriptor limit stays %d (%s): about that many idle connections lock new clients out",
+                    soft, e)

@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.master.activity import Activity
 from kvtier.master.cost import CostDefaults, CostModel
 from kvtier.master.directory import Directory
 from kvtier.master.heat import HeatClock
 from kvtier.master.hints import HintTable
 from kvtier.master.metrics import MasterMetrics
-from kvtier.master.nodes import DEAD, LIVE, Node, NodeRegistry
+from kvtier.master.nodes import LIVE, Node, NodeRegistry
 from kvtier.master.persist import MasterDisk
 from kvtier.master.placement import PlacementPolicy, make_placement
 
@@ -37,17 +38,32 @@ class MasterSettings:
     bind: str = "tcp://127.0.0.1:7300"
     data_dir: str | None = None
     metrics_port: int | None = 9310
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # the Prometheus port serves anyone who reaches it: loopback unless widened
     lease_s: float = 10.0
     heat_half_life_s: float = 600.0
     placement: str = "most_available"
-    max_batch_keys: int = 1 << 20
-    max_message_bytes: int = 256 << 20
+    max_batch_keys: int = 1 << 16  # keys per request (a 1 MiB key blob): the largest honest message's size
+    max_message_bytes: int = 0  # zmq's MAXMSGSIZE; 0: message_bytes() (derived from max_batch_keys)
     snapshot_interval_s: float = 300.0
     sweep_slots_per_tick: int = 1 << 18
+    # Memory bounds (RELIABILITY.md): what the master keeps, whoever asks.
+    max_nodes: int = 1024  # node records (live, syncing, pending, dead)
+    max_nodes_per_client: int = 0  # nodes one key may hold (with --auth-dir; 0: only max_nodes)
+    max_locations: int = 1024  # node tiers numbered at once: bits in every directory entry's mask
+    forget_dead_s: float = 3600.0  # a dead node is forgotten (here and on disk) this long after its death
     max_hint_keys: int = 1 << 20
+    max_hint_sessions: int = 1 << 18
+    max_hints_per_client: int = 0  # hint entries one key may hold (with --auth-dir; 0: only the totals)
+    reply_budget_bytes: int = 256 << 20  # replies zmq has not sent yet, all clients together
+    client_reply_bytes: int = 32 << 20  # ... and per client connection (one larger reply when it has none unsent)
+    handshake_timeout_s: float = 5.0  # a connection that has not finished zmq's handshake by then is closed
     cost: CostDefaults = field(default_factory=CostDefaults)
     auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server.key_secret and authorized/; "" admits anyone
+
+    def message_bytes(self) -> int:
+        """The largest message the master reads (zmq MAXMSGSIZE): 24 B per key of the largest batch (a key and
+        a route_put size) plus 1 MiB for the rest of a request; a longer one closes its connection unread."""
+        return self.max_message_bytes or self.max_batch_keys * 24 + (1 << 20)
 
 
 class MasterState:
@@ -60,15 +76,24 @@ class MasterState:
         self.started = mono()
         self.metrics = metrics or MasterMetrics()
         self.directory = Directory(HeatClock(settings.heat_half_life_s, wall()))
-        self.registry = NodeRegistry(settings.lease_s)
-        self.hints = HintTable(settings.max_hint_keys)
+        self.registry = NodeRegistry(settings.lease_s, max_nodes=settings.max_nodes,
+                                     max_nodes_per_client=settings.max_nodes_per_client,
+                                     max_locations=settings.max_locations, forget_dead_s=settings.forget_dead_s,
+                                     wall=wall)
+        self.registry.on_forget = lambda node: self.metrics.forget_node(node.node_id, list(node.tiers))
+        self.hints = self._hint_table()
         self.cost = CostModel(self.registry, settings.cost)
         self._placements: dict[str, PlacementPolicy] = {}
         make_placement(settings.placement)  # fail at start-up, not at the first route_put
-        self.hints_dirty = False
-        self.nodes_dirty: set[str] = set()  # node records to write to disk
+        self.activity = Activity()  # for kvtier status (ping's "activity")
+        self._next_forget = 0.0
 
     # ---- shared helpers for the ops --------------------------------------------------------------------
+
+    def _hint_table(self, entries: Any = (), version: int = 0) -> HintTable:
+        s = self.settings
+        return HintTable.from_entries(entries, version, s.max_hint_keys, s.max_hint_sessions, s.max_hints_per_client,
+                                      track_changes=bool(s.data_dir))
 
     def placement(self, spec: str | None) -> PlacementPolicy:
         spec = spec or self.settings.placement
@@ -101,8 +126,10 @@ class MasterState:
     def tick(self) -> None:
         """Periodic housekeeping (the server calls this every ~100 ms)."""
         self.expire_leases()
-        if self.hints.expire(self.wall()):
-            self.hints_dirty = True
+        self.hints.expire(self.wall())
+        if self.mono() >= self._next_forget:
+            self._next_forget = self.mono() + 1.0
+            self.registry.forget_dead()
         freed = self.directory.sweep(self.settings.sweep_slots_per_tick)
         if freed:
             self.registry.release(freed)
@@ -121,7 +148,7 @@ class MasterState:
         now = self.mono()
         hints = disk.load_hints()
         if hints is not None:
-            self.hints = HintTable.from_wire(hints, self.settings.max_hint_keys)
+            self.hints = self._hint_table(*hints)
         snap = disk.load_snapshot()
         synced: dict[str, dict[str, Any]] = {}
         if snap is not None:
@@ -143,8 +170,11 @@ class MasterState:
                  for n in self.registry.nodes.values() if n.state == LIVE and n.applied_seq is not None}
         return arrays, {"t0": self.directory.clock.t0, "nodes": nodes, "saved_at": self.wall()}
 
-    def dirty_records(self) -> list[dict[str, Any]]:
-        out = [self.registry.nodes[n].record() for n in self.nodes_dirty
-               if n in self.registry.nodes and self.registry.nodes[n].state != DEAD]
-        self.nodes_dirty.clear()
-        return out
+    def dirty_records(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Node records to write (registered or died since the last call) and node ids to delete (forgotten)."""
+        reg = self.registry
+        out = [reg.nodes[n].record() for n in reg.dirty if n in reg.nodes]
+        gone = sorted(reg.forgotten)
+        reg.dirty.clear()
+        reg.forgotten.clear()
+        return out, gone

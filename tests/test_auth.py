@@ -49,9 +49,10 @@ def keys(tmp_path_factory) -> dict[str, Path]:
     generate(stranger)
     generate(lost, "server")  # another daemon's key: "lost" holds good's keypair but this as its server.key
     shutil.copy(good / "client.key_secret", lost / "client.key_secret")
-    (daemon / "authorized").mkdir()
-    shutil.copy(good / "client.key", daemon / "authorized" / "engine-1.key")
-    shutil.copy(daemon / "server.key", daemon / "authorized" / "pool.key")  # the pool, reporting to the master
+    (daemon / "authorized" / "engines").mkdir(parents=True)
+    (daemon / "authorized" / "daemons").mkdir()
+    shutil.copy(good / "client.key", daemon / "authorized" / "engines" / "engine-1.key")
+    shutil.copy(daemon / "server.key", daemon / "authorized" / "daemons" / "pool.key")  # the pool, reporting to the master
     shutil.copy(daemon / "server.key", daemon / "master.key")
     for d in (good, stranger):
         shutil.copy(daemon / "server.key", d / "server.key")

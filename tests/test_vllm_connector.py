@@ -523,6 +523,9 @@ def test_a_router_computes_the_keys_the_connector_stored(engine, model):
     hashes = VllmBlockHasher(BLOCK).hashes(PREFIX)
     for rank in (0, 1):
         side = worker_side(eng, rank)
-        ns = vllm_namespace(model, side.kv.layout.fingerprint, rank=rank, world_size=2)  # revision: none given
+        # revision: none given; weights: the fingerprint the worker logs (from the model directory's files)
+        assert side.identity.weights
+        ns = vllm_namespace(model, side.kv.layout.fingerprint, rank=rank, world_size=2,
+                            weights=side.identity.weights)
         assert ns == side.namespace
         assert side.store.contains(ns.keys(hashes)) == [True] * 5

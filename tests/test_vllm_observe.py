@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (tests/run.sh installs it from tests/requirements-vllm.txt)")
 
-from kvtier.connectors.vllm.observe import Notebook, RequestNotes, client_hints, stop_reason  # noqa: E402
+from kvtier.connectors.vllm.observe import Notebook, RequestNotes, policy_hints, stop_reason  # noqa: E402
 from vllm_engine import (  # noqa: E402
     BLOCK,
     PREFIX,
@@ -72,15 +72,10 @@ def test_every_rank_learns_the_same_requests_chains_stops_and_hints(engine):
 
 
 def test_bad_hints_are_ignored_not_fatal(caplog):
-    class Req:
-        request_id = "r"
-        kv_transfer_params = {"kvtier": {"session": 5, "finished": "yes", "subagents": -1, "ttl_s": float("inf"),
-                                         "priority": 2}}
-
-    assert client_hints(Req()) == {"priority": 2.0}
-    assert sum("ignoring hint" in r.getMessage() for r in caplog.records) == 4
-    Req.kv_transfer_params = {"do_remote_prefill": True}
-    assert client_hints(Req()) is None
+    bad = {"kvtier": {"session": 5, "finished": "yes", "subagents": -1, "ttl_s": float("inf"), "priority": 2}}
+    assert policy_hints(bad, "request r") == {"priority": 2.0}
+    assert sum("request r: ignoring hint" in r.getMessage() for r in caplog.records) == 4
+    assert policy_hints({"do_remote_prefill": True}, "request r") is None and policy_hints(None, "r") is None
 
 
 def test_notes_travel_as_ages_and_land_on_the_workers_clock(engine):

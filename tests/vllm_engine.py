@@ -1,4 +1,4 @@
-"""A vLLM 0.33 engine without a model, for connector tests: the real Scheduler, the real KV cache config and
+"""A vLLM engine (0.32 or 0.33) without a model, for connector tests: the real Scheduler, the real KV cache config and
 KV tensors (vLLM's own planner and allocator, on the CPU), real Requests with real block hashes, and the
 worker-role connectors driven exactly as vLLM's model runner drives them (bind, start_load_kv,
 wait_for_layer_load per layer, wait_for_save, get_transfer_results, get_block_ids_with_load_errors, the
@@ -39,7 +39,6 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     generate_scheduler_kv_cache_config,
     get_request_block_hasher,
@@ -51,6 +50,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from kvtier.connectors.vllm.compat import plan_kv_cache_configs  # noqa: E402
 
 BLOCK = 16
 LAYERS = 3
@@ -116,8 +117,7 @@ class Engine:
             block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16) for i in range(LAYERS)}
         page = next(iter(specs.values())).page_size_bytes * LAYERS
         config.cache_config.num_gpu_blocks_override = num_blocks
-        groups = get_global_kv_cache_groups(config, [specs])
-        configs = get_kv_cache_configs(config, [specs] * tp, [page * num_blocks] * tp, groups)
+        configs = plan_kv_cache_configs(config, [specs] * tp, [page * num_blocks] * tp)
         for c in configs:
             c.kv_cache_layout = config.cache_config.kv_cache_layout
         sched_config = generate_scheduler_kv_cache_config(configs)

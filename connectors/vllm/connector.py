@@ -1,4 +1,5 @@
-"""KVTierConnector: vLLM 0.33's KVConnectorBase_V1, delegating to a scheduler half and a worker half.
+"""KVTierConnector: vLLM's KVConnectorBase_V1 (vLLM 0.32 and 0.33, see compat.py), delegating to a scheduler
+half and a worker half.
 
 vLLM builds two kinds of instance from the same config, in different processes: one with role SCHEDULER
 in the engine core (it plans; scheduler.py) and one with role WORKER per TP/PP rank (it copies and owns
@@ -17,6 +18,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from . import compat  # noqa: F401  (first: an unsupported vLLM fails here, naming its version)
+
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -35,6 +39,7 @@ from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import split_extra_config
 from .stats import KVTierConnectorStats
+from .weights import model_weights
 from .worker import WorkerIdentity, WorkerSide
 
 if TYPE_CHECKING:
@@ -104,9 +109,11 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             spec = groups[0].kv_cache_spec
             model = vllm_config.model_config
+            weights = model_weights(vllm_config, settings.weights_fingerprint)  # folded into the namespace
             identity = WorkerIdentity(
                 model=str(model.model), rank=int(parallel.rank) % ranks, world_size=ranks, engine_id=engine_id,
                 dp_rank=dp_rank, block_size=int(spec.block_size), revision=model.revision,
+                weights=weights.value, weights_source=weights.source,
                 hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
                 tp_size=parallel.tensor_parallel_size, pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
                 dp_size=int(getattr(parallel, "data_parallel_size", 1)))
@@ -119,6 +126,13 @@ class KVTierConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a dropped save is a future miss, never a wrong answer
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33's sleep mode frees and remaps the KV caches; the worker's PagedKV holds their addresses
+        # from register_kv_caches. vLLM refuses sleep mode with this connector instead of loading into freed
+        # memory. (0.32 has no sleep mode and never calls this.)
+        return False
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -223,6 +237,11 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler.lookups.close()
         if self._worker is not None:
             self._worker.close()
+
+    def worker_side(self) -> WorkerSide:
+        """The worker half (this rank's store, lookups and copies): for tools and tests that inspect a running
+        engine's store, e.g. through ``LLM.collective_rpc``. Raises on the scheduler-role instance."""
+        return self._work()
 
     # ---- internals -----------------------------------------------------------------------------------------
 

@@ -3,9 +3,8 @@
 Worker side, ``EventRecorder`` listens to the store (``TieredStore.add_listener``) and turns its per-tier
 stored/removed keys back into vLLM ``BlockStored`` / ``BlockRemoved`` events carrying the engine's own block
 hashes, with medium CPU for host DRAM and STORAGE for the SSD, as vLLM's native offloading reports them.
-It learns a key's engine hash when the worker saves or loads it, and forgets it when the store holds the key
-nowhere: a block DRAM evicts is often still on its way to the SSD (write-behind), and its "stored in ssd"
-event, which comes after DRAM's "removed", must still find the hash.
+Which key has which engine hash, and for how long, is kvtier.connectors.tier_events (shared with the SGLang
+connector).
 
 The events travel to the scheduler in ``KVTierKVEvents`` (vLLM concatenates every worker's), where
 ``EventQuorum`` publishes a stored block once every rank reported it (a prefix is loadable only when all
@@ -15,10 +14,8 @@ per event: each rank batches its own SSD writes, so the ranks' events about one 
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 from vllm.distributed.kv_events import (
@@ -31,92 +28,35 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvtier.store import StoreEvent
+from kvtier.connectors.tier_events import TierEventNames
 
 TIER_MEDIUM = {"dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}
 
 
-class EventRecorder:
-    """Store events -> vLLM KV events, for one worker. Thread-safe: the store calls ``on_store_event`` from
-    whichever thread changed a tier (DRAM's evictions under the DRAM lock).
-
-    ``holds`` (the store's ``contains``; it takes no tier lock) says whether the store still holds keys that
-    the tiers which reported them have all lost: such a key keeps its hash, in a bounded table of
-    ``max_in_transit`` keys (a write that never lands must not grow it for ever). Without ``holds`` a key
-    is forgotten as soon as no reporting tier holds it."""
+class EventRecorder(TierEventNames):
+    """Store events -> vLLM KV events, for one worker (the naming and its thread-safety:
+    kvtier.connectors.tier_events.TierEventNames). ``mediums`` maps a tier name to vLLM's medium (others:
+    the tier name upper-cased)."""
 
     def __init__(self, block_size: int, mediums: Mapping[str, str] = TIER_MEDIUM, *,
                  holds: Callable[[Sequence[bytes]], list[bool]] | None = None, max_in_transit: int = 1 << 16) -> None:
+        super().__init__(self._record, holds=holds, max_in_transit=max_in_transit)
         self.block_size = block_size
         self._mediums = dict(mediums)
-        self._holds = holds
-        self._max_in_transit = max_in_transit
-        self._lock = threading.Lock()
-        self._known: dict[bytes, tuple[bytes, set[str]]] = {}  # key -> (engine hash, tiers holding it)
-        # Keys no tier reported holding, that the store still held (queued for the SSD) -> engine hash.
-        self._in_transit: OrderedDict[bytes, bytes] = OrderedDict()
-        self._naming: dict[bytes, bytes] = {}  # keys being put/got right now -> engine hash
         self._events: list[KVCacheEvent] = []
 
-    @contextmanager
-    def naming(self, keys: Sequence[bytes], hashes: Sequence[bytes]) -> Iterator[None]:
-        """Within the block, store events about ``keys`` are reported under ``hashes``."""
-        with self._lock:
-            self._naming.update(zip(keys, hashes))
-        try:
-            yield
-        finally:
-            with self._lock:
-                for k in keys:
-                    self._naming.pop(k, None)
-
-    def on_store_event(self, event: StoreEvent) -> None:
-        medium = self._mediums.get(event.tier, event.tier.upper())
-        hashes = []
-        with self._lock:
-            emptied = []
-            for key in event.keys:
-                entry = self._known.get(key)
-                if event.kind == "stored":
-                    h = entry[0] if entry is not None else self._in_transit.pop(key, None) or self._naming.get(key)
-                    if h is None:
-                        continue  # a block this worker never named (e.g. restored from disk at start)
-                    if entry is None:
-                        entry = self._known[key] = (h, set())
-                    entry[1].add(event.tier)
-                    hashes.append(h)
-                elif entry is None:
-                    self._in_transit.pop(key, None)  # dropped before its write landed: never reported there
-                else:
-                    entry[1].discard(event.tier)
-                    if not entry[1]:
-                        emptied.append(key)
-                    hashes.append(entry[0])
-            if emptied:
-                self._forget(emptied)
-            if hashes:
-                ext = [maybe_convert_block_hash(h) for h in hashes]
-                self._events.append(
-                    BlockStored(block_hashes=ext, parent_block_hash=None, token_ids=[], block_size=self.block_size,
-                                lora_id=None, medium=medium, lora_name=None, group_idx=0)
-                    if event.kind == "stored" else BlockRemoved(block_hashes=ext, medium=medium, group_idx=0))
+    def _record(self, kind: str, tier: str, hashes: list[bytes]) -> None:
+        medium = self._mediums.get(tier, tier.upper())
+        ext = [maybe_convert_block_hash(h) for h in hashes]
+        self._events.append(
+            BlockStored(block_hashes=ext, parent_block_hash=None, token_ids=[], block_size=self.block_size,
+                        lora_id=None, medium=medium, lora_name=None, group_idx=0)
+            if kind == "stored" else BlockRemoved(block_hashes=ext, medium=medium, group_idx=0))
 
     def take(self) -> list[KVCacheEvent]:
         with self._lock:
             events, self._events = self._events, []
         return events
-
-    def _forget(self, keys: list[bytes]) -> None:
-        """No reporting tier holds ``keys`` any more; keep the hash of those the store still holds (called
-        with the lock held)."""
-        held = self._holds(keys) if self._holds is not None else [False] * len(keys)
-        in_transit = self._in_transit
-        for key, h in zip(keys, held):
-            engine_hash = self._known.pop(key)[0]
-            if h:
-                in_transit[key] = engine_hash
-        while len(in_transit) > self._max_in_transit:
-            in_transit.popitem(last=False)
 
 
 class KVTierKVEvents(KVConnectorKVEvents):

@@ -12,40 +12,16 @@ holds, so a router can extend a session on every node). No vLLM import.
 
 from __future__ import annotations
 
-import logging
-import math
-from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+from kvtier.connectors.hints import Hints, parse_hints
 
-
-@dataclass(frozen=True)
-class Hints:
-    """An agent's hint for a request's blocks (from its ``kv_transfer_params["kvtier"]``): keep them pinned
-    for ``ttl_s`` seconds under lease ``session`` (one lease per session, extended by each turn);
-    ``priority`` decides which sessions keep their pins when hints pin too much."""
-
-    session: str
-    ttl_s: float
-    priority: float = 0.0
+__all__ = ["Hints", "hints_of"]
 
 
 def hints_of(request: Any) -> Hints | None:
-    """The agent hints in ``request.kv_transfer_params["kvtier"]``: ``ttl_s`` (> 0, required for a hint),
-    ``session`` (default: vLLM's session id, else the request id), ``priority`` (default 0). Bad values are
-    logged and ignored: a hint never fails a request."""
+    """The agent hints in ``request.kv_transfer_params["kvtier"]`` (kvtier.connectors.hints.parse_hints);
+    ``session`` defaults to vLLM's session id, else the request id."""
     params = getattr(request, "kv_transfer_params", None) or {}
-    raw = params.get("kvtier") if isinstance(params, dict) else None
-    if not isinstance(raw, dict):
-        return None
-    try:
-        ttl_s = float(raw.get("ttl_s", 0))
-        priority = float(raw.get("priority", 0))
-        session = raw.get("session") or getattr(request, "session_id", None) or request.request_id
-        if not (ttl_s > 0 and math.isfinite(ttl_s) and math.isfinite(priority)) or not isinstance(session, str):
-            raise ValueError(f"ttl_s must be a positive number, session a string; got {raw!r}")
-    except (TypeError, ValueError) as e:
-        log.warning("kvtier: ignoring hints of request %s: %s", request.request_id, e)
-        return None
-    return Hints(session, ttl_s, priority)
+    default = getattr(request, "session_id", None) or request.request_id
+    return parse_hints(params, default, f"request {request.request_id}")

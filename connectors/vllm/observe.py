@@ -99,7 +99,7 @@ class Notebook:
 
     def arrived(self, request: Any, hashes: Sequence[bytes]) -> None:
         """``request`` was admitted with these full blocks (root first); its hints go with it."""
-        hint = client_hints(request)
+        hint = policy_hints(getattr(request, "kv_transfer_params", None), f"request {request.request_id}")
         session = (hint.get("session") if hint else None) or getattr(request, "session_id", None)
         now = self.clock()
         self._arrivals.append((request.request_id, tuple(hashes), session if isinstance(session, str) else None,
@@ -133,9 +133,9 @@ def stop_reason(request: Any) -> str | None:
     return f"{name}:{stop}" if name == "stop" and stop is not None else name
 
 
-def client_hints(request: Any) -> dict[str, Any] | None:
-    """The policy's inputs among ``kv_transfer_params["kvtier"]``, validated (bad ones dropped, logged)."""
-    params = getattr(request, "kv_transfer_params", None) or {}
+def policy_hints(params: Any, owner: str) -> dict[str, Any] | None:
+    """The policy's inputs among ``params["kvtier"]`` (vLLM's ``kv_transfer_params``; any connector's dict of
+    the same shape), validated: bad ones dropped and logged naming ``owner``; None if there is no such dict."""
     raw = params.get("kvtier") if isinstance(params, dict) else None
     if not isinstance(raw, dict):
         return None
@@ -152,5 +152,5 @@ def client_hints(request: Any) -> dict[str, Any] | None:
             if ok(raw[name]):
                 out[name] = float(raw[name]) if name in ("ttl_s", "priority") else raw[name]
             else:
-                log.warning("kvtier: request %s: ignoring hint %s=%r", request.request_id, name, raw[name])
+                log.warning("kvtier: %s: ignoring hint %s=%r", owner, name, raw[name])
     return out

@@ -49,6 +49,9 @@ class ConnectorSettings:
     hint_max_fraction: float = 0.5
     # Directory of the workers' lookup sockets (ipc); empty: $VLLM_RPC_BASE_PATH or the temp directory.
     ipc_dir: str = ""
+    # The checkpoint's fingerprint in the key namespace (weights.py): auto (read from the model's files), off,
+    # or the fingerprint itself (an id of the checkpoint, e.g. a git commit).
+    weights_fingerprint: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:
@@ -60,6 +63,8 @@ class ConnectorSettings:
             raise ConfigError(f"staging_bytes must be > 0, got {self.staging_bytes}")
         if not 0 <= self.hint_max_fraction <= 1:
             raise ConfigError(f"hint_max_fraction must be in [0, 1], got {self.hint_max_fraction}")
+        if not self.weights_fingerprint:
+            raise ConfigError("weights_fingerprint must be auto, off or a non-empty id of the checkpoint")
 
     @property
     def load_async(self) -> bool:

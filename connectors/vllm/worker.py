@@ -38,6 +38,7 @@ from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
 from .paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
 from .settings import ConnectorSettings
+from .shutdown import close_timeout
 from .transfer import LoadJob, SaveJob, Transfers, lookup_lease
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class WorkerIdentity:
     block_size: int = 16
     revision: str | None = None  # the model revision (part of the namespace)
     hash_algo: str = "sha256"  # vLLM's prefix_caching_hash_algo (part of the namespace)
+    weights: str = ""  # the checkpoint's fingerprint (weights.py; part of the namespace); "": none could be read
+    weights_source: str = ""  # what it was computed from (logged)
     # How ``rank`` (of ``world_size`` = tp x pcp x pp) splits, and the engine's DP size: they name the
     # worker's own directories (paths.py), not its keys.
     tp_size: int = 0  # 0: world_size (plain tensor parallelism)
@@ -108,7 +111,12 @@ class WorkerSide:
         model = config.model or ident.model
         self.namespace = vllm_namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
                                         world_size=ident.world_size, revision=ident.revision,
-                                        hash_algo=ident.hash_algo)
+                                        hash_algo=ident.hash_algo, weights=ident.weights)
+        if not ident.weights:
+            log.warning("kvtier worker %s: keys are not tied to the weights (%s): a checkpoint replaced under the "
+                        "name %s would be served the old checkpoint's KV from the SSD or a pool; set "
+                        "weights_fingerprint to an id of the checkpoint", ident.rank_dir, ident.weights_source or
+                        "no fingerprint", model)
         # Every rank is its own process with its own store: paths a store owns get the rank's subdirectory.
         config = per_worker(config, model_dir(model, ident.revision), ident.rank_dir)
         try:
@@ -128,8 +136,9 @@ class WorkerSide:
                                     naming=self.recorder.naming if self.recorder is not None else None)
         address = endpoint(self.settings.socket_dir(), ident.engine_id, ident.dp_rank, ident.rank)
         self._server = LookupServer(address, self._lookup, on_idle=self._sweep)
-        log.info("kvtier worker rank %d/%d (%s): %s; namespace %s (%s), store %s%s", ident.rank, ident.world_size,
-                 ident.rank_dir, self.kv.describe(), self.namespace.digest.hex()[:12], model,
+        log.info("kvtier worker rank %d/%d (%s): %s; namespace %s (%s, weights %s from %s), store %s%s", ident.rank,
+                 ident.world_size, ident.rank_dir, self.kv.describe(), self.namespace.digest.hex()[:12], model,
+                 ident.weights or "none", ident.weights_source or "-",
                  [t.name for t in self.store.tiers],
                  "".join(f", {k} {getattr(config, k)}" for k in PER_WORKER_KEYS if getattr(config, k)))
 
@@ -241,7 +250,8 @@ class WorkerSide:
         if self._transfers is not None:
             self._transfers.close()
         if self.store is not None:
-            self.store.close()
+            # DRAM's blocks go down to the SSD before vLLM's executor would kill this process (shutdown.py).
+            self.store.close(timeout_s=close_timeout(self.store.close_timeout_s))
 
     def _wait(self, done: threading.Event, req_id: str, pending: str) -> None:
         """Wait for ``done`` with no deadline (vLLM must not reuse engine blocks a copy thread still reads or

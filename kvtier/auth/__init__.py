@@ -4,7 +4,9 @@ Off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` co
 
     daemon DIR (kvtier-master --auth-dir DIR, kvtier-pool --auth-dir DIR)
         server.key, server.key_secret      its own keypair (kvtier keys generate DIR --name server)
-        authorized/*.key                   the public keys of the clients it admits (copies of client.key)
+        authorized/{engines,daemons,operators}/*.key
+                                           the public keys of the clients it admits, by role (roles.py: what each
+                                           role may do); a key straight in authorized/ is an engine's
         master.key                         kvtier-pool only: the master's public key; the pool then reports to
                                            the master as a CURVE client with its own server keypair (so the
                                            master's authorized/ lists the pool's server.key)
@@ -17,7 +19,9 @@ Off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` co
                                            server.key for that endpoint
 
 files.py reads and writes the key files, client.py is the client side (a socket's keys, and what to say when
-a daemon stays silent), server.py the daemons' gate (CURVE server + ZAP), tokens.py the data-port tokens.
+a daemon stays silent), server.py the daemons' gate (CURVE server + ZAP), roles.py what each key may do (the
+per-op check both daemons make), gate.py the pool's per-op check in front of its workers, exposure.py the
+--insecure-bind rule for daemons without keys, tokens.py the data-port tokens.
 """
 
 from kvtier.auth.client import ClientKeys, silence_hint

@@ -35,9 +35,13 @@ class Keypair:
     secret: bytes
 
 
-def generate(directory: str | os.PathLike[str], name: str = "client", *, force: bool = False) -> tuple[Path, Path]:
+def generate(directory: str | os.PathLike[str], name: str = "client", *, force: bool = False,
+             role: str | None = None) -> tuple[Path, Path]:
     """Write ``directory/<name>.key`` (public, 0644) and ``<name>.key_secret`` (0600); their paths. An existing
-    keypair is kept (AuthError) unless ``force``: overwriting a daemon's key locks every client out."""
+    keypair is kept (AuthError) unless ``force``: overwriting a daemon's key locks every client out. ``role``
+    (kvtier/auth/roles.py) is written into both files' metadata (``role = engine``), for the humans who copy
+    the public key into a daemon's authorized/<role>s/ and for the daemon, which refuses a key found in another
+    role's directory."""
     if not name or "/" in name or name.startswith("."):
         raise AuthError(f"key name {name!r}: use a plain file name such as 'server' or 'engine-3'")
     d = Path(directory)
@@ -50,9 +54,12 @@ def generate(directory: str | os.PathLike[str], name: str = "client", *, force: 
     try:
         secret.unlink(missing_ok=True)  # an existing file keeps its mode when rewritten
         public.unlink(missing_ok=True)
-        zmq.auth.create_certificates(str(d), name)
+        zmq.auth.create_certificates(str(d), name, metadata={"role": role} if role else None)
     finally:
         os.umask(old)
+    if role:  # zmq writes metadata into the secret file only; the public file is the one that travels
+        text = public.read_text()
+        public.write_text(text.replace("metadata\n", f"metadata\n    role = {role}\n", 1))
     public.chmod(0o644)
     secret.chmod(0o600)
     return public, secret
@@ -81,17 +88,6 @@ def load_public(path: str | os.PathLike[str]) -> bytes:
         raise AuthError(f"cannot read the CurveZMQ public key {path}: {e}") from None
 
 
-def load_authorized(directory: Path) -> set[bytes]:
-    """The public keys (z85) of every ``*.key`` file in ``directory``; AuthError when it is not a directory."""
-    if not directory.is_dir():
-        raise AuthError(f"{directory} is not a directory: it holds the public keys (*.key) of the clients a daemon "
-                        f"admits (create it, even empty)")
-    try:
-        return set(zmq.auth.load_certificates(str(directory)))
-    except (OSError, ValueError) as e:
-        raise AuthError(f"cannot read the authorized keys in {directory}: {e}") from None
-
-
 def endpoint_key_name(endpoint: str) -> str:
     """The per-endpoint server key file name: tcp://10.0.0.2:7400 -> 10.0.0.2_7400.key, ipc:///run/p.sock ->
     run_p.sock.key (the endpoint without its scheme, other characters as '_')."""
@@ -99,4 +95,4 @@ def endpoint_key_name(endpoint: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", rest).strip("_") + PUBLIC_SUFFIX
 
 
-__all__ = ["AuthError", "Keypair", "endpoint_key_name", "generate", "load_authorized", "load_keypair", "load_public"]
+__all__ = ["AuthError", "Keypair", "endpoint_key_name", "generate", "load_keypair", "load_public"]

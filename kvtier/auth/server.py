@@ -6,11 +6,13 @@
     ...
     auth.stop()                      # after the sockets are closed, before ctx.term()
 
-A client is admitted when its CURVE handshake proves it holds the secret half of a key in ``authorized/``;
-everything after the handshake is encrypted (tcp:// and ipc:// alike). A refused key is logged once a minute
-per key, with the file to add it to; a client without keys, or with another daemon's server key, fails the
-handshake before ZAP is asked, which ``watch`` logs from the socket's monitor. Neither reaches the daemon's
-request loop, so nothing a refused peer sends can hurt it. The key list is read at start: adding or
+A client is admitted when its CURVE handshake proves it holds the secret half of a key in ``authorized/`` (or
+one of its role directories, kvtier/auth/roles.py); everything after the handshake is encrypted (tcp:// and
+ipc:// alike). zmq tags every message of an admitted connection with the client's public key (its User-Id),
+and ``permissions(key)`` says what that key's roles allow: the daemons check it per op. A refused key is
+logged once a minute per key, with the directory to add it to; a client without keys, or with another
+daemon's server key, fails the handshake before ZAP is asked, which ``watch`` logs from the socket's monitor.
+Neither reaches the daemon's request loop, so nothing a refused peer sends can hurt it. The key list is read at start: adding or
 removing a client means restarting the daemon.
 
 Threads: the ZAP callback runs on the authenticator's thread, the monitor on one thread per watched socket.
@@ -30,7 +32,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from kvtier.auth.files import load_authorized, load_keypair
+from kvtier.auth.files import load_keypair
+from kvtier.auth.roles import RoleBook
 from kvtier.ratelog import RateLimitedLog
 
 log = logging.getLogger("kvtier.auth")
@@ -47,7 +50,8 @@ class ServerAuth:
     def __init__(self, directory: str | os.PathLike[str], count: Callable[[str], None] | None = None) -> None:
         self.directory = Path(directory)
         self.keys = load_keypair(self.directory / "server.key_secret")
-        self.authorized = load_authorized(self.directory / "authorized")
+        self.book = RoleBook.load(self.directory / "authorized")
+        self.authorized = self.book.keys()
         self.refused = 0
         self.handshake_failures = 0
         self._count = count
@@ -62,9 +66,14 @@ class ServerAuth:
         self._authenticator.start()
         self._authenticator.configure_curve_callback("*", self)
         if self.authorized:
-            log.info("CurveZMQ on: %d client keys admitted (%s/authorized)", len(self.authorized), self.directory)
+            log.info("CurveZMQ on: %d client keys admitted (%s; %s/authorized)", len(self.authorized),
+                     self.book.describe(), self.directory)
         else:
             log.warning("CurveZMQ on, but %s/authorized holds no *.key: no client can connect", self.directory)
+
+    def permissions(self, key: str) -> frozenset[str]:
+        """What the admitted key ``key`` (z85 text: a message's User-Id) may do (kvtier/auth/roles.py)."""
+        return self.book.permissions(key)
 
     def secure(self, sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a CURVE server (before it binds)."""
@@ -112,7 +121,8 @@ class ServerAuth:
             self._logged.add(key)
         kind = key.decode("ascii", "replace") if key in self._logged else "other"
         self._bad("refused:" + kind, logging.WARNING, "refused a client: CurveZMQ public key %s is not in %s "
-                  "(to admit it, copy its client.key there and restart)", kind, self.directory / "authorized")
+                  "(to admit it, copy its public key file into engines/, daemons/ or operators/ there, by its role, "
+                  "and restart)", kind, self.directory / "authorized")
         return False
 
     # ---- the monitor --------------------------------------------------------------------------------------

@@ -27,7 +27,11 @@ Inventories come from ``list_keys`` (tier name -> the keys it holds now) where t
 event cannot make it lie. That set costs ~100 B per key held; attach the agent before the store holds blocks
 (or pass them as ``initial``). With ``goodbye``, ``close`` tells the master the node is leaving, so its
 placements go at once instead of when its lease runs out (kvtier-pool does this on SIGTERM).
-``max_batch_keys`` and ``inventory_part_keys`` must not exceed the master's --max-batch-keys.
+``max_batch_keys`` and ``inventory_part_keys`` are lowered to the master's --max-batch-keys when it says so at
+registration. The incarnation is the node's proof of identity: the master lets only requests carrying it act
+as the node (a stranger can neither say goodbye for it nor register over it); while another registration of
+the same node id is live (this node restarted after a kill -9), registering is refused and retried until that
+registration's lease runs out.
 ``on_event`` and ``record_transfer`` are thread-safe; everything else is for the thread that owns the agent.
 """
 
@@ -267,6 +271,9 @@ class NodeAgent:
                                          self.labels))
         self.registered = True
         self.lease_s = reply.lease_s
+        if reply.max_batch_keys:
+            self.max_batch_keys = min(self.max_batch_keys, reply.max_batch_keys)
+            self.inventory_part_keys = min(self.inventory_part_keys, reply.max_batch_keys)
         self.counters["registrations"] += 1
         with self._cond:
             self.need_inventory = self.need_inventory or reply.resync

@@ -153,11 +153,13 @@ class NodeReply:
     lease_s: float | None = None
     hints_version: int | None = None
     next_part: int | None = None
+    max_batch_keys: int | None = None  # register: the most keys one events message or inventory part may carry
 
     @classmethod
     def from_wire(cls, b: Mapping[str, Any]) -> NodeReply:
         return cls(resync=bool(b.get("resync", False)), applied_seq=b.get("applied_seq"),
-                   lease_s=b.get("lease_s"), hints_version=b.get("hints_version"), next_part=b.get("next_part"))
+                   lease_s=b.get("lease_s"), hints_version=b.get("hints_version"), next_part=b.get("next_part"),
+                   max_batch_keys=b.get("max_batch_keys"))
 
 
 # ---- calls -----------------------------------------------------------------------------------------------
@@ -242,6 +244,12 @@ def priority(level: int, keys: KeysLike | None = None, session: str | None = Non
 
 def hints(since: int = -1) -> Call[Hints]:
     return Call(wire.HINTS, {"since": since}, Hints.from_wire)
+
+
+def forget(node: str) -> Call[bool]:
+    """An operator drops a node from the master now (made dead first if it is not): its placements, its record
+    on disk. True if the master knew it. Needs an operator key when the master requires keys."""
+    return Call(wire.FORGET, {"node": node}, lambda b: bool(b["forgotten"]))
 
 
 # Node side (kvtier.client.NodeAgent uses these; a benchmark or a custom node may too).

@@ -7,7 +7,8 @@
 Every call has a timeout (``timeout_s``); a call that times out raises MasterTimeout, and the sync client
 rebuilds its socket so the next call starts clean. zmq reconnects by itself when the master restarts on the
 same endpoint. A reply to an earlier, timed-out request is recognised by its req_id and dropped. An error
-reply raises MasterError with the daemon's code and message (MasterUnknownNode for ERR_UNKNOWN_NODE).
+reply raises MasterError with the daemon's code and message (MasterUnknownNode for ERR_UNKNOWN_NODE; an op
+the client's key has no role for is ERR_FORBIDDEN, its message naming the role it needs).
 
 With ``auth`` (kvtier.auth.ClientKeys, for a master started with --auth-dir) the socket is a CurveZMQ
 client. A master that refuses the keys, or wants keys the client lacks, stays silent: a timeout before any
@@ -174,6 +175,9 @@ class MasterClient:
     def hints(self, since: int = -1) -> Hints:
         return self.call(api.hints(since))
 
+    def forget(self, node: str) -> bool:
+        return self.call(api.forget(node))
+
 
 class AsyncMasterClient:
     """asyncio client for one event loop. Calls may overlap; each waits at most ``timeout_s``."""
@@ -277,6 +281,9 @@ class AsyncMasterClient:
 
     async def hints(self, since: int = -1) -> Hints:
         return await self.call(api.hints(since))
+
+    async def forget(self, node: str) -> bool:
+        return await self.call(api.forget(node))
 
 
 __all__ = ["AsyncMasterClient", "MasterClient", "MasterError", "MasterTimeout", "MasterUnknownNode"]

@@ -15,6 +15,7 @@ import sys
 
 import zmq
 
+from kvtier.auth.exposure import check_binds
 from kvtier.policies import make_policy
 from kvtier.pool.server import PoolServer
 from kvtier.pool.state import PoolSettings, block_size_problem
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "endpoint bound, with the host name for a wildcard address)")
     p.add_argument("--label", action="append", type=_label, default=[], help="key=value label for the master, "
                    "repeatable (role=pool is always set)")
+    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind or --stream without "
+                   "--auth-dir (anyone who reaches the ports may read, overwrite and clear blocks; logged as a "
+                   "warning)")
     p.add_argument("--workers", type=int, default=d.workers, help=f"request threads (default {d.workers})")
     p.add_argument("--shm-dir", default=d.shm_dir, help=f"where the shared DRAM file lives when an ipc endpoint "
                    f"is bound (default {d.shm_dir})")
@@ -86,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 raise ValueError(f"--block-bytes: {why}")
         make_policy(args.eviction, 1)  # a bad policy fails now, not at the first client's hello
+        binds = list(args.bind or PoolSettings().bind)
+        if args.stream not in ("auto", "off"):  # auto follows the tcp bind's host
+            binds.append(f"tcp://{args.stream}")
+        check_binds("kvtier-pool", binds, auth=bool(args.auth_dir), insecure=args.insecure_bind,
+                    log=logging.getLogger("kvtier.pool"))
         settings = PoolSettings(
             bind=tuple(args.bind or PoolSettings().bind), capacity=args.capacity, block_bytes=args.block_bytes,
             node_id=args.node_id, master=args.master, advertise=args.advertise, workers=args.workers,

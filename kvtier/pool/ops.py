@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
+from kvtier.auth.roles import ADMIN, DATA, READ
 from kvtier.hostcopy import copy_rows
 from kvtier.pool import protocol as P
 from kvtier.pool.state import PoolState
@@ -240,4 +241,11 @@ OPS: dict[str, Callable[[PoolState, Body, list[Any]], Reply]] = {
     P.RDMA_CONNECT: rdma_connect,
 }
 NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
+# What each op needs when the pool requires keys (kvtier/auth/roles.py; checked per message by kvtier/auth/
+# gate.py before a worker sees it): engines move blocks, only operators clear. hello needs DATA because its
+# reply carries the data port's token, which admits puts and gets.
+PERMISSIONS = {
+    P.HELLO: DATA, P.CONTAINS: READ, P.STATS: READ, P.REMOVE: DATA, P.PUT: DATA, P.GET: DATA, P.RESERVE: DATA,
+    P.COMMIT: DATA, P.ACQUIRE: DATA, P.RELEASE: DATA, P.RDMA_CONNECT: DATA, P.CLEAR: ADMIN,
+}
 

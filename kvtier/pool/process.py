@@ -87,9 +87,9 @@ class PoolDaemon:
 def _make_keys(directory: Path) -> Path:
     """A daemon keypair admitting one client keypair (README "Authenticated sockets"); the daemon's directory."""
     daemon, client = directory / "daemon", directory / "client"
-    generate(daemon, "server")
-    generate(client)
-    (daemon / "authorized").mkdir()
-    shutil.copy(client / "client.key", daemon / "authorized" / "client.key")
+    generate(daemon, "server", role="daemon")
+    generate(client, role="engine")
+    (daemon / "authorized" / "engines").mkdir(parents=True)
+    shutil.copy(client / "client.key", daemon / "authorized" / "engines" / "client.key")
     shutil.copy(daemon / "server.key", client / "server.key")
     return daemon

@@ -32,6 +32,7 @@ import zmq
 
 from kvtier import wire
 from kvtier.auth import ServerAuth
+from kvtier.auth.gate import RoleGate
 from kvtier.pool import ops
 from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
@@ -194,13 +195,23 @@ class PoolServer:
         ctl = self._ctx.socket(zmq.PAIR)
         ctl.connect(CONTROL)
         try:
-            zmq.proxy_steerable(frontend, backend, None, ctl)
+            if self.auth is not None:  # zmq's proxy drops the sender's key, which each op's role check needs
+                RoleGate(self.auth, ops.PERMISSIONS, self._refusal, self._refused).run(frontend, backend, ctl)
+            else:
+                zmq.proxy_steerable(frontend, backend, None, ctl)
         except zmq.ContextTerminated:
             pass
         finally:
             frontend.close(linger=0)
             backend.close(linger=0)
             ctl.close(linger=0)
+
+    def _refusal(self, req_id: int, err: WireError) -> bytes:
+        return wire.encode_reply(req_id, False, {"code": err.code, "message": err.message, "epoch": self.state.epoch})
+
+    def _refused(self, op: str, err: WireError) -> None:
+        self.state.count(error_forbidden=1)
+        self._bad("forbidden:" + op[:64], logging.WARNING, "bad request (op %s): %s", op[:64], err)
 
     def _work(self, index: int) -> None:
         sock = self._ctx.socket(zmq.DEALER)

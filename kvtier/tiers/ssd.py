@@ -45,6 +45,7 @@ from kvtier.hostcopy import copy_rows
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations, make_policy
 from kvtier.policies.guard import GuardedPolicy
+from kvtier.private import private_dir
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 from kvtier.tiers.ssd_index import DiskIndex, IndexFault
@@ -79,7 +80,7 @@ class DiskTier(WritePath):
             raise ValueError(f"direct_io must be auto, true or false, got {direct_io!r}")
         self.block_bytes = block_bytes
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path)  # segment files hold KV blocks (users' prompts), 0600 each (ssd_io.py)
         self._dir_lock = lock_directory(self.path)
         try:
             self.direct = self._choose_direct_io(direct_io)
@@ -242,6 +243,11 @@ class DiskTier(WritePath):
         os.close(self._dir_lock)
 
     # ---- beyond the protocol ---------------------------------------------------------------------------
+
+    def keys(self) -> list[bytes]:
+        """Every key held now, committed or queued for write-behind (a snapshot, as DramTier.keys)."""
+        with self._lock:
+            return [*self._slot_of, *(k for k in self._staged if k not in self._slot_of)]
 
     def put_later(self, keys: Sequence[bytes], blocks: Any, *, wait: bool) -> Future[list[bytes]] | None:
         """Copy blocks into staging memory now and write them in the background; the Future gives the keys

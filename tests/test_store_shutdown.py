@@ -1,0 +1,88 @@
+"""What reaches the SSD, in engine-like processes with a real DRAM tier over a real DiskTier (O_DIRECT where the
+file system has it): a clean close with the default ssd_offload on_evict writes DRAM's blocks down, so the next
+process finds them (bit-exact), within a bound it logs; a bound of 0 writes nothing and says what was lost
+(the negative control); and write_through stores on the SSD the whole batch a put offered, also the blocks
+DRAM had no room for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import blocks_for
+from kvtier import TieredStore
+from kvtier.keys import Namespace
+
+BB = 16 << 10
+KEYS = Namespace("shutdown-test").keys(range(400))
+
+ENGINE = r"""
+import logging, sys, torch
+sys.path.insert(0, sys.argv[3])
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+from conftest import blocks_for
+from kvtier import TieredStore
+from test_store_shutdown import BB, KEYS, config
+n = int(sys.argv[2])
+bound = {"close_timeout_s": float(sys.argv[4])} if sys.argv[4] else {}  # else the default
+s = TieredStore.from_config({**config(sys.argv[1]), **bound}, BB)
+assert s.put(KEYS[:n], blocks_for(KEYS[:n], BB)).stored == n
+assert sum(s.tiers[1].contains(KEYS[:n])) == 0  # nothing evicted: on_evict has written nothing yet
+s.close()
+"""
+
+
+def config(ssd: str) -> dict:
+    return {"dram_capacity": 64 * BB, "ssd_path": ssd, "ssd_capacity": 1024 * BB, "ssd_segment_bytes": "1MiB"}
+
+
+def engine(tmp_path, n: int, close_timeout_s: float | None = None) -> str:
+    """An engine-like process: puts ``n`` blocks, closes its store; its log."""
+    r = subprocess.run([sys.executable, "-c", ENGINE, str(tmp_path / "ssd"), str(n), str(Path(__file__).parent),
+                        "" if close_timeout_s is None else str(close_timeout_s)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_a_clean_close_writes_drams_blocks_to_the_ssd_and_the_next_process_finds_them(tmp_path):
+    log = engine(tmp_path, 48)
+    with TieredStore.from_config(config(str(tmp_path / "ssd")), BB) as s:
+        out = torch.zeros(48, BB, dtype=torch.uint8)
+        assert s.get(KEYS[:48], out) == [True] * 48
+        assert torch.equal(out, blocks_for(KEYS[:48], BB))
+        assert s.stats()["tiers"]["ssd"]["hits"] == 48
+    assert "close: wrote 48 DRAM blocks" in log and "to ssd" in log, log
+
+
+def test_a_close_bound_that_passes_loses_the_rest_and_says_so(tmp_path):
+    log = engine(tmp_path, 48, close_timeout_s=0.0)
+    assert "wrote 0 of 48 DRAM blocks" in log and "48 not written" in log, log
+    with TieredStore.from_config(config(str(tmp_path / "ssd")), BB) as s:
+        assert s.contains(KEYS[:48]) == [False] * 48
+
+
+def test_write_through_stores_the_whole_batch_on_the_ssd_not_only_what_dram_took(tmp_path):
+    cfg = {**config(str(tmp_path / "ssd")), "ssd_offload": "write_through", "dram_capacity": 128 * BB}
+    with TieredStore.from_config(cfg, BB) as s:
+        r = s.put(KEYS, blocks_for(KEYS, BB))  # 400 blocks into a DRAM of 128
+        assert r.stored == 128 and len(r.rejected) == 272
+        assert s.flush(30)
+        assert s.tiers[1].contains(KEYS) == [True] * 400
+        out = torch.zeros(400, BB, dtype=torch.uint8)
+        assert s.get(KEYS, out) == [True] * 400  # the DRAM rejects come back from the SSD
+        assert torch.equal(out, blocks_for(KEYS, BB))
+
+
+def test_blocks_dram_refuses_go_down_as_evictions_would_under_on_evict(tmp_path):
+    """DRAM full of pinned blocks: a put it cannot hold goes to the SSD (it would have been evicted at once)."""
+    with TieredStore.from_config(config(str(tmp_path / "ssd")), BB) as s:
+        s.put(KEYS[:64], blocks_for(KEYS[:64], BB))
+        s.pin(KEYS[:64])
+        r = s.put(KEYS[64:96], blocks_for(KEYS[64:96], BB))
+        assert r.stored == 0 and len(r.rejected) == 32
+        assert s.flush(30)
+        assert s.tiers[1].contains(KEYS[64:96]) == [True] * 32
+        s.unpin(KEYS[:64])
