@@ -219,3 +219,21 @@ def test_the_ssd_tier_learns_the_same_observations(tmp_path):
     finally:
         store.close()
         lru_ssd.close()
+
+
+class BadAdmission(LRUPolicy):
+    name = "bad-admission"
+
+    def admit(self, keys, free):
+        return [0, 0, 99]  # repeats a position, names one out of range
+
+
+def test_a_policy_answering_nonsense_to_admit_stores_the_batch(caplog):
+    t = DramTier(4 * BB, BB, policy=f"{__name__}:BadAdmission")
+    t.attach(PinTable(), None)
+    t.put(chain(1, 4), rows(4))
+    with caplog.at_level(logging.ERROR):
+        assert t.put(chain(2, 3), rows(3)) == [True] * 3  # full tier: admit is asked, its answer ignored
+        t.put(chain(3, 2), rows(2))
+    assert sum("storing whole batches" in r.getMessage() for r in caplog.records) == 1
+    assert t.stats().blocks == 4

@@ -89,6 +89,7 @@ class DramTier:
         self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
         self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
         self._declined = 0  # new blocks the policy's admission did not take
+        self._bad_admit = False  # logged once: the policy's admit answered nonsense
         log.info("DRAM tier: %d slots of %d B (%s), policy %s", num_slots, block_bytes, self._buffer, policy)
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
@@ -280,11 +281,15 @@ class DramTier:
     def _admitted(self, keys: Sequence[bytes], new: list[int]) -> list[int]:
         """The positions of ``new`` to store, root-most first, by the policy's ``admit`` (all of them in batch
         order where it has no view). Without ``admission`` the tier stores what the policy declines too, after
-        the rest. Positions a policy repeats or makes up are skipped."""
+        the rest. An answer that repeats or makes up a position counts as none: everything is stored."""
         order = self._policy.admit([keys[i] for i in new], self._alloc.free_count)
-        if order is None:
+        chosen = _positions(new, order) if order is not None else None
+        if chosen is None:
+            if order is not None and not self._bad_admit:
+                self._bad_admit = True
+                log.error("DRAM tier: policy %r answered admit with a position repeated or out of range (of %d "
+                          "new keys); storing whole batches whenever it does", self._policy.name, len(new))
             return new
-        chosen = _positions(new, order)
         if len(chosen) < len(new) and not self._admission:
             taken = set(chosen)
             chosen += [i for i in new if i not in taken]
@@ -336,15 +341,17 @@ class _RowViews(Sequence[torch.Tensor]):
         return self._rows[self._slots[i]]
 
 
-def _positions(new: list[int], order: Sequence[int]) -> list[int]:
-    """``new[j]`` for each j of a policy's answer, in its order; out-of-range or repeated answers are skipped."""
+def _positions(new: list[int], order: Sequence[int]) -> list[int] | None:
+    """``new[j]`` for each j of a policy's answer, in its order; None if the answer repeats a position or
+    names one out of range (a policy's bug: the tier logs it once and stores the whole batch)."""
     n = len(new)
     seen: set[int] = set()
     out = []
     for j in order:
-        if type(j) is int and 0 <= j < n and j not in seen:  # noqa: E721 - a bool is not a position
-            seen.add(j)
-            out.append(new[j])
+        if type(j) is not int or not 0 <= j < n or j in seen:  # noqa: E721 - a bool is not a position
+            return None
+        seen.add(j)
+        out.append(new[j])
     return out
 
 
