@@ -362,7 +362,8 @@ class TieredStore:
         extra = {"offload": self._offloads[0].stats(),  # the tier right under the top one
                  "offloads": {o.lower.name: o.stats() for o in self._offloads}} if self._offloads else {}
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
-                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}, **extra}
+                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers},
+                "observations": self.sessions.stats(), **extra}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish the async calls, write DRAM's blocks down (below), close every tier. Idempotent.

@@ -237,3 +237,13 @@ def test_a_policy_answering_nonsense_to_admit_stores_the_batch(caplog):
         t.put(chain(3, 2), rows(2))
     assert sum("storing whole batches" in r.getMessage() for r in caplog.records) == 1
     assert t.stats().blocks == 4
+
+
+def test_store_stats_report_what_was_observed():
+    store = TieredStore([dram(16)])
+    store.observe(arrivals=[Arrival("a1", chain(1, 3), session="agent-9")])
+    store.observe(arrivals=[Arrival("a2", chain(1, 5), session="agent-9"), Arrival("b1", chain(2, 2))],
+                  completions=[Completion("a1", stop="tool_use")])
+    obs = store.stats()["observations"]
+    assert (obs["arrivals"], obs["completions"], obs["hints"]) == (3, 1, 0)
+    assert obs["sessions"] == {"agent-9": {"turns": 2, "branch": "agent-9"}} and obs["agents"] == 2

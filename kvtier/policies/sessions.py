@@ -42,6 +42,8 @@ class SessionTracker:
         self._tail_of: dict[str, bytes] = {}  # agent -> that key
         self._requests: OrderedDict[str, str] = OrderedDict()  # request in flight -> agent
         self._branch: OrderedDict[str, str] = OrderedDict()  # client session -> its current branch (an agent)
+        self._turns: dict[str, int] = {}  # client session -> requests seen (bounded with _branch)
+        self.counts = {"arrivals": 0, "completions": 0, "hints": 0}
         self._next = 0
         self._lock = threading.Lock()
 
@@ -50,6 +52,10 @@ class SessionTracker:
         requests never seen (or forgotten) get session None: policies ignore them."""
         with self._lock:
             now = self.clock()
+            counts = self.counts
+            counts["arrivals"] += len(batch.arrivals)
+            counts["completions"] += len(batch.completions)
+            counts["hints"] += len(batch.hints)
             arrivals = [self._arrival(a, now) for a in batch.arrivals]
             completions = [self._completion(c, now) for c in batch.completions]
             hints = [self._hint(h, now) for h in batch.hints]
@@ -58,6 +64,15 @@ class SessionTracker:
     def __len__(self) -> int:
         """Agents remembered."""
         return len(self._tail_of)
+
+    def stats(self, sessions: int = 256) -> dict[str, object]:
+        """Counts of what was observed, agents and requests remembered, and the ``sessions`` most recently
+        active client sessions: requests seen (``turns``) and current branch (``TieredStore.stats()``
+        reports this under ``"observations"``)."""
+        with self._lock:
+            recent = list(self._branch.items())[-sessions:]
+            return {**self.counts, "agents": len(self._tail_of), "requests": len(self._requests),
+                    "sessions": {s: {"turns": self._turns.get(s, 0), "branch": b} for s, b in reversed(recent)}}
 
     @property
     def requests(self) -> int:
@@ -98,8 +113,9 @@ class SessionTracker:
             agent = session if agent is None else f"{session}#{self._next}"
         branch[session] = agent
         branch.move_to_end(session)
+        self._turns[session] = self._turns.get(session, 0) + 1
         while len(branch) > self.max_agents:
-            branch.popitem(last=False)
+            self._turns.pop(branch.popitem(last=False)[0], None)
         return agent
 
     def _set_tail(self, agent: str, key: bytes) -> None:
