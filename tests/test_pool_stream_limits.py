@@ -1,6 +1,8 @@
-"""The pool's raw TCP data port under idle and slow peers (a real kvtier-pool): connections beyond the limit are
-refused with a log line, and a peer that starts a message and then trickles bytes is dropped at the message's
-deadline, so neither can pin the daemon's threads; the pool keeps serving real clients."""
+"""The pool's raw TCP data port under idle and slow peers (a real kvtier-pool): connections that never send a
+request hold no thread and are closed after the handshake time; admitted connections are capped (the one idle
+the longest makes room, a newcomer is refused only when all are mid-message, with a log line); a peer that
+starts a message and then trickles bytes is dropped at the message's deadline. None can pin the daemon's
+threads, and the pool keeps serving real clients."""
 
 from __future__ import annotations
 
@@ -66,24 +68,57 @@ def round_trip(endpoint: str, keys: list[bytes]) -> bool:
         c.close()
 
 
-def test_connections_beyond_the_limit_are_refused(tmp_path, make_keys):
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB) as p:
+def mid_message(port: int, n: int) -> list[socket.socket]:
+    """``n`` admitted connections stuck inside a message: a header promising 1000 bytes, then nothing."""
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
+    for c in socks:
+        c.sendall(struct.pack("<I", 1000) + b"\x93")
+    return socks
+
+
+def test_connections_that_never_send_hold_no_thread_and_are_closed_after_the_handshake_time(tmp_path, make_keys):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--handshake-s", "1")) as p:
         port = data_port(p.tcp)
         base = threads_of(p.proc.pid)
-        extra = 40
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + extra)]
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 40)]
         try:
-            # The extra ones are closed by the pool at once; the ones within the limit stay open (idle).
-            assert until(lambda: closed_by_peer(socks) >= extra)
-            assert closed_by_peer(socks) == extra
-            assert threads_of(p.proc.pid) <= base + MAX_CONNECTIONS
-            assert until(lambda: "refused" in p.log() and "max_connections" in p.log())
+            assert threads_of(p.proc.pid) <= base + 2  # pending: no thread each
+            assert round_trip(p.tcp, make_keys(4))  # and nobody is locked out meanwhile
+            assert until(lambda: closed_by_peer(socks) == len(socks), timeout=10)
         finally:
             for s in socks:
                 s.close()
-        # Their threads end with them, and a real client is served again.
-        assert until(lambda: threads_of(p.proc.pid) <= base + 2)
-        assert until(lambda: round_trip(p.tcp, make_keys(4)))
+        assert until(lambda: "nothing within 1 s" in p.log())
+
+
+def test_admitted_connections_are_capped_and_the_one_idle_the_longest_makes_room(tmp_path, make_keys):
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "3")) as p:
+        port = data_port(p.tcp)
+        base = threads_of(p.proc.pid)
+        busy = mid_message(port, 3)
+        try:
+            assert until(lambda: threads_of(p.proc.pid) >= base + 3)
+            assert not round_trip(p.tcp, make_keys(4))  # all three mid-message: a newcomer is refused
+            assert until(lambda: "refused" in p.log() and "max_connections" in p.log())
+            assert threads_of(p.proc.pid) <= base + 3
+        finally:
+            for s in busy:
+                s.close()
+        assert until(lambda: threads_of(p.proc.pid) <= base + 1)
+        # Idle admitted connections (a client's pooled sockets) make room for a newcomer instead.
+        clients = [connect(p.tcp, BB, transport="stream", timeout_s=5.0) for _ in range(3)]
+        try:
+            for i, c in enumerate(clients):
+                keys = make_keys(2, start=10 * i)
+                data = blocks_for(keys, BB)
+                assert all(c.put(keys, block_rows(data, 2, BB).ptrs))  # each leaves an idle data socket
+            assert round_trip(p.tcp, make_keys(4, start=100))  # admitted: the oldest idle one was closed
+            keys = make_keys(2)
+            out = torch.zeros(2, BB, dtype=torch.uint8)  # the client whose socket went opens a fresh one
+            assert all(clients[0].get(keys, block_rows(out, 2, BB, writable=True).ptrs))
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_a_peer_trickling_a_message_is_dropped_at_its_deadline(tmp_path, make_keys):
@@ -136,7 +171,7 @@ def test_a_data_socket_the_pool_dropped_while_idle_is_replaced_not_a_failed_requ
 def test_the_connection_limit_is_an_operator_setting(tmp_path):
     with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "3")) as p:
         port = data_port(p.tcp)
-        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+        socks = mid_message(port, 5)
         try:
             assert until(lambda: closed_by_peer(socks) >= 2)
             assert closed_by_peer(socks) == 2

@@ -1,23 +1,31 @@
 """StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client and the framing).
 
-One thread per data connection, blocking I/O with a timeout, and bounded so that idle or slow peers cannot
-exhaust the daemon:
+Connections go through two stages, counted and limited apart, so idle or unauthenticated peers cannot lock
+honest clients out:
 
-* at most ``max_connections`` data connections at once; one more is accepted and closed at once, with a log
-  line (clients see a failed request: a miss, and the pool's back-off);
-* each socket operation makes progress within ``timeout_s`` (an idle connection is closed after that long);
-* each message, from its first byte to the end of its reply, finishes within ``message_timeout_s``: a peer
-  that sends a header and then trickles a byte at a time has its connection shut down by the watchdog.
+* **pending**: accepted, not yet admitted. The accept thread holds them in a selector (no thread each) until
+  they show they are clients: with ``tokens`` (a pool with --auth-dir) a connection's first TOKEN_BYTES bytes
+  must be a token the pool handed out at hello (kvtier/auth/tokens.py); without, its first byte of a request
+  admits it. A pending connection that has not done so within ``handshake_s`` is closed (counted as
+  ``stream_pending_timeouts``), a wrong token too (``stream_auth_refused``), and when ``max_pending`` are
+  pending the oldest is closed to make room (``stream_pending_dropped``): a flood of idle connections
+  displaces itself, while a client that sends at once is admitted in microseconds.
+* **admitted**: at most ``max_connections`` at once, one thread each. When all are taken, the one idle the
+  longest (between messages) is closed to make room (clients replace a connection the pool closed while idle
+  before their next request); only when every one is inside a message is a newcomer refused
+  (``stream_refused``). An admitted connection idle for ``timeout_s`` is closed.
+
+Each message, from its first byte to the end of its reply, ends within ``message_timeout_s``: every socket
+operation waits at most what is left of that deadline (kvtier/transport/stream.py), so a peer that trickles
+bytes is cut off on time. An envelope is received as its bytes arrive, at most the pool's largest request,
+and its memory is charged to the pool's memory budget; its reservations and acquisitions to the held budget,
+within the client's quota (keys past it: not stored / a miss). Clients are known by their IP address here.
 
 Only the two data ops come here:
 
     put: reserve slots, then recv_into() the payload straight into them, run by run (bytes for keys the pool
          already holds go to a scratch buffer), commit; reply {held}
     get: acquire, reply {hit}, then sendmsg() straight from the slots; release
-
-With ``tokens`` (a pool with --auth-dir), a connection's first TOKEN_BYTES bytes must be a token the pool
-handed out at hello (kvtier/auth/tokens.py), within TOKEN_DEADLINE_S; otherwise it is closed unanswered and
-counted (``stream_auth_refused``). The bytes that follow are not encrypted.
 
 Anything else, or a bad request, gets an error reply (kvtier.wire's codes and envelope) and the connection is
 closed: a byte stream cannot be resynchronised after a message it did not fully read.
@@ -26,16 +34,24 @@ closed: a byte stream cannot be resynchronised after a message it did not fully 
 from __future__ import annotations
 
 import logging
+import selectors
+from collections.abc import Iterator
+from contextlib import contextmanager
 import socket
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtier import wire
 from kvtier.auth import TOKEN_BYTES, DataTokens
+from kvtier.keys import KEY_BYTES
 from kvtier.pool import protocol as P
+from kvtier.pool.budget import Budget
+from kvtier.pool.clients import Client
 from kvtier.pool.ops import check_fits
 from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
@@ -45,47 +61,68 @@ from kvtier.wire import WireError
 
 log = logging.getLogger("kvtier.pool")
 
-SCRATCH_BYTES = 4 << 20
-# Data connections at once: a few lanes per engine process, for a node's worth of engines.
+SCRATCH_BYTES = 4 << 20  # one buffer for every connection: bytes of keys already held are dropped into it
 MAX_CONNECTIONS = PoolSettings.stream_max_connections
-WATCHDOG_S = 0.2  # how often the accept thread looks for messages past their deadline
-TOKEN_DEADLINE_S = 2.0  # a data connection presents its token within this long of being accepted, or is closed
+SWEEP_S = 0.1  # how often the accept thread looks for pending connections past their deadline
+ENVELOPE_SLACK = 64 << 10  # an envelope: its keys and a few small fields
+
+
+@dataclass
+class _Pending:
+    sock: socket.socket
+    peer: Any
+    since: float
+    token: bytearray
+
+
+class _Admitted:
+    __slots__ = ("sock", "peer", "busy", "idle_since")
+
+    def __init__(self, sock: socket.socket, peer: Any) -> None:
+        self.sock, self.peer, self.busy, self.idle_since = sock, peer, False, time.monotonic()
 
 
 class StreamServer:
     """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything.
-    ``timeout_s``: the longest a socket operation may wait without progress; ``message_timeout_s`` (default
-    ``timeout_s``): the longest one message may take; ``max_connections``: data connections served at once.
-    Its threads are its own (one accepting and watching deadlines, one per connection)."""
+    ``timeout_s``: how long an admitted connection may sit idle; ``message_timeout_s`` (default ``timeout_s``):
+    the longest one message may take; ``max_connections`` / ``max_pending``: admitted / pending at once;
+    ``handshake_s``: how long a pending connection gets. Its threads are its own (one accepting and admitting,
+    one per admitted connection)."""
 
     def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0, *,
                  message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS,
-                 tokens: DataTokens | None = None) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+                 max_pending: int = 1024, handshake_s: float = 2.0, tokens: DataTokens | None = None) -> None:
+        if max_connections < 1 or max_pending < 1:
+            raise ValueError(f"max_connections and max_pending must be >= 1, got {max_connections}, {max_pending}")
         self.state = state
         self.timeout_s = timeout_s
         self.message_timeout_s = timeout_s if message_timeout_s is None else message_timeout_s
-        self.max_connections = max_connections
+        self.max_connections, self.max_pending, self.handshake_s = max_connections, max_pending, handshake_s
         self.tokens = tokens
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
-        self._listener.settimeout(WATCHDOG_S)
+        self.max_envelope = state.settings.max_keys * KEY_BYTES + ENVELOPE_SLACK
+        self._listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._conns: dict[socket.socket, float] = {}  # connection -> when its message in progress began (0: idle)
-        self._lock = threading.Lock()
+        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
+        self._admitted: dict[socket.socket, _Admitted] = {}
+        self._lock = threading.Lock()  # _admitted
+        self._selector = selectors.DefaultSelector()
         self._stop = threading.Event()
         self._bad = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._accept, name="kvtier-pool-stream", daemon=True)
         self._memory: tuple[int, memoryview] | None = None  # (base address, the DRAM buffer as bytes)
+        self._scratch = np.empty(0, np.uint8)  # allocated at the first put that needs it
 
-    def _slots(self, tier: Any, starts: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
-        """Views of the tier's buffer at absolute addresses (slicing one memoryview: cheap per block)."""
-        if self._memory is None or self._memory[0] != tier.buffer.ptr:
-            self._memory = (tier.buffer.ptr, memoryview(tier.buffer.tensor.numpy()))
-        base, mv = self._memory
-        return [mv[a - base : a - base + n] for a, n in zip(starts.tolist(), lengths.tolist())]
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def admitted(self) -> int:
+        return len(self._admitted)
 
     def start(self) -> int:
+        self._selector.register(self._listener, selectors.EVENT_READ)
         self._thread.start()
         return self.port
 
@@ -93,94 +130,182 @@ class StreamServer:
         self._stop.set()
         self._thread.join(5.0)
         self._listener.close()
+        for p in list(self._pending.values()):
+            p.sock.close()
+        self._pending.clear()
         with self._lock:
-            for c in self._conns:
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            for c in self._admitted:
+                _shutdown(c)
+
+    # ---- accepting and admitting (the accept thread) ---------------------------------------------------------
 
     def _accept(self) -> None:
         swept = time.monotonic()
         while not self._stop.is_set():
-            if time.monotonic() - swept >= WATCHDOG_S:
-                self._drop_overdue()
+            for key, _ in self._selector.select(SWEEP_S):
+                if key.fileobj is self._listener:
+                    self._take_new()
+                else:
+                    self._on_pending(key.fileobj)  # type: ignore[arg-type]
+            if time.monotonic() - swept >= SWEEP_S:
+                self._sweep()
                 swept = time.monotonic()
+        for p in list(self._pending):
+            self._drop_pending(p)
+
+    def _take_new(self) -> None:
+        for _ in range(256):
             try:
                 conn, peer = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:  # out of descriptors, an aborted handshake: the port must keep accepting
-                if self._stop.is_set():
-                    return
-                self._bad("stream-accept", logging.WARNING, "data port: accept failed (%s); retrying", e)
-                self._stop.wait(WATCHDOG_S)
-                continue
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns[conn] = 0.0
-            if full:
-                conn.close()
-                self.state.count(stream_refused=1)
-                self._bad("stream-full", logging.WARNING, "data connection from %s refused: %d connections open, "
-                          "the limit (max_connections)", peer, self.max_connections)
-                continue
-            conn.settimeout(self.timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                threading.Thread(target=self._serve, args=(conn, peer), name="kvtier-pool-stream-conn",
-                                 daemon=True).start()
-            except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
-                with self._lock:
-                    self._conns.pop(conn, None)
-                conn.close()
-                self.state.count(stream_refused=1)
-                self._bad("stream-thread", logging.WARNING, "data connection from %s refused: %s", peer, e)
-
-    def _drop_overdue(self) -> None:
-        """Shut down connections whose message in progress is past its deadline (its thread then sees the end
-        of the stream and exits): a peer trickling bytes makes progress, so the socket timeout never fires."""
-        now = time.monotonic()
-        with self._lock:
-            overdue = [c for c, began in self._conns.items() if began and now - began > self.message_timeout_s]
-        for c in overdue:
-            self.state.count(stream_overdue=1)
-            self._bad("stream-overdue", logging.WARNING, "data connection from %s dropped: a message not done "
-                      "within %g s", _peer(c), self.message_timeout_s)
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._began(c, 0.0)  # dropped once: its thread ends at the shutdown
-
-    def _began(self, conn: socket.socket, when: float) -> None:
-        with self._lock:
-            if conn in self._conns:
-                self._conns[conn] = when
-
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        scratch = np.empty(0, np.uint8)
-        try:
-            if self.tokens is not None and not self._admit(conn, peer, self.tokens):
+            except BlockingIOError:
                 return
+            except OSError as e:  # out of descriptors, an aborted handshake: the port must keep accepting
+                self._bad("stream-accept", logging.WARNING, "data port: accept failed (%s); retrying", e)
+                return
+            if len(self._pending) >= self.max_pending:  # make room: the oldest pending goes
+                oldest = next(iter(self._pending))
+                self.state.count(stream_pending_dropped=1)
+                self._bad("stream-pending-full", logging.WARNING, "data port: %d connections pending (none has "
+                          "sent a request or token yet); dropping the oldest", self.max_pending)
+                self._drop_pending(oldest)
+            conn.setblocking(False)
+            self._pending[conn] = _Pending(conn, peer, time.monotonic(), bytearray())
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _on_pending(self, conn: socket.socket) -> None:
+        p = self._pending.get(conn)
+        if p is None:
+            return
+        if self.tokens is None:  # no token to check: a first byte (peeked, left for the thread) admits it
+            try:
+                first = conn.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                first = b""
+            if not first:
+                self._drop_pending(conn)
+                return
+            self._admit(p)
+            return
+        try:
+            got = conn.recv(TOKEN_BYTES - len(p.token))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            got = b""
+        if not got:
+            self._refuse_token(p, "closed before sending a whole token")
+            return
+        p.token += got
+        if len(p.token) < TOKEN_BYTES:
+            return
+        if not self.tokens.check(bytes(p.token)):
+            self._refuse_token(p, "a wrong token")
+            return
+        self._admit(p)
+
+    def _refuse_token(self, p: _Pending, why: str) -> None:
+        self.state.count(stream_auth_refused=1)
+        self._bad("stream-auth", logging.WARNING, "data connection from %s refused: %s (a client says hello over "
+                  "the CurveZMQ port first; its token opens a data connection)", p.peer, why)
+        self._drop_pending(p.sock)
+
+    def _sweep(self) -> None:
+        """Pending connections past ``handshake_s`` are closed; so are admitted ones idle past ``timeout_s``."""
+        now = time.monotonic()
+        for conn in [c for c, p in self._pending.items() if now - p.since > self.handshake_s]:
+            p = self._pending[conn]
+            self.state.count(stream_pending_timeouts=1)
+            if self.tokens is not None:
+                self.state.count(stream_auth_refused=1)
+            self._bad("stream-pending", logging.INFO, "data connection from %s closed: nothing%s within %g s",
+                      p.peer, " (no token)" if self.tokens is not None else "", self.handshake_s)
+            self._drop_pending(conn)
+        with self._lock:
+            idle = [a for a in self._admitted.values() if not a.busy and now - a.idle_since > self.timeout_s]
+        for a in idle:
+            _shutdown(a.sock)  # its thread sees the end of the stream and exits
+
+    def _drop_pending(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        try:
+            self._selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _admit(self, p: _Pending) -> None:
+        self._pending.pop(p.sock, None)
+        self._selector.unregister(p.sock)
+        conn = p.sock
+        with self._lock:
+            if len(self._admitted) >= self.max_connections:
+                idle = [a for a in self._admitted.values() if not a.busy]
+                if idle:  # the one idle the longest makes room (its client opens a fresh one when it needs it)
+                    victim = min(idle, key=lambda a: a.idle_since)
+                    victim.busy = True  # being closed: not a victim twice
+                    _shutdown(victim.sock)
+                    self.state.count(stream_idle_closed=1)
+                else:
+                    conn.close()
+                    self.state.count(stream_refused=1)
+                    self._bad("stream-full", logging.WARNING, "data connection from %s refused: all %d are in "
+                              "the middle of a message (max_connections)", p.peer, self.max_connections)
+                    return
+            a = self._admitted[conn] = _Admitted(conn, p.peer)
+        conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            threading.Thread(target=self._serve, args=(a,), name="kvtier-pool-stream-conn", daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
+            with self._lock:
+                self._admitted.pop(conn, None)
+            conn.close()
+            self.state.count(stream_refused=1)
+            self._bad("stream-thread", logging.WARNING, "data connection from %s refused: %s", p.peer, e)
+
+    # ---- an admitted connection (its own thread) -------------------------------------------------------------
+
+    def _serve(self, a: _Admitted) -> None:
+        conn, peer = a.sock, a.peer
+        client = Client("", str(peer[0]) if isinstance(peer, tuple) else str(peer))
+        try:
             while not self._stop.is_set():
                 req_id = 0
                 try:
-                    self._began(conn, 0.0)
-                    if not conn.recv(1, socket.MSG_PEEK):  # idle until a message's first byte
-                        return
-                    self._began(conn, time.monotonic())
-                    envelope = read_envelope(conn)
-                    if envelope is None:
-                        return
-                    req_id, op, body = wire.decode_request(envelope)
+                    with self._lock:
+                        a.busy, a.idle_since = False, time.monotonic()
+                    conn.settimeout(self.timeout_s)
+                    try:
+                        if not conn.recv(1, socket.MSG_PEEK):  # idle until a message's first byte
+                            return
+                    except socket.timeout:
+                        return  # idle for timeout_s: closed (the client opens a fresh one when it needs it)
+                    with self._lock:
+                        if a.busy:  # chosen to make room while idle: already shut down
+                            return
+                        a.busy = True
+                    deadline = time.monotonic() + self.message_timeout_s
+                    charged = [0]
+
+                    def charge(n: int) -> bool:
+                        if not self.state.memory.take(client.account, n):
+                            return False
+                        charged[0] += n
+                        return True
+                    try:
+                        envelope = read_envelope(conn, deadline=deadline, max_bytes=self.max_envelope, charge=charge)
+                        if envelope is None:
+                            return
+                        req_id, op, body = wire.decode_request(envelope)
+                        del envelope
+                    finally:
+                        self.state.memory.give(client.account, charged[0])
                     if op == P.PUT:
-                        if scratch.size == 0:
-                            scratch = np.empty(SCRATCH_BYTES, np.uint8)
-                        self._put(conn, req_id, body, scratch)
+                        self._put(conn, client, req_id, body, deadline)
                     elif op == P.GET:
-                        self._get(conn, req_id, body)
+                        self._get(conn, client, req_id, body, deadline)
                     else:
                         raise WireError(wire.ERR_UNKNOWN_OP, f"op {op[:64]!r} is not served on the data port "
                                                              f"(only {P.PUT}, {P.GET}; the rest go to zmq)")
@@ -189,65 +314,78 @@ class StreamServer:
                     self._bad(e.code, logging.WARNING, "bad request on the data port from %s: %s", peer, e)
                     send_message(conn, wire.encode_reply(req_id or wire.salvage_req_id(e), False,
                                                          {"code": e.code, "message": e.message,
-                                                          "epoch": self.state.epoch}))
+                                                          "epoch": self.state.epoch}),
+                                 deadline=time.monotonic() + min(1.0, self.message_timeout_s))
                     return  # the rest of the stream cannot be trusted
-        except (OSError, ConnectionError) as e:  # a client gone or silent: its connection ends, the pool goes on
+        except socket.timeout:
+            self.state.count(stream_overdue=1)
+            self._bad("stream-overdue", logging.WARNING, "data connection from %s dropped: a message not done "
+                      "within %g s, or idle for %g s", peer, self.message_timeout_s, self.timeout_s)
+        except (OSError, ConnectionError) as e:  # a client gone: its connection ends, the pool goes on
             self._bad("stream-io", logging.INFO, "data connection from %s ended: %s", peer, e)
         except Exception:
             self._bad("stream-internal", logging.ERROR, "internal error on the data port", exc_info=True)
         finally:
             with self._lock:
-                self._conns.pop(conn, None)
+                self._admitted.pop(conn, None)
             conn.close()
 
-    def _admit(self, conn: socket.socket, peer: Any, tokens: DataTokens) -> bool:
-        """Read the connection's token (all of it within TOKEN_DEADLINE_S: a peer trickling bytes gets no
-        longer); whether it is one the pool issued. Refused connections are counted and logged."""
-        token = bytearray(TOKEN_BYTES)
-        got, deadline, why = 0, time.monotonic() + TOKEN_DEADLINE_S, ""
-        try:
-            while got < TOKEN_BYTES:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    why = f"no token within {TOKEN_DEADLINE_S:g} s"
-                    break
-                conn.settimeout(left)
-                k = conn.recv_into(memoryview(token)[got:])
-                if not k:
-                    why = "closed before sending a whole token"
-                    break
-                got += k
-        except socket.timeout:
-            why = f"no token within {TOKEN_DEADLINE_S:g} s"
-        finally:
-            conn.settimeout(self.timeout_s)
-        if not why and tokens.check(bytes(token)):
-            return True
-        self.state.count(stream_auth_refused=1)
-        self._bad("stream-auth", logging.WARNING, "data connection from %s refused: %s (a client says hello over "
-                  "the CurveZMQ port first; its token opens a data connection)", peer, why or "a wrong token")
-        return False
+    def _slots(self, tier: Any, starts: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
+        """Views of the tier's buffer at absolute addresses (slicing one memoryview: cheap per block)."""
+        if self._memory is None or self._memory[0] != tier.buffer.ptr:
+            self._memory = (tier.buffer.ptr, memoryview(tier.buffer.tensor.numpy()))
+        base, mv = self._memory
+        return [mv[a - base : a - base + n] for a, n in zip(starts.tolist(), lengths.tolist())]
 
-    def _put(self, conn: socket.socket, req_id: int, body: dict[str, Any], scratch: np.ndarray) -> None:
+    def _put(self, conn: socket.socket, client: Client, req_id: int, body: dict[str, Any], deadline: float) -> None:
         st = self.state
-        tier = st.tier_for(body)
+        tier = st.tier_for(body, stores=True)
         keys = st.keys(body)
         bb = tier.block_bytes
         check_fits(len(keys), bb, tier.capacity_bytes)
-        res = tier.reserve(keys)
+        ask, nbytes = self._room(client, keys, ~np.asarray(tier.contains(keys), dtype=bool), bb, deadline)
+        try:
+            res = st.reserve(tier, [keys[i] for i in ask])
+        except BaseException:
+            st.held.give(client.account, nbytes)
+            raise
         ok = False
         try:
+            held = np.zeros(len(keys), dtype=bool)
+            held[ask] = res.held
             target = np.full(len(keys), -1, dtype=np.int64)  # where each block's bytes go: a slot, or scratch
-            target[res.index] = res.addresses.astype(np.int64)
-            self._receive(conn, tier, target, scratch)
+            if res.slots:
+                target[ask[np.asarray(res.index, dtype=np.int64)]] = res.addresses.astype(np.int64)
+            self._receive(conn, tier, target, deadline)
             ok = True
         finally:
             tier.commit(res, success=ok)
+            st.held.give(client.account, nbytes)
         st.emit("stored", res.keys)
-        st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * bb)
-        send_message(conn, wire.encode_reply(req_id, True, {"held": P.bitmap(res.held), "epoch": st.epoch}))
+        st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * bb, bytes_in_stream=len(keys) * bb)
+        send_message(conn, wire.encode_reply(req_id, True, {"held": P.bitmap(held), "epoch": st.epoch}),
+                     deadline=deadline)
 
-    def _receive(self, conn: socket.socket, tier: Any, target: np.ndarray, scratch: np.ndarray) -> None:
+    def _room(self, client: Client, keys: list[bytes], costs: np.ndarray, bb: int, deadline: float
+              ) -> tuple[np.ndarray, int]:
+        """The keys a put/get may act on and the held bytes taken for them: slots for at most the client's share
+        of the held budget (past it: not stored / a miss), waiting until the message's deadline for its
+        earlier requests to give room back (ERR_BUSY if they do not)."""
+        st = self.state
+        costly = np.flatnonzero(costs)
+        keep = np.ones(len(keys), dtype=bool)
+        most = st.held.per_account // bb
+        if len(costly) > most:
+            keep[costly[most:]] = False
+            st.count(quota_refused_blocks=len(costly) - most)
+            costly = costly[:most]
+        nbytes = len(costly) * bb
+        if not st.held.wait_take(client.account, nbytes, deadline):
+            raise WireError(P.ERR_BUSY, f"this client holds its share of the pool ({st.held.per_account} B) "
+                                        "and did not give any back in time")
+        return np.flatnonzero(keep), nbytes
+
+    def _receive(self, conn: socket.socket, tier: Any, target: np.ndarray, deadline: float) -> None:
         """Receive len(target) blocks: into slot addresses where target >= 0, into scratch (dropped) elsewhere."""
         bb = tier.block_bytes
         n = len(target)
@@ -261,34 +399,50 @@ class StreamServer:
             if into_slot:
                 views += self._slots(tier, target[s : s + 1], np.array([c * bb]))
                 continue
-            recv_views(conn, views)  # what came before, then the dropped bytes through the scratch buffer
+            recv_views(conn, views, deadline=deadline)  # what came before, then the dropped bytes via scratch
             views = []
+            if self._scratch.size == 0:
+                self._scratch = np.empty(SCRATCH_BYTES, np.uint8)  # shared: its contents are never read
             left = c * bb
             while left:
-                k = min(left, scratch.size)
-                recv_exact(conn, memoryview(scratch)[:k])
+                k = min(left, self._scratch.size)
+                recv_exact(conn, memoryview(self._scratch)[:k], deadline=deadline)
                 left -= k
-        recv_views(conn, views)
+        recv_views(conn, views, deadline=deadline)
 
-    def _get(self, conn: socket.socket, req_id: int, body: dict[str, Any]) -> None:
+    def _get(self, conn: socket.socket, client: Client, req_id: int, body: dict[str, Any], deadline: float) -> None:
         t0 = time.perf_counter()
         st = self.state
         tier = st.tier_for(body)
         keys = st.keys(body)
         bb = tier.block_bytes
-        with tier.acquire(keys) as addresses:
+        ask, held = self._room(client, keys, np.asarray(tier.contains(keys), dtype=bool), bb, deadline)
+        with _giving_back(st.held, client.account, held), tier.acquire([keys[i] for i in ask]) as got:
+            addresses: list[int | None] = [None] * len(keys)
+            for i, addr in zip(ask.tolist(), got):
+                addresses[i] = addr
             hit = [a is not None for a in addresses]
             rows = np.fromiter((a for a in addresses if a is not None), dtype=np.uint64)
+            nbytes = len(rows) * bb
             spans = F.runs(rows, bb, max_bytes=1 << 30)
             views = self._slots(tier, np.array([a for a, _ in spans], np.int64), np.array([c * bb for _, c in spans]))
-            send_message(conn, wire.encode_reply(req_id, True, {"hit": P.bitmap(hit), "epoch": st.epoch}), views)
-        st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=len(rows) * bb)
-        if len(rows) * bb >= 1 << 20:  # smaller gets are all latency: they say nothing about bandwidth
-            st.record_read(len(rows) * bb, time.perf_counter() - t0)
+            send_message(conn, wire.encode_reply(req_id, True, {"hit": P.bitmap(hit), "epoch": st.epoch}), views,
+                         deadline=deadline)
+        st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=nbytes, bytes_out_stream=nbytes)
+        if nbytes >= 1 << 20:  # smaller gets are all latency: they say nothing about bandwidth
+            st.record_read(nbytes, time.perf_counter() - t0)
 
 
-def _peer(conn: socket.socket) -> Any:
+@contextmanager
+def _giving_back(budget: Budget, account: str, nbytes: int) -> Iterator[None]:
     try:
-        return conn.getpeername()
+        yield
+    finally:
+        budget.give(account, nbytes)
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
     except OSError:
-        return "a gone peer"
+        pass

@@ -130,6 +130,8 @@ class PoolTier:
         self._stats = TierStats(self.name, 0, 0, 0)
         self._recent = _Recent()
         self._bad = RateLimitedLog(log, 10.0)
+        self._no_pool_blocks = 0  # blocks a put had no pool for (none registered, listed or up)
+        self._no_pool = False  # the last put found no pool at all
         self._closed = False
 
     @classmethod
@@ -228,6 +230,7 @@ class PoolTier:
         staged = self._writer.counts if self._writer is not None else {}
         s.extra = {"pools": {p.endpoint: {"transport": p.conn.transport if p.conn else None, "up": p.up(),
                                           "last_error": p.last_error} for p in pools},
+                   "no_pool": self._no_pool, "no_pool_blocks": self._no_pool_blocks,
                    "write_behind": dict(staged), **({"route": route} if (route := self.route.stats()) else {})}
         return s
 
@@ -267,6 +270,7 @@ class PoolTier:
         except PoolError as e:
             self._bad("place", logging.WARNING, "pool put of %d blocks not placed: %s", len(keys), e)
             where = [None] * len(keys)
+        self._placed(sum(w is None for w in where), len(keys))
         held = [bool(h) for h in self._per_pool(keys, where, lambda conn, ks, idx: conn.put(ks, ptrs[idx]), "put")]
         self._recent.add([k for k, h in zip(keys, held) if h])
         self._recent.drop([k for k, h in zip(keys, held) if not h])  # failed or refused: not held, send again
@@ -276,6 +280,24 @@ class PoolTier:
             self._stats.put_bytes += stored * self.block_bytes
             self._stats.rejected += len(keys) - stored
         return held
+
+    def _placed(self, unplaced: int, n: int) -> None:
+        """Count and say (once per 10 s) when a put had no pool for its blocks: pools that never registered
+        with the master, or all down, are otherwise silent misses for ever."""
+        with self._lock:
+            self._no_pool_blocks += unplaced
+            self._no_pool = unplaced == n and n > 0
+        if not unplaced:
+            return
+        known = self.route.endpoints()
+        states = "; ".join(f"{e} {'up' if self._up(e) else 'down (' + self._pool(e).last_error + ')'}"
+                           for e in known) or "none known"
+        hint = ""
+        if self.route.authoritative and not known:
+            hint = (" -- the master names no kvtier-pool: is each pool started with --master pointing at it, and "
+                    "does it log 'reporting to master'?")
+        self._bad("no-pool", logging.WARNING, "no pool reachable: %d of %d blocks of a put not stored in a pool "
+                  "(%s; pools: %s)%s", unplaced, n, self.route.describe(), states, hint)
 
     def _locate(self, keys: list[bytes]) -> list[str | None]:
         try:

@@ -5,10 +5,11 @@ device (InfiniBand or RoCE) on both ends; ``unavailable_reason()`` says what is 
 picks RDMA automatically only when nothing is. Device spec: ``name[:port[:gid_index]]`` (e.g. ``mlx5_0:1:3``
 for RoCE v2 at GID index 3), or $KVTIER_RDMA_DEVICE; default: the first device, port 1, GID index 0.
 
-    pool (RdmaServer)    registers its whole DRAM buffer once (remote read + write), and for each client
-                         that asks (the ``rdma_connect`` op, over the usual zmq control channel) makes an RC
-                         queue pair connected to the client's, answering with its QP number, GID, LID, the
-                         buffer's address and rkey.
+    pool (RdmaServer)    registers its whole DRAM buffer once (remote read + write) and its slot generations
+                         (remote read), and for each client that asks (the ``rdma_connect`` op, over the usual
+                         zmq control channel) makes an RC queue pair connected to the client's, answering with
+                         its QP number, GID, LID, the buffer's address and rkey, and the generations' address
+                         and rkey (a get READs its slots' generations after its data: kvtier/pool/generations.py).
     client (RdmaConnection)  the lease protocol of OneSidedConnection (reserve/commit, acquire/release); the
                          bytes move by RDMA WRITE/READ work requests posted on its queue pair, runs of
                          consecutive rows on both sides merged into one request, completions polled with a
@@ -23,6 +24,7 @@ Thread-safe: one transfer at a time per connection (its queue pair and completio
 from __future__ import annotations
 
 import bisect
+import ctypes
 import functools
 import logging
 import os
@@ -215,13 +217,19 @@ class _Broken(Exception):
 class RdmaServer:
     """The pool's side: its DRAM buffer registered for remote read and write, one queue pair per client."""
 
-    def __init__(self, address: int, nbytes: int, device: str | None = None) -> None:
+    def __init__(self, address: int, nbytes: int, device: str | None = None, *,
+                 generations: tuple[int, int] | None = None) -> None:
         from pyverbs import enums as e
         from pyverbs.mr import MR
 
         self.port = _Port.open(device)
         self.mr = MR(self.port.pd, nbytes, remote_access(e), address=address)
         self.address, self.nbytes = address, nbytes
+        self.gen_mr = None
+        self.generations = generations  # (address, nbytes) of the slots' generation counters
+        if generations is not None:
+            self.gen_mr = MR(self.port.pd, generations[1], e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ,
+                             address=generations[0])
         self._qps: OrderedDict[int, _QueuePair] = OrderedDict()
         self._lock = threading.Lock()
         log.info("pool RDMA: %d B registered on %s port %d (gid %s)", nbytes, self.port.ctx.name, self.port.port,
@@ -243,13 +251,17 @@ class RdmaServer:
             self._qps[qp.local()["qpn"]] = qp
             while len(self._qps) > MAX_SERVER_QPS:
                 self._qps.popitem(last=False)[1].close()
-        return {**qp.local(), "rkey": int(self.mr.rkey), "addr": self.address, "length": self.nbytes}
+        gens = {} if self.gen_mr is None or self.generations is None else {
+            "gen_addr": self.generations[0], "gen_length": self.generations[1], "gen_rkey": int(self.gen_mr.rkey)}
+        return {**qp.local(), "rkey": int(self.mr.rkey), "addr": self.address, "length": self.nbytes, **gens}
 
     def close(self) -> None:
         with self._lock:
             for qp in self._qps.values():
                 qp.close()
             self._qps.clear()
+        if self.gen_mr is not None:
+            self.gen_mr.close()
         self.mr.close()
         self.port.close()
 
@@ -263,6 +275,9 @@ class _Session:
     addr: int
     length: int
     rkey: int
+    gen_addr: int = 0
+    gen_length: int = 0
+    gen_rkey: int = 0
 
 
 class RdmaConnection(OneSidedConnection):
@@ -279,6 +294,7 @@ class RdmaConnection(OneSidedConnection):
         self._access = e.IBV_ACCESS_LOCAL_WRITE
         self._bounce = MR(self._port.pd, max(BOUNCE_BYTES, self.block_bytes), self._access)
         self._bounce_addr = int(self._bounce.buf)
+        self._gens = MR(self._port.pd, 8 * max(1, info.max_keys), self._access)  # generations READ after a get
         self._regions: list[tuple[int, int, Any]] = []  # (start, end, MR), sorted by start
         self._lock = threading.Lock()
         self._session: _Session | None = None
@@ -299,6 +315,7 @@ class RdmaConnection(OneSidedConnection):
             for _, _, mr in self._regions:
                 mr.close()
             self._bounce.close()
+            self._gens.close()
             self._port.close()
         super().close()
 
@@ -309,6 +326,32 @@ class RdmaConnection(OneSidedConnection):
 
     def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         self._move(False, dst, offsets, epoch)
+
+    def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
+        """READ the generation counters of the slots at ``offsets`` (after the data READs completed: issued
+        after their completions, so the NIC reads them later)."""
+        n = len(offsets)
+        with self._lock:
+            s = self._session_for(epoch)
+            if not s.gen_rkey:
+                raise PoolProtocolError(self.endpoint, "the pool registered no slot generations for RDMA",
+                                        wire.ERR_BAD_MESSAGE)
+            slots = offsets.astype(np.uint64) // np.uint64(self.block_bytes)
+            if n > self._gens.length // 8 or (n and int(slots.max()) * 8 + 8 > s.gen_length):
+                raise PoolProtocolError(self.endpoint, "a get's slots fall outside the pool's generations",
+                                        wire.ERR_BAD_MESSAGE)
+            base = int(self._gens.buf)
+            local = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(8)
+            remote = np.uint64(s.gen_addr) + slots * np.uint64(8)
+            deadline = time.monotonic() + self.channel.timeout_s
+            try:
+                s.qp.transfer(False, local, np.full(n, self._gens.lkey, dtype=np.int64), remote,
+                              np.full(n, 8, dtype=np.int64), s.gen_rkey, deadline)
+            except _Broken as e:
+                s.qp.close()
+                self._session = None
+                raise PoolUnavailable(self.endpoint, str(e), "rdma") from None
+            return np.frombuffer(ctypes.string_at(base, 8 * n), dtype=np.uint64).copy()
 
     def _move(self, write: bool, rows: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         bb = self.block_bytes
@@ -373,8 +416,10 @@ class RdmaConnection(OneSidedConnection):
         except BaseException:
             qp.close()
             raise
-        session = self._session = _Session(epoch, qp, int(ans.body["addr"]), int(ans.body["length"]),
-                                           int(ans.body["rkey"]))
+        b = ans.body
+        session = self._session = _Session(epoch, qp, int(b["addr"]), int(b["length"]), int(b["rkey"]),
+                                           int(b.get("gen_addr", 0)), int(b.get("gen_length", 0)),
+                                           int(b.get("gen_rkey", 0)))
         log.info("pool %s: RDMA queue pair %d connected to the pool's %d", self.endpoint, qp.local()["qpn"],
                  int(ans.body["qpn"]))
         return session

@@ -1,0 +1,88 @@
+"""Client: who sent a request to the pool, as far as the pool can tell. Lease ownership, quotas, fairness and
+(with kvtier/auth's roles) permissions hang off it.
+
+* ``key``: the CurveZMQ public key (z85) the client proved it holds, with ``--auth-dir``; "" without auth.
+* ``peer``: what the transport says about the other end: ``tcp:<ip address>`` (no port: every connection of
+  a host is one peer), ``ipc:<peer credentials>`` (zmq's uid:gid:pid of the connected process), or the same
+  forms for the stream data port. Without auth a stranger can open many connections and sessions, but not
+  change its address; an ipc socket is the pool's user's only (0600).
+* ``session``: a token the pool handed out in the reply to this client's hello (``Sessions``; an HMAC, so
+  the pool keeps no table a stranger could fill). A lease is bound to the account *and* the session that
+  took it: another connection of the same host (or process) cannot release or commit it.
+* ``role``: what the key may do; "" until roles exist (``PoolState.role_of`` is the hook that assigns one).
+
+``account`` is what budgets, quotas and the dispatcher's fair queues are keyed by: the key when there is one,
+else the peer. Immutable; safe to share between threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from kvtier.auth import DataTokens
+
+SESSION_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Client:
+    key: str
+    peer: str
+    session: bytes = b""
+    role: str = ""
+
+    @property
+    def account(self) -> str:
+        return f"key:{self.key}" if self.key else self.peer
+
+    @property
+    def owner(self) -> tuple[str, bytes]:
+        """What a lease is bound to: only a request with the same account and session acts on it."""
+        return self.account, self.session
+
+    def with_session(self, session: bytes) -> Client:
+        return Client(self.key, self.peer, session, self.role)
+
+
+LOCAL = Client("", "local")  # the pool itself (shutdown, janitor)
+
+
+def from_zmq(frame: zmq.Frame, scheme: str) -> tuple[str, str]:
+    """(key, peer) of the connection a received frame came on: zmq's User-Id (set by the ZAP handler to the
+    client's z85 public key) and Peer-Address metadata."""
+    try:
+        key = frame.get("User-Id") or ""
+    except zmq.ZMQError:  # no ZAP handler on this socket
+        key = ""
+    try:
+        address = frame.get("Peer-Address") or "?"
+    except zmq.ZMQError:
+        address = "?"
+    return str(key), f"{scheme}:{address}"
+
+
+def encode(key: str, peer: str) -> bytes:
+    """The frame the dispatcher hands a worker with each request (it cannot read zmq metadata itself)."""
+    return msgpack.packb([key, peer])
+
+
+def decode(frame: Any) -> Client:
+    key, peer = msgpack.unpackb(bytes(frame))
+    return Client(str(key), str(peer))
+
+
+class Sessions:
+    """Session tokens: ``issue()`` one per hello, ``check(token)`` whether this pool (this run) issued it."""
+
+    def __init__(self) -> None:
+        self._tokens = DataTokens()  # nonce + HMAC under a key drawn at start: no table, constant-time check
+
+    def issue(self) -> bytes:
+        return self._tokens.issue()
+
+    def check(self, token: Any) -> bool:
+        return isinstance(token, bytes) and len(token) == SESSION_BYTES and self._tokens.check(token)
