@@ -71,3 +71,25 @@ def test_every_listed_pool_down_is_a_warning_and_a_counter(tmp_path, make_keys, 
             extra = store.stats()["tiers"]["pool"]["extra"]
     assert extra["no_pool_blocks"] >= 10 and extra["no_pool"]
     assert any("no pool" in r.getMessage() for r in caplog.records)
+
+
+def test_a_full_pool_still_takes_new_blocks_through_the_master(tmp_path, make_keys):
+    """A pool is a cache: full, it evicts to take new blocks, so the master's placement must still send it some
+    (it used to count a full pool as having no room, and new blocks never reached a pool again)."""
+    with MasterProcess(tmp_path, lease_s=5.0) as mp:
+        with PoolProcess(tmp_path, capacity=str(64 * BB), master=mp.endpoint, args=("--heartbeat-s", "0.2")):
+            with MasterClient(mp.endpoint) as m:
+                assert until(lambda: live_pools(m), timeout=10.0)
+                full = make_keys(64)
+                with store_for(mp.endpoint, "engine-1", pool_staging_bytes=0) as writer:
+                    assert writer.put(full, blocks_for(full, BB)).stored == 64
+                    # The pool's heartbeat now reports it full.
+                    assert until(lambda: any(t["used"] >= 64 * BB for n in m.nodes() for t in n["tiers"]
+                                             if n["labels"].get("role") == "pool"), timeout=10.0)
+                    later = make_keys(16, start=1000)
+                    writer.put(later, blocks_for(later, BB))
+                    assert writer.stats()["tiers"]["pool"]["extra"]["no_pool_blocks"] == 0
+                with store_for(mp.endpoint, "engine-2") as reader:
+                    out = torch.empty(16, BB, dtype=torch.uint8)
+                    assert until(lambda: reader.get(later, out) == [True] * 16, timeout=10.0)
+                    assert torch.equal(out, blocks_for(later, BB))
