@@ -90,10 +90,10 @@ class Budget:
             self.used = max(0, self.used - nbytes)
             self._lock.notify_all()
 
-    def over(self, account: str) -> bool:
-        """Whether ``account`` (or everyone together) is at a limit: new work that would add to it waits."""
+    def over_account(self, account: str) -> bool:
+        """Whether ``account`` is at its own limit: new work of its that would add to it waits."""
         with self._lock:
-            return self.used >= self.limit or self._by.get(account, 0) >= self.per_account
+            return self._by.get(account, 0) >= self.per_account
 
     def of(self, account: str) -> int:
         with self._lock:

@@ -2,10 +2,11 @@
 (with kvtier/auth's roles) permissions hang off it.
 
 * ``key``: the CurveZMQ public key (z85) the client proved it holds, with ``--auth-dir``; "" without auth.
-* ``peer``: what the transport says about the other end: ``tcp:<ip address>`` (no port: every connection of
-  a host is one peer), ``ipc:<peer credentials>`` (zmq's uid:gid:pid of the connected process), or the same
-  forms for the stream data port. Without auth a stranger can open many connections and sessions, but not
-  change its address; an ipc socket is the pool's user's only (0600).
+* ``peer``: what the transport says about the other end: its IP address for tcp (no port: every connection of
+  a host is one peer, on the zmq port and the data port alike; an IPv6 address counts as its /64, what one
+  host can hand itself), zmq's peer credentials (uid, gid, pid) of the connected process for ipc. Without
+  auth a stranger can open many connections and sessions, but not change its address; an ipc socket is the
+  pool's user's only (0600).
 * ``session``: a token the pool handed out in the reply to this client's hello (``Sessions``; an HMAC, so
   the pool keeps no table a stranger could fill). A lease is bound to the account *and* the session that
   took it: another connection of the same host (or process) cannot release or commit it.
@@ -17,6 +18,7 @@ else the peer. Immutable; safe to share between threads.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +53,7 @@ class Client:
 LOCAL = Client("", "local")  # the pool itself (shutdown, janitor)
 
 
-def from_zmq(frame: zmq.Frame, scheme: str) -> tuple[str, str]:
+def from_zmq(frame: zmq.Frame) -> tuple[str, str]:
     """(key, peer) of the connection a received frame came on: zmq's User-Id (set by the ZAP handler to the
     client's z85 public key) and Peer-Address metadata."""
     try:
@@ -62,7 +64,22 @@ def from_zmq(frame: zmq.Frame, scheme: str) -> tuple[str, str]:
         address = frame.get("Peer-Address") or "?"
     except zmq.ZMQError:
         address = "?"
-    return str(key), f"{scheme}:{address}"
+    return str(key), peer_of(str(address))
+
+
+def peer_of(address: str) -> str:
+    """The peer an address counts as: an IPv4 address as it is, an IPv6 address as its /64, anything else
+    (zmq's ipc peer credentials) as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        if not ip.is_loopback:
+            return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def encode(key: str, peer: str) -> bytes:

@@ -14,8 +14,9 @@ It replaces zmq's own proxy for three reasons:
 * **Bounds.** An account may queue at most ``QUEUE_PER_CLIENT`` requests, and their data is charged to the
   pool's memory budget (a client's share, then everyone's); past either, the request is answered ERR_BUSY
   at once (a small reply, or none for noreply ops). A get, whose reply holds memory or slots until the
-  client reads it, is held back while its account is at either budget's limit: a client that never reads
-  its replies stops being served once its share is used, and holds no more. Others are not held back.
+  client reads it, is held back while its account is at its share of either budget: a client that never
+  reads its replies stops being served once its share is used, and holds no more. Others are not held back
+  (a full budget only makes their replies go zero-copy instead of staged).
 
 Workers speak a small protocol to it: ``[b"I"]`` (idle, ready for a request) or ``[b"R", *reply frames]``
 (a reply to forward; the worker is idle again). It runs on its own thread until ``stop`` is set; the
@@ -110,7 +111,7 @@ class Dispatcher:
             route = 2 if len(frames) > 2 and len(frames[1]) == 0 else 1
             if len(frames) <= route:
                 continue  # nothing to answer
-            key, peer = clients.from_zmq(frames[route], "zmq")
+            key, peer = clients.from_zmq(frames[route])
             account = clients.Client(key, peer).account
             item = _Queued(frames, route, clients.encode(key, peer), sum(len(f) for f in frames[route + 1:]))
             q = self._queues.get(account)
@@ -149,7 +150,7 @@ class Dispatcher:
             account = self._turns.popleft()
             q = self._queues[account]
             item = q[0]
-            if (st.memory.over(account) or st.held.over(account)) and self._op(item) in HOLDING_OPS:
+            if self._over(account) and self._op(item) in HOLDING_OPS:
                 self._held_back.add(account)  # its replies hold its share: this waits until some are read
                 continue
             q.popleft()
@@ -161,10 +162,14 @@ class Dispatcher:
             else:
                 del self._queues[account]
 
+    def _over(self, account: str) -> bool:
+        """Whether the account is at its share of either budget (only its own share: clients over theirs must
+        not hold everyone else back)."""
+        return self.state.memory.over_account(account) or self.state.held.over_account(account)
+
     def _recheck(self) -> None:
-        st = self.state
         for account in list(self._held_back):
-            if not (st.memory.over(account) or st.held.over(account)):
+            if not self._over(account):
                 self._held_back.discard(account)
                 self._turns.append(account)
 

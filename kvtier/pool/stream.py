@@ -51,7 +51,7 @@ from kvtier.auth import TOKEN_BYTES, DataTokens
 from kvtier.keys import KEY_BYTES
 from kvtier.pool import protocol as P
 from kvtier.pool.budget import Budget
-from kvtier.pool.clients import Client
+from kvtier.pool.clients import Client, peer_of
 from kvtier.pool.ops import check_fits
 from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
@@ -269,7 +269,7 @@ class StreamServer:
 
     def _serve(self, a: _Admitted) -> None:
         conn, peer = a.sock, a.peer
-        client = Client("", str(peer[0]) if isinstance(peer, tuple) else str(peer))
+        client = Client("", peer_of(str(peer[0]) if isinstance(peer, tuple) else str(peer)))
         try:
             while not self._stop.is_set():
                 req_id = 0
