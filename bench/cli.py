@@ -14,6 +14,8 @@ BENCHES = {
     "kernels": ("kvtier.bench.kernels", "packed-block gather/scatter GB/s beside a contiguous copy"),
     "master": ("kvtier.bench.master", "kvtier-master lookup/cost latency beside a raw zmq echo; bytes per entry"),
     "vllm": ("kvtier.bench.vllm_connector", "vLLM connector save/load GB/s (gather+put, get+scatter) beside memcpy"),
+    "soak": ("kvtier.bench.soak", "a master, two pools and N clients under mixed traffic (optionally killing "
+                                  "daemons): errors, wrong bytes, p99 latency, daemon RSS over time"),
     "ssd-eviction": ("kvtier.bench.ssd_eviction", "SSD eviction schemes on agentic-cc traces: hit rates, SSD writes "
                                                   "(a key-level study, no bytes move)"),
 }
