@@ -1,19 +1,8 @@
 """StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client and the framing).
 
-Connections go through two stages, counted and limited apart, so idle or unauthenticated peers cannot lock
-honest clients out:
-
-* **pending**: accepted, not yet admitted. The accept thread holds them in a selector (no thread each) until
-  they show they are clients: with ``tokens`` (a pool with --auth-dir) a connection's first TOKEN_BYTES bytes
-  must be a token the pool handed out at hello (kvtier/auth/tokens.py); without, its first byte of a request
-  admits it. A pending connection that has not done so within ``handshake_s`` is closed (counted as
-  ``stream_pending_timeouts``), a wrong token too (``stream_auth_refused``), and when ``max_pending`` are
-  pending the oldest is closed to make room (``stream_pending_dropped``): a flood of idle connections
-  displaces itself, while a client that sends at once is admitted in microseconds.
-* **admitted**: at most ``max_connections`` at once, one thread each. When all are taken, the one idle the
-  longest (between messages) is closed to make room (clients replace a connection the pool closed while idle
-  before their next request); only when every one is inside a message is a newcomer refused
-  (``stream_refused``). An admitted connection idle for ``timeout_s`` is closed.
+Who gets a connection, and for how long, is kvtier/pool/admission.py's (pending connections apart from
+admitted ones, each limited and timed out on its own, so idle or unauthenticated peers cannot lock honest
+clients out). This module serves the messages of admitted connections, one thread each.
 
 Each message, from its first byte to the end of its reply, ends within ``message_timeout_s``: every socket
 operation waits at most what is left of that deadline (kvtier/transport/stream.py), so a peer that trickles
@@ -34,22 +23,20 @@ closed: a byte stream cannot be resynchronised after a message it did not fully 
 from __future__ import annotations
 
 import logging
-import selectors
-from collections.abc import Iterator
-from contextlib import contextmanager
 import socket
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from kvtier import wire
-from kvtier.auth import TOKEN_BYTES, DataTokens
+from kvtier.auth import DataTokens
 from kvtier.keys import KEY_BYTES
 from kvtier.pool import protocol as P
+from kvtier.pool.admission import Admitted, DataPortAdmission
 from kvtier.pool.budget import Budget
 from kvtier.pool.clients import Client, peer_of
 from kvtier.pool.ops import check_fits
@@ -63,229 +50,64 @@ log = logging.getLogger("kvtier.pool")
 
 SCRATCH_BYTES = 4 << 20  # one buffer for every connection: bytes of keys already held are dropped into it
 MAX_CONNECTIONS = PoolSettings.stream_max_connections
-SWEEP_S = 0.1  # how often the accept thread looks for pending connections past their deadline
 ENVELOPE_SLACK = 64 << 10  # an envelope: its keys and a few small fields
-
-
-@dataclass
-class _Pending:
-    sock: socket.socket
-    peer: Any
-    since: float
-    token: bytearray
-
-
-class _Admitted:
-    __slots__ = ("sock", "peer", "busy", "idle_since")
-
-    def __init__(self, sock: socket.socket, peer: Any) -> None:
-        self.sock, self.peer, self.busy, self.idle_since = sock, peer, False, time.monotonic()
 
 
 class StreamServer:
     """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything.
     ``timeout_s``: how long an admitted connection may sit idle; ``message_timeout_s`` (default ``timeout_s``):
-    the longest one message may take; ``max_connections`` / ``max_pending``: admitted / pending at once;
-    ``handshake_s``: how long a pending connection gets. Its threads are its own (one accepting and admitting,
-    one per admitted connection)."""
+    the longest one message may take; ``max_connections`` / ``max_pending`` / ``handshake_s``: the
+    admission's (kvtier/pool/admission.py). Its threads are its admission's."""
 
     def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0, *,
                  message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS,
                  max_pending: int = 1024, handshake_s: float = 2.0, tokens: DataTokens | None = None) -> None:
-        if max_connections < 1 or max_pending < 1:
-            raise ValueError(f"max_connections and max_pending must be >= 1, got {max_connections}, {max_pending}")
         self.state = state
         self.timeout_s = timeout_s
         self.message_timeout_s = timeout_s if message_timeout_s is None else message_timeout_s
-        self.max_connections, self.max_pending, self.handshake_s = max_connections, max_pending, handshake_s
-        self.tokens = tokens
         self.max_envelope = state.settings.max_keys * KEY_BYTES + ENVELOPE_SLACK
-        self._listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
-        self._listener.setblocking(False)
-        self.port = self._listener.getsockname()[1]
-        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
-        self._admitted: dict[socket.socket, _Admitted] = {}
-        self._lock = threading.Lock()  # _admitted
-        self._selector = selectors.DefaultSelector()
+        self._admission = DataPortAdmission(state, host, port, self._serve, idle_s=timeout_s,
+                                            max_connections=max_connections, max_pending=max_pending,
+                                            handshake_s=handshake_s, tokens=tokens)
+        self.port = self._admission.port
         self._stop = threading.Event()
         self._bad = RateLimitedLog(log)
-        self._thread = threading.Thread(target=self._accept, name="kvtier-pool-stream", daemon=True)
         self._memory: tuple[int, memoryview] | None = None  # (base address, the DRAM buffer as bytes)
         self._scratch = np.empty(0, np.uint8)  # allocated at the first put that needs it
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return self._admission.pending
 
     @property
     def admitted(self) -> int:
-        return len(self._admitted)
+        return self._admission.admitted
 
     def start(self) -> int:
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._thread.start()
-        return self.port
+        return self._admission.start()
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5.0)
-        self._listener.close()
-        for p in list(self._pending.values()):
-            p.sock.close()
-        self._pending.clear()
-        with self._lock:
-            for c in self._admitted:
-                _shutdown(c)
-
-    # ---- accepting and admitting (the accept thread) ---------------------------------------------------------
-
-    def _accept(self) -> None:
-        swept = time.monotonic()
-        while not self._stop.is_set():
-            for key, _ in self._selector.select(SWEEP_S):
-                if key.fileobj is self._listener:
-                    self._take_new()
-                else:
-                    self._on_pending(key.fileobj)  # type: ignore[arg-type]
-            if time.monotonic() - swept >= SWEEP_S:
-                self._sweep()
-                swept = time.monotonic()
-        for p in list(self._pending):
-            self._drop_pending(p)
-
-    def _take_new(self) -> None:
-        for _ in range(256):
-            try:
-                conn, peer = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as e:  # out of descriptors, an aborted handshake: the port must keep accepting
-                self._bad("stream-accept", logging.WARNING, "data port: accept failed (%s); retrying", e)
-                return
-            if len(self._pending) >= self.max_pending:  # make room: the oldest pending goes
-                oldest = next(iter(self._pending))
-                self.state.count(stream_pending_dropped=1)
-                self._bad("stream-pending-full", logging.WARNING, "data port: %d connections pending (none has "
-                          "sent a request or token yet); dropping the oldest", self.max_pending)
-                self._drop_pending(oldest)
-            conn.setblocking(False)
-            self._pending[conn] = _Pending(conn, peer, time.monotonic(), bytearray())
-            self._selector.register(conn, selectors.EVENT_READ)
-
-    def _on_pending(self, conn: socket.socket) -> None:
-        p = self._pending.get(conn)
-        if p is None:
-            return
-        if self.tokens is None:  # no token to check: a first byte (peeked, left for the thread) admits it
-            try:
-                first = conn.recv(1, socket.MSG_PEEK)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                first = b""
-            if not first:
-                self._drop_pending(conn)
-                return
-            self._admit(p)
-            return
-        try:
-            got = conn.recv(TOKEN_BYTES - len(p.token))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            got = b""
-        if not got:
-            self._refuse_token(p, "closed before sending a whole token")
-            return
-        p.token += got
-        if len(p.token) < TOKEN_BYTES:
-            return
-        if not self.tokens.check(bytes(p.token)):
-            self._refuse_token(p, "a wrong token")
-            return
-        self._admit(p)
-
-    def _refuse_token(self, p: _Pending, why: str) -> None:
-        self.state.count(stream_auth_refused=1)
-        self._bad("stream-auth", logging.WARNING, "data connection from %s refused: %s (a client says hello over "
-                  "the CurveZMQ port first; its token opens a data connection)", p.peer, why)
-        self._drop_pending(p.sock)
-
-    def _sweep(self) -> None:
-        """Pending connections past ``handshake_s`` are closed; so are admitted ones idle past ``timeout_s``."""
-        now = time.monotonic()
-        for conn in [c for c, p in self._pending.items() if now - p.since > self.handshake_s]:
-            p = self._pending[conn]
-            self.state.count(stream_pending_timeouts=1)
-            if self.tokens is not None:
-                self.state.count(stream_auth_refused=1)
-            self._bad("stream-pending", logging.INFO, "data connection from %s closed: nothing%s within %g s",
-                      p.peer, " (no token)" if self.tokens is not None else "", self.handshake_s)
-            self._drop_pending(conn)
-        with self._lock:
-            idle = [a for a in self._admitted.values() if not a.busy and now - a.idle_since > self.timeout_s]
-        for a in idle:
-            _shutdown(a.sock)  # its thread sees the end of the stream and exits
-
-    def _drop_pending(self, conn: socket.socket) -> None:
-        self._pending.pop(conn, None)
-        try:
-            self._selector.unregister(conn)
-        except (KeyError, ValueError):
-            pass
-        conn.close()
-
-    def _admit(self, p: _Pending) -> None:
-        self._pending.pop(p.sock, None)
-        self._selector.unregister(p.sock)
-        conn = p.sock
-        with self._lock:
-            if len(self._admitted) >= self.max_connections:
-                idle = [a for a in self._admitted.values() if not a.busy]
-                if idle:  # the one idle the longest makes room (its client opens a fresh one when it needs it)
-                    victim = min(idle, key=lambda a: a.idle_since)
-                    victim.busy = True  # being closed: not a victim twice
-                    _shutdown(victim.sock)
-                    self.state.count(stream_idle_closed=1)
-                else:
-                    conn.close()
-                    self.state.count(stream_refused=1)
-                    self._bad("stream-full", logging.WARNING, "data connection from %s refused: all %d are in "
-                              "the middle of a message (max_connections)", p.peer, self.max_connections)
-                    return
-            a = self._admitted[conn] = _Admitted(conn, p.peer)
-        conn.setblocking(True)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            threading.Thread(target=self._serve, args=(a,), name="kvtier-pool-stream-conn", daemon=True).start()
-        except RuntimeError as e:  # no thread to be had: refuse this one, keep accepting
-            with self._lock:
-                self._admitted.pop(conn, None)
-            conn.close()
-            self.state.count(stream_refused=1)
-            self._bad("stream-thread", logging.WARNING, "data connection from %s refused: %s", p.peer, e)
+        self._admission.close()
 
     # ---- an admitted connection (its own thread) -------------------------------------------------------------
 
-    def _serve(self, a: _Admitted) -> None:
+    def _serve(self, a: Admitted) -> None:
         conn, peer = a.sock, a.peer
         client = Client("", peer_of(str(peer[0]) if isinstance(peer, tuple) else str(peer)))
         try:
             while not self._stop.is_set():
                 req_id = 0
                 try:
-                    with self._lock:
-                        a.busy, a.idle_since = False, time.monotonic()
+                    self._admission.idle(a)
                     conn.settimeout(self.timeout_s)
                     try:
                         if not conn.recv(1, socket.MSG_PEEK):  # idle until a message's first byte
                             return
                     except socket.timeout:
                         return  # idle for timeout_s: closed (the client opens a fresh one when it needs it)
-                    with self._lock:
-                        if a.busy:  # chosen to make room while idle: already shut down
-                            return
-                        a.busy = True
+                    if not self._admission.begin(a):  # chosen to make room while idle: already shut down
+                        return
                     deadline = time.monotonic() + self.message_timeout_s
                     charged = [0]
 
@@ -325,10 +147,6 @@ class StreamServer:
             self._bad("stream-io", logging.INFO, "data connection from %s ended: %s", peer, e)
         except Exception:
             self._bad("stream-internal", logging.ERROR, "internal error on the data port", exc_info=True)
-        finally:
-            with self._lock:
-                self._admitted.pop(conn, None)
-            conn.close()
 
     def _slots(self, tier: Any, starts: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
         """Views of the tier's buffer at absolute addresses (slicing one memoryview: cheap per block)."""
@@ -439,10 +257,3 @@ def _giving_back(budget: Budget, account: str, nbytes: int) -> Iterator[None]:
         yield
     finally:
         budget.give(account, nbytes)
-
-
-def _shutdown(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -34,12 +34,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtier import wire
 from kvtier.auth import AuthError, ClientKeys, load_keypair
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
 from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
 from kvtier.tiers.pool_writer import PoolWriter
 from kvtier.transport.base import PoolConnection, PoolError, PoolProtocolError, PoolUnavailable
@@ -50,40 +50,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKOFF_S = (0.5, 10.0)  # first and longest back-off after a pool fails
 PROTOCOL_BACKOFF_S = 60.0
-
-
-class _Recent:
-    """Keys this process recently saw held by a pool (stored or fetched), as a direct-mapped table of their first
-    8 bytes (keys are already hashes). Local and cheap (``slots`` x 8 bytes), never authoritative: a key can
-    drop out (another key took its slot) or be gone from the pool since. It answers "was this sent already?"
-    where asking the pool would be a network round trip (an eviction, under the DRAM tier's lock)."""
-
-    def __init__(self, slots: int = 1 << 20) -> None:
-        self._table = np.zeros(slots, np.uint64)
-        self._mask = np.uint64(slots - 1)
-
-    def _prints(self, keys: Sequence[bytes]) -> np.ndarray:
-        return np.frombuffer(wire.pack_keys(keys), "<u8")[::2] | np.uint64(1)  # never 0: 0 marks an empty slot
-
-    def add(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            fp = self._prints(keys)
-            self._table[fp & self._mask] = fp
-
-    def drop(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            fp = self._prints(keys)
-            slots = fp & self._mask
-            self._table[slots[self._table[slots] == fp]] = 0
-
-    def clear(self) -> None:
-        self._table[:] = 0
-
-    def has(self, keys: Sequence[bytes]) -> list[bool]:
-        if not keys:
-            return []
-        fp = self._prints(keys)
-        return (self._table[fp & self._mask] == fp).tolist()
 
 
 class _Pool:
@@ -128,7 +94,7 @@ class PoolTier:
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
         self._writer = PoolWriter(self._put, block_bytes, staging_bytes) if staging_bytes else None
         self._stats = TierStats(self.name, 0, 0, 0)
-        self._recent = _Recent()
+        self._recent = RecentlyHeld()
         self._bad = RateLimitedLog(log, 10.0)
         self._no_pool_blocks = 0  # blocks a put had no pool for (none registered, listed or up)
         self._no_pool = False  # the last put found no pool at all

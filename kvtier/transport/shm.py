@@ -29,7 +29,7 @@ import numpy as np
 from kvtier import wire
 from kvtier.hostcopy import copy_rows
 from kvtier.pool.generations import GenerationView
-from kvtier.transport.base import PoolError, PoolInfo, PoolProtocolError, PoolUnavailable
+from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
 
