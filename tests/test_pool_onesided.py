@@ -352,23 +352,24 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
     with the batch's final release, not left to the lease's expiry and quarantine."""
     keys = ns.keys(range(100, 140))
     with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
-        c = connect(p.ipc, BB, timeout_s=2.0, lanes=1)  # one request at a time: each carries the last release
+        c = connect(p.ipc, BB, timeout_s=2.0, lanes=1)
         try:
             src, out = filled(40, 3), filled(40, 0)  # alive while their rows are copied from and into
             assert all(c.put(keys, rows(src)))
-            monkeypatch.setattr(onesided, "REQUEST_BYTES", 8 * BB)  # five acquires, releases on the next
+            monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # ten acquires, releases on later ones
             real_body, bodies = c._body, []
+            refused = onesided.WINDOW  # the first request sent after a reply: it carries that chunk's release
 
-            def third_of_another_size(ks, **extra):
+            def one_of_another_size(ks, **extra):
                 body = real_body(ks, **extra)
-                if len(bodies) == 2:
+                if len(bodies) == refused:
                     body["block_bytes"] = 2 * BB
                 bodies.append(body)  # the connection adds "releases" to it after this
                 return body
-            c._body = third_of_another_size
+            c._body = one_of_another_size
             with pytest.raises(PoolRefused, match="block"):
                 c.get(keys, rows(out))
-            assert "releases" in bodies[2]  # the refused request carried a release
+            assert "releases" in bodies[refused]  # the refused request carried a release
             assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # none left to the lease's expiry
         finally:
             c.close()

@@ -134,8 +134,10 @@ class ConnectionBase:
         finally:
             self._saw_epoch()
 
-    def _batch(self, requests: Iterator[Request], count: int, deadline: float, lanes: int | None = None) -> None:
-        """Run ``count`` requests over up to ``lanes`` lanes by ``deadline``; raise the first error any met."""
+    def _batch(self, requests: Iterator[Request], count: int, deadline: float, lanes: int | None = None,
+               window: int = 2) -> None:
+        """Run ``count`` requests over up to ``lanes`` lanes, ``window`` in flight on each, by ``deadline``; raise
+        the first error any met."""
         self._greet_if_needed(deadline)
         done: list[Request] = []
 
@@ -146,7 +148,7 @@ class ConnectionBase:
         left = self._time_left(deadline)
         try:
             self.channel.batch(track(), max(1, min(lanes or self.lanes, count)),
-                               timeout_s=min(self.channel.timeout_s, left), total_s=left)
+                               timeout_s=min(self.channel.timeout_s, left), total_s=left, window=window)
         finally:
             self._saw_epoch()
         for r in done:

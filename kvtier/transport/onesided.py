@@ -24,8 +24,9 @@ release or commit them (kvtier/pool/leases.py). What is left: a *writer* that st
 half mid-copy (a SIGSTOPped process) can still scribble over a slot the pool has since given to another key;
 the next reader of that key sees an unchanged generation. Blocks carry no checksum on this path.
 
-Each request covers at most REQUEST_BYTES and 1/32 of the pool, and a batch keeps two in flight on one lane:
-what a call holds at once stays well inside one client's share of the pool (kvtier/pool/budget.py).
+Each request covers at most REQUEST_BYTES and 1/32 of the pool, and a batch keeps WINDOW (3) in flight on one
+lane: what a call holds at once (those and the chunk copied last, not committed yet) stays well inside one
+client's share of the pool (a quarter, kvtier/pool/budget.py).
 A call has one deadline (kvtier.transport.connection), shared by its batch and its final commit or release.
 
 Every reply carries the pool's epoch; ``_write``/``_read`` get the epoch the offsets belong to, so a
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REQUEST_BYTES = 16 << 20  # blocks per reserve/acquire: the next request is served while this one is copied
+WINDOW = 3  # requests in flight on the batch's one lane: the pool answers the next ones while this one copies
 START_FRACTION = 0.5  # no copy starts later than this fraction of the pool's lease after its request was sent
 
 
@@ -119,7 +121,7 @@ class OneSidedConnection(ConnectionBase):
                 yield req
         deadline = self._deadline(n * bb)
         try:
-            self._batch(reserves(), self._count(n, self._requests()), deadline, lanes=1)
+            self._batch(reserves(), self._count(n, self._requests()), deadline, lanes=1, window=WINDOW)
         finally:
             copied.extend(_not_delivered(carried))
             if copied:  # the last chunks (and, after a failure, whatever was reserved) in one round trip
@@ -181,7 +183,7 @@ class OneSidedConnection(ConnectionBase):
                 yield req
         deadline = self._deadline(n * bb)
         try:
-            self._batch(acquires(), self._count(n, self._requests()), deadline, lanes=1)
+            self._batch(acquires(), self._count(n, self._requests()), deadline, lanes=1, window=WINDOW)
         finally:
             releases.extend(_not_delivered(carried))
             if releases:  # the batch's connections are free again: no reply to wait for (the lease ends anyway)

@@ -42,7 +42,9 @@ from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.onesided import OneSidedConnection
 from kvtier.transport.rdma_verbs import (BOUNCE_BYTES, MAX_SERVER_QPS, MAX_WR_BYTES, Broken, Port, QueuePair,
                                          remote_access)
-from kvtier.transport.rdma_verbs import unavailable_reason as unavailable_reason  # re-exported: the one answer
+from kvtier.transport.rdma_verbs import unavailable_reason
+
+__all__ = ["RdmaConnection", "RdmaServer", "unavailable_reason"]  # unavailable_reason: where callers ask
 
 log = logging.getLogger(__name__)
 
