@@ -11,10 +11,13 @@ honest clients out:
   ``stream_pending_timeouts``), a wrong token too (``stream_auth_refused``), and when ``max_pending`` are
   pending the oldest is closed to make room (``stream_pending_dropped``): a flood of idle connections
   displaces itself, while a client that sends at once is admitted in microseconds.
-* **admitted**: at most ``max_connections`` at once, one thread each (running ``serve``). When all are taken,
-  the one idle the longest (between messages) is closed to make room (``stream_idle_closed``; clients replace
-  a connection the pool closed while idle before their next request); only when every one is inside a
-  message is a newcomer refused (``stream_refused``). An admitted connection idle for ``idle_s`` is closed.
+* **admitted**: at most ``max_connections`` at once, one thread each (running ``serve``), and at most half of
+  them from one peer (an IP address, an IPv6 /64): a peer that holds its half makes room among its own. When
+  all are taken, the one idle the longest (between messages) is closed to make room (``stream_idle_closed``;
+  clients replace a connection the pool closed while idle before their next request); only when every one
+  is inside a message is a newcomer refused (``stream_refused``). An admitted connection idle for ``idle_s``
+  is closed; a message's envelope must arrive within ``handshake_s`` of its first byte (kvtier/pool/stream.py),
+  so a connection that sends a byte and stalls holds its thread no longer than that.
 
 Threads: one accept thread (this class's), one per admitted connection; ``begin``/``idle`` are called by a
 connection's own thread, the rest by the accept thread. Counts are read from anywhere.
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.auth import TOKEN_BYTES, DataTokens
+from kvtier.pool.clients import peer_of
 from kvtier.pool.state import PoolState
 from kvtier.ratelog import RateLimitedLog
 
@@ -52,10 +56,11 @@ class _Pending:
 class Admitted:
     """An admitted data connection: its socket, its peer's address, whether it is inside a message."""
 
-    __slots__ = ("sock", "peer", "busy", "idle_since")
+    __slots__ = ("sock", "peer", "who", "busy", "idle_since")
 
     def __init__(self, sock: socket.socket, peer: Any) -> None:
         self.sock, self.peer, self.busy, self.idle_since = sock, peer, False, time.monotonic()
+        self.who = peer_of(str(peer[0]) if isinstance(peer, tuple) else str(peer))  # the client's account
 
 
 class DataPortAdmission:
@@ -70,6 +75,7 @@ class DataPortAdmission:
         self.state, self._serve = state, serve
         self.idle_s, self.max_connections, self.max_pending = idle_s, max_connections, max_pending
         self.handshake_s, self.tokens = handshake_s, tokens
+        self.per_peer = max(1, max_connections // 2)
         self._listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
@@ -231,21 +237,29 @@ class DataPortAdmission:
         self._pending.pop(p.sock, None)
         self._selector.unregister(p.sock)
         conn = p.sock
+        a = Admitted(conn, p.peer)
         with self._lock:
-            if len(self._admitted) >= self.max_connections:
-                idle = [a for a in self._admitted.values() if not a.busy]
+            mine = [x for x in self._admitted.values() if x.who == a.who]
+            if len(mine) >= self.per_peer:
+                among, limit = mine, f"all {self.per_peer} of this peer's (half of max_connections)"
+            elif len(self._admitted) >= self.max_connections:
+                among, limit = list(self._admitted.values()), f"all {self.max_connections} (max_connections)"
+            else:
+                among, limit = [], ""
+            if among:
+                idle = [x for x in among if not x.busy]
                 if idle:  # the one idle the longest makes room (its client opens a fresh one when it needs it)
-                    victim = min(idle, key=lambda a: a.idle_since)
+                    victim = min(idle, key=lambda x: x.idle_since)
                     victim.busy = True  # being closed: not a victim twice
                     shutdown(victim.sock)
                     self.state.count(stream_idle_closed=1)
                 else:
                     conn.close()
                     self.state.count(stream_refused=1)
-                    self._bad("stream-full", logging.WARNING, "data connection from %s refused: all %d are in "
-                              "the middle of a message (max_connections)", p.peer, self.max_connections)
+                    self._bad("stream-full", logging.WARNING, "data connection from %s refused: %s are in the "
+                              "middle of a message", p.peer, limit)
                     return
-            a = self._admitted[conn] = Admitted(conn, p.peer)
+            self._admitted[conn] = a
         conn.setblocking(True)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:

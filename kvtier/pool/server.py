@@ -113,7 +113,9 @@ class PoolServer:
         raise_fd_limit()
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
-        frontend.setsockopt(zmq.MAXMSGSIZE, s.max_frame_bytes)
+        # A frame is at most MAX_FRAME_BYTES of blocks, or one block (clients' frames, kvtier/transport/frames.py):
+        # zmq allocates a frame as its header declares it, so no larger one is taken in.
+        frontend.setsockopt(zmq.MAXMSGSIZE, max(s.max_frame_bytes, s.block_bytes))
         frontend.setsockopt(zmq.RCVHWM, REQUEST_HWM)
         # Replies queued per client connection: a client has a few requests in flight per connection (its
         # window); past REPLY_HWM it is not reading (stalled, SIGSTOPped), and zmq drops further replies to it

@@ -69,7 +69,7 @@ class PoolSettings:
     lease_s: float = 30.0
     eviction: str = "lru"
     max_keys: int = 1 << 16
-    max_frame_bytes: int = 256 << 20
+    max_frame_bytes: int = 64 << 20  # the largest zmq frame taken in (and at least one block: server.py)
     copy_threads: int = 1
     prefault: bool = False
     rdma: str = "auto"

@@ -4,7 +4,9 @@ Who gets a connection, and for how long, is kvtier/pool/admission.py's (pending 
 admitted ones, each limited and timed out on its own, so idle or unauthenticated peers cannot lock honest
 clients out). This module serves the messages of admitted connections, one thread each.
 
-Each message, from its first byte to the end of its reply, ends within ``message_timeout_s``: every socket
+Each message, from its first byte to the end of its reply, ends within ``message_timeout_s``, its envelope
+within ``handshake_s`` of that first byte (a client sends it at once: one that sends a byte and stalls holds
+its thread no longer): every socket
 operation waits at most what is left of that deadline (kvtier/transport/stream.py), so a peer that trickles
 bytes is cut off on time. An envelope is received as its bytes arrive, at most the pool's largest request,
 and its memory is charged to the pool's memory budget; its reservations and acquisitions to the held budget,
@@ -38,7 +40,7 @@ from kvtier.keys import KEY_BYTES
 from kvtier.pool import protocol as P
 from kvtier.pool.admission import Admitted, DataPortAdmission
 from kvtier.pool.budget import Budget
-from kvtier.pool.clients import Client, peer_of
+from kvtier.pool.clients import Client
 from kvtier.pool.ops import check_fits
 from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
@@ -66,6 +68,7 @@ class StreamServer:
         self.timeout_s = timeout_s
         self.message_timeout_s = timeout_s if message_timeout_s is None else message_timeout_s
         self.max_envelope = state.settings.max_keys * KEY_BYTES + ENVELOPE_SLACK
+        self.envelope_s = handshake_s  # a message's envelope arrives this soon after its first byte
         self._admission = DataPortAdmission(state, host, port, self._serve, idle_s=timeout_s,
                                             max_connections=max_connections, max_pending=max_pending,
                                             handshake_s=handshake_s, tokens=tokens)
@@ -94,7 +97,7 @@ class StreamServer:
 
     def _serve(self, a: Admitted) -> None:
         conn, peer = a.sock, a.peer
-        client = Client("", peer_of(str(peer[0]) if isinstance(peer, tuple) else str(peer)))
+        client = Client("", a.who)
         try:
             while not self._stop.is_set():
                 req_id = 0
@@ -117,7 +120,8 @@ class StreamServer:
                         charged[0] += n
                         return True
                     try:
-                        envelope = read_envelope(conn, deadline=deadline, max_bytes=self.max_envelope, charge=charge)
+                        envelope = read_envelope(conn, deadline=min(deadline, time.monotonic() + self.envelope_s),
+                                                 max_bytes=self.max_envelope, charge=charge)
                         if envelope is None:
                             return
                         req_id, op, body = wire.decode_request(envelope)
