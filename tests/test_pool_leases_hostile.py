@@ -180,3 +180,22 @@ def test_acquire_leases_are_capped_per_client_too(tmp_path, op):
         assert time.monotonic() - t0 < 5.0
         stranger.close()
         engine.close()
+
+
+def test_a_client_taking_one_block_leases_in_a_loop_holds_at_most_its_count_of_them(tmp_path):
+    """Within its byte quota (a quarter of a 1 GiB pool: 65,536 blocks of 4 KiB) a client acquiring one block
+    in a loop would fill the lease table with entries; it holds at most 1,024 leases at once."""
+    bb = 4096
+    with PoolProcess(tmp_path, capacity="1GiB", block_bytes=bb) as p:
+        s = RawClient(p.tcp)
+        ok, hello, _ = s.call(P.HELLO, {"block_bytes": bb})
+        session = {"session": hello["session"]} if "session" in hello else {}
+        key = ns.keys([900])
+        s.call(P.PUT, {"keys": wire.pack_keys(key), "block_bytes": bb}, (b"\x01" * bb,))
+        granted = 0
+        for _ in range(1500):
+            ok, body, _ = s.call(P.ACQUIRE, {"keys": wire.pack_keys(key), "block_bytes": bb, **session})
+            granted += bool(ok and body.get("lease"))
+        leases = s.call(P.STATS, {})[1]["leases"]
+        assert leases <= 1024 and granted <= 1024, (leases, granted)
+        s.close()

@@ -373,3 +373,13 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
             assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # none left to the lease's expiry
         finally:
             c.close()
+
+
+def test_one_client_holds_at_most_its_count_of_leases():
+    table = ClientLeases(1.0, per_account=3)
+    me, other = ("10.0.0.1", b"s"), ("10.0.0.2", b"s")
+    mine = [table.add(P.ACQUIRE, i, lambda: None, me) for i in range(3)]
+    assert table.full(me[0]) and not table.full(other[0])
+    assert table.take(mine[0], P.ACQUIRE, me) == 0 and not table.full(me[0])  # a returned lease makes room
+    table.add(P.ACQUIRE, "x", lambda: None, other)
+    assert table.expire_all() == 3 and not table.full(me[0])

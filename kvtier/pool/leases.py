@@ -22,6 +22,8 @@ previous run (same endpoint, new epoch) can name another client's lease.
 
 What a lease holds is charged to the pool's ``held`` budget (kvtier/pool/budget.py) by whoever adds it, for
 ``nbytes``; the table gives that back when the lease leaves it (returned, or given back after quarantine).
+One account holds at most ``per_account`` leases at once (``full``): each costs a little bookkeeping, and a
+client taking one-block leases in a loop must not turn the quota of bytes into millions of entries.
 
 Thread-safe: every pool worker and the pool's janitor thread call it. Callbacks run outside the table's lock.
 """
@@ -32,6 +34,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,7 @@ from kvtier.pool.budget import Budget
 log = logging.getLogger(__name__)
 
 LEASE_ID_BITS = 62  # lease numbers travel as wire ints below 1 << 62
+MAX_LEASES_PER_ACCOUNT = 1024  # a client's batches hold a few each; quarantined ones count until given back
 Owner = tuple[str, bytes]  # (account, session): kvtier.pool.clients.Client.owner
 
 
@@ -60,13 +64,15 @@ class ClientLeases:
     the leases' ``nbytes`` were charged to (given back here)."""
 
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic,
-                 budget: Budget | None = None) -> None:
+                 budget: Budget | None = None, per_account: int = MAX_LEASES_PER_ACCOUNT) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.lease_s = lease_s
+        self.per_account = per_account
         self._clock = clock
         self._budget = budget
         self._leases: dict[int, _Lease] = {}
+        self._by_account: Counter[str] = Counter()
         self._lock = threading.Lock()
         self.expired = 0
         self.foreign = 0  # commits/releases that named a lease another client holds
@@ -79,7 +85,13 @@ class ClientLeases:
                 if lease_id and lease_id not in self._leases:
                     break
             self._leases[lease_id] = lease
+            self._by_account[owner[0]] += 1
         return lease_id
+
+    def full(self, account: str) -> bool:
+        """Whether ``account`` holds ``per_account`` leases (quarantined ones included): it gets no more now."""
+        with self._lock:
+            return self._by_account[account] >= self.per_account
 
     def take(self, lease_id: int, kind: str, owner: Owner) -> Any | None:
         """The value of a live lease of ``kind`` held by ``owner`` (now returned), or None if it expired, never
@@ -92,7 +104,7 @@ class ClientLeases:
             if lease.owner != owner:
                 self.foreign += 1
                 return None
-            del self._leases[lease_id]
+            self._drop(lease_id)
         self._uncharge(lease)
         if lease.quarantined:
             self._give_back([lease])
@@ -108,7 +120,7 @@ class ClientLeases:
             newly = 0
             for i, lease in overdue:
                 if lease.quarantined:
-                    gone.append(self._leases.pop(i))
+                    gone.append(self._drop(i))
                 else:
                     lease.quarantined, lease.deadline = True, now + self.lease_s
                     newly += 1
@@ -127,10 +139,20 @@ class ClientLeases:
         with self._lock:
             gone = list(self._leases.values())
             self._leases.clear()
+            self._by_account.clear()
         for lease in gone:
             self._uncharge(lease)
         self._give_back(gone)
         return len(gone)
+
+    def _drop(self, lease_id: int) -> _Lease:
+        """(lock held) Remove a lease from the table and from its account's count."""
+        lease = self._leases.pop(lease_id)
+        account = lease.owner[0]
+        self._by_account[account] -= 1
+        if self._by_account[account] <= 0:
+            del self._by_account[account]
+        return lease
 
     def _uncharge(self, lease: _Lease) -> None:
         if self._budget is not None and lease.nbytes:

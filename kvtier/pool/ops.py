@@ -283,8 +283,9 @@ def _with_session(st: PoolState, client: Client, body: Body) -> Client:
 def within_quota(st: PoolState, client: Client, keys: list[bytes], costs: np.ndarray, bb: int
                   ) -> tuple[np.ndarray, int]:
     """Indices of ``keys`` to act on: every key that costs nothing, and of those that would hold a slot
-    (``costs`` True) as many as the client's room in the held budget allows; and how many were left out."""
-    room = st.held.room(client.account) // bb
+    (``costs`` True) as many as the client's room in the held budget allows (none while it holds its most
+    leases); and how many were left out."""
+    room = 0 if st.leases.full(client.account) else st.held.room(client.account) // bb
     costly = np.flatnonzero(costs)
     if len(costly) <= room:
         return np.arange(len(keys)), 0

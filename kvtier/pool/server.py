@@ -123,6 +123,10 @@ class PoolServer:
         frontend.setsockopt(zmq.SNDHWM, REPLY_HWM)
         # A connection that has not finished its handshake (greeting, CURVE, ZAP) this fast is dropped.
         frontend.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(s.handshake_s * 1000)))
+        # Connections of hosts that vanished (power loss, a cut link) are found and closed by TCP keepalives.
+        frontend.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        frontend.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 60)
+        frontend.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
         endpoints = []
         try:
             if self.auth is not None:
