@@ -122,22 +122,25 @@ def get(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
     hold = tier.acquire(keys)
     addresses = hold.__enter__()
     account = client.account
+    budget = None  # what the reply's bytes are charged to until zmq lets go of them
     try:
         hit = [a is not None for a in addresses]
         rows = np.fromiter((a for a in addresses if a is not None), dtype=np.uint64)
         nbytes = len(rows) * bb
-        frames: list[Any] = []
-        staged = F.should_gather(rows, bb) and st.memory.take(account, nbytes)
-        if staged:
+        if F.should_gather(rows, bb) and st.memory.take(account, nbytes):
+            budget = st.memory
             frames = F.gather(rows, bb, st.settings.copy_threads)
         else:
-            frames = F.zero_copy(rows, bb)
+            budget = st.held
             st.held.charge(account, nbytes)
+            frames = F.zero_copy(rows, bb)
     except BaseException:
         hold.__exit__(None, None, None)
+        if budget is not None:
+            budget.give(account, nbytes)
         raise
     st.count(get_hits=len(rows), get_misses=len(keys) - len(rows), get_bytes=nbytes, bytes_out_zmq=nbytes)
-    if staged:  # copied: the slots may go now, the copy once zmq has sent it
+    if budget is st.memory:  # copied: the slots may go now, the copy once zmq has sent it
         hold.__exit__(None, None, None)
         return Reply({"hit": P.bitmap(hit)}, frames, lambda: st.memory.give(account, nbytes))
 
