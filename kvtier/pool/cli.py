@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "requests and replies (queued request data, get replies gathered into copies, envelopes on "
                    "the data port), half of it per client; past it requests are held back or answered busy "
                    "(default: capacity/8, at least 256MiB, at most 4GiB)")
+    p.add_argument("--client-share", type=float, default=d.client_share, help="of the capacity, what one client "
+                   "may hold unevictable at once (one-sided leases, replies in flight); all together at most half "
+                   f"(default {d.client_share:g}; 1 for a pool with one trusted client, e.g. a tool's own)")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port "
                    "(0: a free one, written to the ready file); default: no metrics")
     p.add_argument("--metrics-host", default=d.metrics_host, help=f"address of the metrics port (default "
@@ -101,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--capacity, --lease-s, --stream-message-timeout-s and --handshake-s must be > 0")
         if args.staging_bytes < 0 or (args.metrics_port is not None and not 0 <= args.metrics_port < 65536):
             raise ValueError("--staging-bytes must be >= 0 and --metrics-port a port number")
+        if not 0 < args.client_share <= 1:
+            raise ValueError("--client-share must be in (0, 1]")
         if args.block_bytes:
             why = block_size_problem(args.block_bytes, args.capacity, minimum=1)
             if why:
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
             stream_max_connections=args.stream_max_connections,
             stream_message_timeout_s=args.stream_message_timeout_s, stream_pending_max=args.stream_pending_max,
-            handshake_s=args.handshake_s, staging_bytes=args.staging_bytes, metrics_port=args.metrics_port,
+            handshake_s=args.handshake_s, staging_bytes=args.staging_bytes, client_share=args.client_share,
+            metrics_port=args.metrics_port,
             metrics_host=args.metrics_host, heartbeat_s=args.heartbeat_s, auth_dir=args.auth_dir,
             labels=dict(args.label),
         )

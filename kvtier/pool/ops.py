@@ -72,6 +72,7 @@ def hello(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
     return Reply({"node": st.node_id, "block_bytes": tier.block_bytes if tier else 0,
                   "capacity": tier.capacity_bytes if tier else st.settings.capacity,
                   "max_keys": st.settings.max_keys, "lease_s": st.settings.lease_s, "transports": transports,
+                  "request_bytes": st.request_bytes,
                   "session": st.client(client, body).session or st.sessions.issue()})
 
 

@@ -9,7 +9,8 @@ pool's incarnation (a fresh random number per start), so a client notices a rest
 
 Ops (request body -> reply body):
 
-  hello     {block_bytes}        -> {node, epoch, block_bytes, capacity, max_keys, lease_s, transports, session}
+  hello     {block_bytes}        -> {node, epoch, block_bytes, capacity, max_keys, lease_s, transports, session,
+                                     request_bytes}
             Never sizes the pool: without --block-bytes the first op that stores (put, reserve, a data-port
             put) sets the size from its ``block_bytes``; until then block_bytes is 0 and other data ops answer
             ERR_NOT_READY (the pool holds nothing). Blocks under 512 B are refused; a client whose blocks have
@@ -19,6 +20,8 @@ Ops (request body -> reply body):
             (a pool with --auth-dir): 32 bytes a data connection must send first (kvtier/auth/tokens.py); a
             fresh one per hello. ``session``: 32 bytes every lease op (reserve, commit, acquire, release)
             must carry: leases are bound to the client (its key or address) and this session.
+            ``request_bytes``: the largest request a client should send (a batch's requests in flight then
+            fit in its share of what it may hold: kvtier/pool/budget.py).
   contains  {keys}               -> {held: bitmap}
   remove    {keys}               -> {removed: int}
   put       {keys} + data        -> {held: bitmap}        data: the n blocks' bytes in key order, cut into
@@ -75,9 +78,9 @@ STATS = "stats"
 CLEAR = "clear"
 RDMA_CONNECT = "rdma_connect"
 
-# Clients cut batches into requests of at most 1/32 of the pool but no fewer than MIN_REQUEST_BLOCKS blocks
-# (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold (reserve,
-# acquire, have in flight) at least MIN_HELD_BLOCKS (kvtier/pool/budget.py), room for those few.
+# Clients cut batches into requests of at most the hello's request_bytes but no fewer than MIN_REQUEST_BLOCKS
+# blocks (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold
+# (reserve, acquire, have in flight) at least MIN_HELD_BLOCKS (kvtier/pool/budget.py), room for those few.
 MIN_REQUEST_BLOCKS = 4
 MIN_HELD_BLOCKS = 4 * MIN_REQUEST_BLOCKS
 

@@ -51,7 +51,8 @@ TIER = "dram"  # the name the pool's tier is registered under with the master
 MIN_BLOCK_BYTES = 512  # smaller "blocks" are a client bug, and would turn the pool's memory into bookkeeping
 SLOT_OVERHEAD_BYTES = 256  # about what one slot costs in the tier's index, policy and key map
 METADATA_SHARE = 16  # slots are capped so their bookkeeping stays under 1/16 of the memory served
-STAGING_DEFAULT = (256 << 20, 4 << 30)  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
+STAGING_DEFAULT = (256 << 20, 4 << 30)
+REQUESTS_IN_SHARE = 8  # a client's share of the held budget holds this many of its largest requests  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
 
 
 @dataclass
@@ -78,6 +79,7 @@ class PoolSettings:
     stream_message_timeout_s: float = 30.0  # the longest one data message (<= 16 MiB) may take
     stream_pending_max: int = 1024  # data connections not yet admitted (no token / no first byte yet) at once
     staging_bytes: int = 0  # memory beyond the capacity for clients' requests and replies; 0: auto
+    client_share: float = 0.25  # of the capacity one client may hold unevictable (leases, replies in flight)
     handshake_s: float = 2.0  # a connection must finish its handshake (token, zmq greeting, CURVE) this fast
     metrics_port: int | None = None  # Prometheus /metrics (kvtier/pool/metrics.py); None: off, 0: a free port
     metrics_host: str = "127.0.0.1"
@@ -104,9 +106,10 @@ class PoolState:
         self.epoch = secrets.randbits(62)
         cap = settings.capacity
         # What clients may allocate beyond the capacity (half of it per client), and what they may hold
-        # unevictable (half the capacity, a quarter per client): kvtier/pool/budget.py.
+        # unevictable (half the capacity, --client-share of it per client): kvtier/pool/budget.py.
         self.memory = Budget("memory", settings.staging_limit, settings.staging_limit // 2)
-        self.held = Budget("held", max(1, cap // 2), max(1, cap // 4))
+        share = max(1, int(cap * settings.client_share))
+        self.held = Budget("held", max(cap // 2, share), share)
         self.leases = ClientLeases(settings.lease_s, budget=self.held)
         self.sessions = Sessions()
         self.generations: SlotGenerations | None = None
@@ -236,6 +239,12 @@ class PoolState:
         if session == client.session and role == client.role:
             return client
         return Client(client.key, client.peer, session or b"", role)
+
+    @property
+    def request_bytes(self) -> int:
+        """The largest request a client should send (hello tells it): a batch keeps a few in flight (lanes x
+        window, about 8), and all of them fit in its share of the held budget."""
+        return max(1, self.held.per_account // REQUESTS_IN_SHARE)
 
     def slot_of(self, tier: DramTier, address: int) -> int:
         return (address - tier.buffer.ptr) // tier.block_bytes

@@ -63,6 +63,7 @@ class PoolInfo:
     transports: dict[str, Any] = field(default_factory=dict)
     session: bytes = b""
     sized: bool = True
+    request_bytes: int = 0  # the largest request the pool wants (0: it did not say)
 
     @classmethod
     def from_wire(cls, endpoint: str, body: dict[str, Any], block_bytes: int = 0) -> PoolInfo:
@@ -70,7 +71,7 @@ class PoolInfo:
         session = body.get("session")
         return cls(endpoint, str(body["node"]), int(body["epoch"]), pool_bb or block_bytes, int(body["capacity"]),
                    int(body["max_keys"]), float(body["lease_s"]), dict(body.get("transports") or {}),
-                   session if isinstance(session, bytes) else b"", pool_bb > 0)
+                   session if isinstance(session, bytes) else b"", pool_bb > 0, int(body.get("request_bytes") or 0))
 
 
 class PoolConnection(Protocol):

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 TRANSPORTS = {"tcp": "kvtier.transport.tcp:TcpConnection", "stream": "kvtier.transport.stream:StreamConnection",
               "shm": "kvtier.transport.shm:ShmConnection", "rdma": "kvtier.transport.rdma:RdmaConnection"}
 MIN_BANDWIDTH = 100e6  # bytes/s: a batch moving slower than this is given up (timeout + bytes / this)
-# A request covers at most 1/REQUEST_SHARE of the pool: what a batch holds there at once (its lanes' requests
-# in flight) stays well inside one client's share of the pool's held budget (a quarter, kvtier/pool/budget.py).
+# A request covers at most the pool's request_bytes (its hello; 1/REQUEST_SHARE of the pool from a pool that
+# does not say): what a batch holds there at once (its lanes' requests in flight) stays inside one client's
+# share of the pool's held budget (kvtier/pool/budget.py).
 REQUEST_SHARE = 32
 
 
@@ -110,9 +111,10 @@ class ConnectionBase:
             yield a, min(n, a + per)
 
     def _per_request(self, request_bytes: int) -> int:
-        """Keys per request: at most ``request_bytes`` and the pool's max_keys, and 1/REQUEST_SHARE of the pool
+        """Keys per request: at most ``request_bytes``, the pool's max_keys and the largest request it wants
         (but the few blocks a pool lets any client hold, however small it is)."""
-        most = min(request_bytes, max(self.info.capacity // REQUEST_SHARE, P.MIN_REQUEST_BLOCKS * self.block_bytes))
+        wanted = self.info.request_bytes or self.info.capacity // REQUEST_SHARE
+        most = min(request_bytes, max(wanted, P.MIN_REQUEST_BLOCKS * self.block_bytes))
         return max(1, min(self.info.max_keys, most // self.block_bytes))
 
     @staticmethod
