@@ -18,7 +18,10 @@ else the peer. Immutable; safe to share between threads.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +56,15 @@ class Client:
 LOCAL = Client("", "local")  # the pool itself (shutdown, janitor)
 
 
-def from_zmq(frame: zmq.Frame) -> tuple[str, str]:
+def from_zmq(frame: zmq.Frame, curve: bool) -> tuple[str, str]:
     """(key, peer) of the connection a received frame came on: zmq's User-Id (set by the ZAP handler to the
-    client's z85 public key) and Peer-Address metadata."""
-    try:
-        key = frame.get("User-Id") or ""
-    except zmq.ZMQError:  # no ZAP handler on this socket
-        key = ""
+    client's z85 public key; only a ``curve`` socket has one) and Peer-Address metadata."""
+    key = ""
+    if curve:
+        try:
+            key = frame.get("User-Id") or ""
+        except zmq.ZMQError:  # not authenticated (cannot happen past a CURVE handshake, but never a crash)
+            key = ""
     try:
         address = frame.get("Peer-Address") or "?"
     except zmq.ZMQError:
@@ -67,6 +72,7 @@ def from_zmq(frame: zmq.Frame) -> tuple[str, str]:
     return str(key), peer_of(str(address))
 
 
+@functools.lru_cache(maxsize=4096)
 def peer_of(address: str) -> str:
     """The peer an address counts as: an IPv4 address as it is, an IPv6 address as its /64, anything else
     (zmq's ipc peer credentials) as it is."""
@@ -93,13 +99,32 @@ def decode(frame: Any) -> Client:
 
 
 class Sessions:
-    """Session tokens: ``issue()`` one per hello, ``check(token)`` whether this pool (this run) issued it."""
+    """Session tokens: ``issue()`` one per hello, ``check(token)`` whether this pool (this run) issued it. A
+    token is a nonce and its HMAC under a key drawn at start (kvtier/auth/tokens.py): checking one needs no
+    table. The last CHECKED tokens found valid are remembered (only valid ones: a stranger's guesses cannot
+    fill it), so a client's every lease op costs a lookup, not an HMAC. Thread-safe."""
+
+    CHECKED = 4096
 
     def __init__(self) -> None:
-        self._tokens = DataTokens()  # nonce + HMAC under a key drawn at start: no table, constant-time check
+        self._tokens = DataTokens()
+        self._valid: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
 
     def issue(self) -> bytes:
         return self._tokens.issue()
 
     def check(self, token: Any) -> bool:
-        return isinstance(token, bytes) and len(token) == SESSION_BYTES and self._tokens.check(token)
+        if not isinstance(token, bytes) or len(token) != SESSION_BYTES:
+            return False
+        with self._lock:
+            if token in self._valid:
+                self._valid.move_to_end(token)
+                return True
+        if not self._tokens.check(token):
+            return False
+        with self._lock:
+            self._valid[token] = None
+            if len(self._valid) > self.CHECKED:
+                self._valid.popitem(last=False)
+        return True

@@ -65,6 +65,7 @@ class Dispatcher:
                  *, queue_per_client: int = QUEUE_PER_CLIENT, queue_total: int = QUEUE_TOTAL) -> None:
         self.ctx, self.frontend, self.state, self._stop = ctx, frontend, state, stop
         self.queue_per_client, self.queue_total = queue_per_client, queue_total
+        self.curve = bool(frontend.curve_server)  # CURVE: each message names its client's key (ZAP's User-Id)
         self.backend = ctx.socket(zmq.ROUTER)
         self.backend.setsockopt(zmq.LINGER, 0)
         self.backend.bind(BACKEND)
@@ -111,7 +112,7 @@ class Dispatcher:
             route = 2 if len(frames) > 2 and len(frames[1]) == 0 else 1
             if len(frames) <= route:
                 continue  # nothing to answer
-            key, peer = clients.from_zmq(frames[route])
+            key, peer = clients.from_zmq(frames[route], self.curve)
             account = clients.Client(key, peer).account
             item = _Queued(frames, route, clients.encode(key, peer), sum(len(f) for f in frames[route + 1:]))
             q = self._queues.get(account)

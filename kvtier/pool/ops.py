@@ -162,12 +162,16 @@ def reserve(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply
     keys = st.keys(body)
     bb = tier.block_bytes
     check_fits(len(keys), bb, tier.capacity_bytes)
-    ask, skipped = within_quota(st, client, keys, ~np.asarray(tier.contains(keys), dtype=bool), bb)
-    res = st.reserve(tier, [keys[i] for i in ask])
-    held = np.zeros(len(keys), dtype=bool)
-    held[ask] = res.held
+    ask, skipped = within_quota(st, client, keys, lambda: ~np.asarray(tier.contains(keys), dtype=bool), bb)
+    res = st.reserve(tier, keys if ask is None else [keys[i] for i in ask])
+    index = np.asarray(res.index, dtype=np.int64)
+    if ask is None:
+        held = np.asarray(res.held, dtype=bool)
+    else:
+        held = np.zeros(len(keys), dtype=bool)
+        held[ask] = res.held
+        index = ask[index]
     fresh = np.zeros(len(keys), dtype=bool)
-    index = ask[np.asarray(res.index, dtype=np.int64)] if res.slots else np.empty(0, np.int64)
     fresh[index] = True
     lease = 0
     if res.slots:
@@ -232,12 +236,14 @@ def acquire(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply
             _release(st, client, lease)
     keys = st.keys(body)
     bb = tier.block_bytes
-    ask, skipped = within_quota(st, client, keys, np.asarray(tier.contains(keys), dtype=bool), bb)
-    hold = tier.acquire([keys[i] for i in ask])
+    ask, skipped = within_quota(st, client, keys, lambda: np.asarray(tier.contains(keys), dtype=bool), bb)
+    hold = tier.acquire(keys if ask is None else [keys[i] for i in ask])
     got = hold.__enter__()
     base = tier.buffer.ptr
-    offs = np.full(len(keys), -1, dtype=np.int64)
-    offs[ask] = [-1 if a is None else a - base for a in got]
+    offs = np.fromiter((-1 if a is None else a - base for a in got), dtype=np.int64, count=len(got))
+    if ask is not None:
+        offs, sub = np.full(len(keys), -1, dtype=np.int64), offs
+        offs[ask] = sub
     found = offs >= 0
     hits = int(found.sum())
     gens = np.zeros(len(keys), dtype=np.uint64)
@@ -284,15 +290,18 @@ def _with_session(st: PoolState, client: Client, body: Body) -> Client:
     return client
 
 
-def within_quota(st: PoolState, client: Client, keys: list[bytes], costs: np.ndarray, bb: int
-                  ) -> tuple[np.ndarray, int]:
-    """Indices of ``keys`` to act on: every key that costs nothing, and of those that would hold a slot
-    (``costs`` True) as many as the client's room in the held budget allows (none while it holds its most
-    leases); and how many were left out."""
+def within_quota(st: PoolState, client: Client, keys: list[bytes], costs: Callable[[], np.ndarray], bb: int
+                  ) -> tuple[np.ndarray | None, int]:
+    """Which of ``keys`` to act on, and how many were left out: None for all of them (the client's room in the
+    held budget covers every key: the common case, nothing is looked up), else the indices of every key that
+    costs nothing and of as many of those that would hold a slot (``costs()`` True) as the room allows (none
+    while the client holds its most leases)."""
     room = 0 if st.leases.full(client.account) else st.held.room(client.account) // bb
-    costly = np.flatnonzero(costs)
+    if len(keys) <= room:
+        return None, 0
+    costly = np.flatnonzero(costs())
     if len(costly) <= room:
-        return np.arange(len(keys)), 0
+        return None, 0
     keep = np.ones(len(keys), dtype=bool)
     keep[costly[room:]] = False
     skipped = len(costly) - room
