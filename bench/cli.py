@@ -18,6 +18,8 @@ BENCHES = {
     "engine": ("kvtier.bench.engine", "TTFT on a real vLLM CPU engine: cold vs kvtier-warm vs vLLM's own "
                                       "prefix-cache hit"),
     "policies": ("kvtier.bench.policies", "eviction policies' cost per key (observe, insert, victims) beside LRU's"),
+    "soak": ("kvtier.bench.soak", "a master, two pools and N clients under mixed traffic (optionally killing "
+                                  "daemons): errors, wrong bytes, p99 latency, daemon RSS over time"),
     "ssd-eviction": ("kvtier.bench.ssd_eviction", "SSD eviction schemes on agentic-cc traces: hit rates, SSD writes "
                                                   "(a key-level study, no bytes move)"),
 }

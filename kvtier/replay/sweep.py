@@ -117,10 +117,11 @@ def capacity_keys() -> list[str]:
 # Settings that keep a lower tier exact and deterministic under stand-in blocks, applied where the Config has
 # them (a --set overrides): the SSD tier's O_DIRECT would round 64 B blocks up to 4 KiB slots (64x fewer
 # blocks), and its write-behind would make hits depend on thread timing instead of the trace.
-# The same for the pool: no write-behind (its thread's timing would decide hits), and a timeout long enough that
-# a busy machine never turns a block into a miss.
+# The same for the pool: no write-behind (its thread's timing would decide hits), one connection (a batch cut
+# into requests goes in order, not in whichever order parallel lanes reach the pool), and a timeout long enough
+# that a busy machine never turns a block into a miss.
 REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0,
-                                   "pool_staging_bytes": 0, "pool_timeout_ms": 10_000}
+                                   "pool_staging_bytes": 0, "pool_timeout_ms": 10_000, "pool_connections": 1}
 # Config keys naming a directory a tier keeps files in: each run gets a fresh one under it, removed afterwards,
 # so no run finds the blocks of the run before it (salted keys repeat from run to run).
 RUN_DIRECTORIES = ("ssd_path",)
