@@ -63,8 +63,8 @@ class Config:
                                           "is present), true, false", ("auto", "true", "false"))
     dram_prefault: bool = _field(False, "touch every page of the DRAM buffer at start-up, so the first "
                                         "puts pay no page faults (costs ~0.1 s per GiB at start)")
-    eviction: str = _field("lru", "eviction policy: a registered name (lru, s3fifo, ...) or an import "
-                                  "path 'package.module:Class'")
+    eviction: str = _field("default", "DRAM eviction policy: default (the session-aware predictor, pnu), lru, "
+                                      "fifo, s3fifo, arc, chain-lru, or an import path 'package.module:Class'")
     copy_threads: int = _field(1, "threads per batched host copy (1 keeps one core free for the engine)")
     io_threads: int = _field(4, "threads serving the *_async calls")
 
@@ -76,7 +76,8 @@ class Config:
                                           "(when DRAM evicts them), second_hit (on eviction, if seen twice)",
                               ("write_through", "on_evict", "second_hit"))
     ssd_promote: bool = _field(True, "copy a block served from SSD into DRAM too")
-    ssd_eviction: str = _field("lru", "SSD eviction policy: a registered name or an import path")
+    ssd_eviction: str = _field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
+                                          "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
     ssd_direct_io: str = _field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
                                         "warning, where the filesystem lacks it), true, false",
                                 ("auto", "true", "false"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,8 +33,10 @@ from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
 from kvtier.offload import Offloader, write_down
 from kvtier.pins import PinTable
+from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
+from kvtier.policies.sessions import SessionTracker
 from kvtier.store_types import Fill, Listener, PrefixLookup, PutResult, StoreEvent
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import ObservingTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class TieredStore:
 
     def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = (),
                  offload: str | Sequence[str] = "on_evict", promote: bool = True,
-                 close_timeout_s: float = 30.0) -> None:
+                 close_timeout_s: float = 30.0, clock: Clock | None = None) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         sizes = {t.block_bytes for t in tiers}
@@ -77,13 +80,19 @@ class TieredStore:
                           for i, (lower, policy) in enumerate(zip(self.tiers[1:], policies), 1)]
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
+        # What the engine knows about requests and agents, for the tiers whose policies learn from it.
+        self.clock: Clock = clock or time.monotonic
+        self.sessions = SessionTracker(self.clock)
+        self._observers = [t for t in self.tiers if isinstance(t, ObservingTier) and t.observes]
 
     @classmethod
-    def from_config(cls, config: Config | Mapping[str, Any] | str | None, layout: BlockLayout | int) -> TieredStore:
+    def from_config(cls, config: Config | Mapping[str, Any] | str | None, layout: BlockLayout | int, *,
+                    clock: Clock | None = None) -> TieredStore:
         """Build the tiers a Config describes for blocks of ``layout`` (or a plain block size in bytes).
 
         ``mode`` embedded: DRAM (+SSD); standalone: the node pool through shared memory (under an optional
-        small private DRAM); distributed: DRAM, then remote pools, then the SSD if any."""
+        small private DRAM); distributed: DRAM, then remote pools, then the SSD if any. ``clock``: where the
+        store and its policies read time (``time.monotonic``; a replay passes its virtual clock)."""
         cfg = Config.load(config)
         block_bytes = layout if isinstance(layout, int) else layout.nbytes
         dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
@@ -93,9 +102,13 @@ class TieredStore:
         if dram_capacity:
             from kvtier.tiers.dram import DramTier
 
+            # Admission (a full DRAM declining a put's blocks) only where DRAM is the last tier: a block it
+            # declined would reach no tier below it (offloads take what DRAM stored or evicts).
+            last = cfg.mode == "embedded" and not cfg.ssd_path
             tiers.append(DramTier(dram_capacity, block_bytes, policy=cfg.eviction,
                                   shm_path=cfg.dram_shm_path or None, pin_memory=cfg.dram_pin_memory,
-                                  prefault=cfg.dram_prefault, copy_threads=cfg.copy_threads, dtypes=dtypes))
+                                  prefault=cfg.dram_prefault, copy_threads=cfg.copy_threads, dtypes=dtypes,
+                                  clock=clock, admission=last))
         if cfg.mode != "embedded":
             from kvtier.tiers.pool import PoolTier
 
@@ -108,12 +121,12 @@ class TieredStore:
             tiers.append(DiskTier(cfg.ssd_path, cfg.ssd_capacity, block_bytes, segment_bytes=cfg.ssd_segment_bytes,
                                   policy=cfg.ssd_eviction, direct_io=cfg.ssd_direct_io, fsync=cfg.ssd_fsync,
                                   io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
-                                  fingerprint=fingerprint, dtypes=dtypes))
+                                  fingerprint=fingerprint, dtypes=dtypes, clock=clock))
             offload.append(cfg.ssd_offload)
         if not dram_capacity:
             offload = offload[1:]  # the pool is the top tier: nothing above it offloads into it
         return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=offload, promote=cfg.ssd_promote,
-                   close_timeout_s=cfg.close_timeout_s)
+                   close_timeout_s=cfg.close_timeout_s, clock=clock)
 
     # ---- writes ----------------------------------------------------------------------------------------
 
@@ -278,6 +291,24 @@ class TieredStore:
         length = next((i for i, n in enumerate(names) if n is None), len(keys))
         return PrefixLookup(length, names[:length])  # type: ignore[arg-type]
 
+    # ---- what the engine knows ---------------------------------------------------------------------------
+
+    def observe(self, arrivals: Sequence[Arrival] = (), completions: Sequence[Completion] = (),
+                hints: Sequence[Hint] = ()) -> None:
+        """Tell the tiers' policies what the engine knows, in a batch (kvtier.policies.observations): requests
+        that arrived (their full chain of keys, root first, and the client's session id if any), requests
+        that finished (stop reason, keys generated since), hints. Each observation's agent is filled in here
+        (the session id, else inferred from the chains: ``self.sessions``) and its time where None (this
+        store's clock), then the batch goes to every tier whose policy learns from it. O(batch); never
+        raises for what it is told (unknown keys, requests or sessions are fine; a policy's error is logged).
+        """
+        batch = Observations(arrivals, completions, hints)
+        if not batch or not self._observers:
+            return
+        batch = self.sessions.resolve(batch)
+        for tier in self._observers:
+            tier.observe(batch)
+
     # ---- pins ------------------------------------------------------------------------------------------
 
     def pin(self, keys: Sequence[bytes]) -> list[bool]:
@@ -331,7 +362,8 @@ class TieredStore:
         extra = {"offload": self._offloads[0].stats(),  # the tier right under the top one
                  "offloads": {o.lower.name: o.stats() for o in self._offloads}} if self._offloads else {}
         return {"block_bytes": self.block_bytes, "pinned_keys": len(self.pins), "inflight_puts": len(self._inflight),
-                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers}, **extra}
+                **self.counters, "tiers": {t.name: asdict(t.stats()) for t in self.tiers},
+                "observations": self.sessions.stats(), **extra}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish the async calls, write DRAM's blocks down (below), close every tier. Idempotent.

@@ -65,10 +65,13 @@ def make_placement(spec: str) -> PlacementPolicy:
 
 
 class _Room:
-    """Free bytes per (node, tier) during one placement, decremented as blocks are assigned."""
+    """Free bytes per (node, tier) during one placement, decremented as blocks are assigned. A kvtier-pool
+    (label role=pool) evicts by its own policy to take new blocks, so a full one still has room: its capacity
+    less what was sent there since its last heartbeat (a full pool would otherwise never get a block again)."""
 
     def __init__(self, nodes: list[Node]) -> None:
-        self.free = {n.node_id: {t.name: t.free for t in n.tiers.values()} for n in nodes}
+        self.free = {n.node_id: {t.name: max(0, t.capacity - t.promised) if n.labels.get("role") == "pool"
+                                 else t.free for t in n.tiers.values()} for n in nodes}
 
     def take(self, node: str, size: int) -> str | None:
         """The first tier of ``node`` with room for ``size`` bytes (now taken), or None."""

@@ -47,7 +47,7 @@ def main() -> None:
                 out = {"hits": sum(hit), "correct": int(correct)}
             elif op == "maps":
                 out = {"maps": sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                                       if "kvtier-pool-" in line})}
+                                       if "kvtier-pool-" in line and line.endswith(".shm")})}
             elif op == "stats":
                 out = json.loads(json.dumps(store.stats(), default=str))
             else:

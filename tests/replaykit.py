@@ -19,10 +19,13 @@ MODEL = dict(layers=1, kv_heads=1, head_dim=8)
 
 
 def req(ids: Sequence[int], think: float = 0.0, out: int = 10, extra_tokens: int = 0, t: float = 0.0,
-        api: float = 1.0) -> dict[str, Any]:
+        api: float = 1.0, stop: str | None = None) -> dict[str, Any]:
     """A request whose input is exactly its blocks (plus ``extra_tokens`` of a trailing partial block)."""
-    return {"t": t, "type": "n", "in": len(ids) * BT + extra_tokens, "out": out, "hash_ids": list(ids),
-            "think_time": think, "api_time": api}
+    r = {"t": t, "type": "n", "in": len(ids) * BT + extra_tokens, "out": out, "hash_ids": list(ids),
+         "think_time": think, "api_time": api}
+    if stop is not None:
+        r["stop"] = stop
+    return r
 
 
 def sub(requests: list[dict[str, Any]], t: float, duration: float) -> dict[str, Any]:
@@ -36,10 +39,10 @@ def trace(name: str, requests: list[dict[str, Any]]) -> Trace:
 
 def sweep(traces: list[Trace], lanes: int = 1, offload: str = "write-through", prefill: float = 1e9,
           decode: float = 1e9, bandwidth: float = 1e18, think_cap: float = 60.0, seed: int = 0,
-          extra: dict[str, Any] | None = None) -> Sweep:
+          extra: dict[str, Any] | None = None, sessions: bool = False, hints: bool = False) -> Sweep:
     name, layout = model_layout(None, BT, **MODEL)
     service = ServiceModel(prefill, decode, {"dram": bandwidth, "ssd": bandwidth / 4})
-    config = ReplayConfig(lanes=lanes, think_cap_s=think_cap, offload=offload)
+    config = ReplayConfig(lanes=lanes, think_cap_s=think_cap, offload=offload, sessions=sessions, hints=hints)
     workload = Workload(traces, seed=seed, source="test")
     return Sweep(workload, layout, name, parse_capacity("0"), {"dram_capacity": [parse_capacity("0")]},
                  ["lru"], service, config, extra)

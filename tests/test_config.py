@@ -11,7 +11,7 @@ from kvtier.config import ENV_NOT_CONFIG, Config, ConfigError
 def test_defaults_validate():
     c = Config()
     c.validate()
-    assert c.dram_capacity == 4 * 2**30 and c.eviction == "lru"
+    assert c.dram_capacity == 4 * 2**30 and c.eviction == "default"
 
 
 def test_from_dict_parses_sizes_and_bools():

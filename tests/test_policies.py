@@ -55,7 +55,7 @@ def test_s3fifo_ghost_readmits_into_main():
     assert k(1) in p._main
 
 
-@pytest.mark.parametrize("name", ["lru", "s3fifo"])
+@pytest.mark.parametrize("name", ["lru", "fifo", "s3fifo", "arc", "chain-lru", "pnu"])
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["insert", "access", "remove", "evict"]),
                               st.lists(st.integers(0, 30), max_size=6), st.integers(0, 5)), max_size=60),

@@ -32,7 +32,7 @@ def until(fn, timeout: float = 15.0):
 @pytest.fixture
 def cluster(tmp_path):
     with MasterProcess(tmp_path, lease_s=5.0) as mp:
-        opts = {"capacity": "4MiB", "block_bytes": BB, "master": mp.endpoint, "args": ("--heartbeat-s", "0.2")}
+        opts = {"capacity": "64MiB", "block_bytes": BB, "master": mp.endpoint, "args": ("--heartbeat-s", "0.2")}
         with PoolProcess(tmp_path, name="pa", **opts) as a, PoolProcess(tmp_path, name="pb", **opts) as b:
             with MasterClient(mp.endpoint) as m:
                 assert until(lambda: len(live_pools(m)) == 2)  # registered at start: their block size is known

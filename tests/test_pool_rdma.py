@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import blocks_for
-from kvtier.transport import rdma
+from kvtier.transport import rdma, rdma_verbs
 from kvtier.transport.base import PoolError
 from kvtier.transport.connection import connect
 from poolproc import PoolProcess
@@ -67,8 +67,8 @@ def test_work_requests_cover_every_row_once_and_merge_only_true_runs(runs):
 
 
 def test_device_specs():
-    assert rdma._spec("mlx5_0:1:3") == ("mlx5_0", 1, 3)
-    assert rdma._spec("mlx5_1") == ("mlx5_1", 1, 0)
+    assert rdma_verbs.device_spec("mlx5_0:1:3") == ("mlx5_0", 1, 3)
+    assert rdma_verbs.device_spec("mlx5_1") == ("mlx5_1", 1, 0)
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"RDMA round trip: {REASON}")
@@ -90,25 +90,25 @@ def test_queue_pairs_enter_init_with_remote_read_and_write_allowed():
     # Distinct bits per flag name, so a dropped or swapped flag changes the mask.
     enums = SimpleNamespace(IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2, IBV_ACCESS_REMOTE_READ=4,
                             IBV_ACCESS_REMOTE_ATOMIC=8, IBV_ACCESS_MW_BIND=16)
-    assert rdma.remote_access(enums) == 1 | 2 | 4
-    assert rdma.init_fields(enums, 3) == {"port_num": 3, "pkey_index": 0, "qp_access_flags": 1 | 2 | 4}
+    assert rdma_verbs.remote_access(enums) == 1 | 2 | 4
+    assert rdma_verbs.init_fields(enums, 3) == {"port_num": 3, "pkey_index": 0, "qp_access_flags": 1 | 2 | 4}
 
 
 def test_the_access_flags_are_pyverbs_own():
     e = pytest.importorskip("pyverbs.enums", reason="pyverbs is not installed: its flag values cannot be checked")
-    assert rdma.remote_access(e) == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
+    assert rdma_verbs.remote_access(e) == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"a real queue pair: {REASON}")
 def test_a_new_queue_pair_is_in_init_with_remote_access():  # pragma: no cover - needs an RDMA device
     from pyverbs import enums as e
 
-    port = rdma._Port.open(None)
-    qp = rdma._QueuePair(port)
+    port = rdma_verbs.Port.open(None)
+    qp = rdma_verbs.QueuePair(port)
     try:
         attr, _ = qp.qp.query(e.IBV_QP_STATE | e.IBV_QP_ACCESS_FLAGS)
         assert attr.qp_state == e.IBV_QPS_INIT
-        assert attr.qp_access_flags & rdma.remote_access(e) == rdma.remote_access(e)
+        assert attr.qp_access_flags & rdma_verbs.remote_access(e) == rdma_verbs.remote_access(e)
     finally:
         qp.close()
         port.close()

@@ -147,7 +147,7 @@ def test_recently_held_keys_never_claim_a_key_that_was_not_added(ops):
     """The local filter may forget (a slot taken by another key) but never invents: a key reported held was
     added and not dropped since."""
     from kvtier.keys import Namespace
-    from kvtier.tiers.pool import _Recent
+    from kvtier.tiers.pool_recent import RecentlyHeld as _Recent
 
     keys = Namespace("recent").keys(range(64))
     recent = _Recent(slots=16)  # tiny: collisions happen

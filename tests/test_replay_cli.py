@@ -61,6 +61,9 @@ def test_replay_mooncake_jsonl(tmp_path):
     assert lru["hit_rate"] == pytest.approx(lru["infinite_hit_rate"])  # 1 GiB holds all 17 blocks of 64 MiB
     # Arrivals every 0.5 s outrun a 100 tok/s prefill: the queue grows, the server is busy to the end.
     assert lru["ttft_s"]["p90"] > 5 and 0.9 < lru["prefill_utilization"] <= 1.0
+    assert lru["saturated"] and "warning: the modeled server is saturated" in r.stderr
+    fast = kvtier_cli("replay", p, "--hbm", "0", "--dram", "1GiB", "--policy", "lru", "--no-progress")
+    assert fast.returncode == 0 and "saturated" not in fast.stderr  # the negative control: 10K tok/s keeps up
 
 
 @pytest.mark.parametrize("args, message", [
@@ -102,9 +105,15 @@ def test_demo_runs_from_an_installed_wheel(tmp_path):
     assert r.returncode == 0, r.stderr
     assert str(target) in r.stdout  # the sample came from the installed copy
     rep = json.loads((tmp_path / "demo.json").read_text())
-    assert len(rep["points"]) == 4 and set(rep["policies"]) == {"lru", "s3fifo"}
+    assert len(rep["points"]) == 4 and set(rep["policies"]) == {"default", "lru"}
+    assert [p["capacities"]["dram"]["label"].split()[0] for p in rep["points"]] == ["2%", "5%", "10%", "25%"]
     best = rep["points"][-1]
     assert best["policies"]["lru"]["hit_rate"] > rep["points"][0]["policies"]["lru"]["hit_rate"]
+    at10 = rep["points"][2]["policies"]
+    assert at10["default"]["hit_rate"] > at10["lru"]["hit_rate"] + 0.1  # the sample's agents come back
+    assert len(rep["tiers"]["points"]) == 4 and "ssd" in rep["tiers"]["points"][-1]["capacities"]
+    png = tmp_path / "kvtier-demo.png"  # written where the user ran it, and named
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "kvtier-demo.png" in r.stdout
 
 
 def test_progress_bars_on_a_terminal(monkeypatch, capsys):

@@ -279,7 +279,7 @@ def test_bad_keys_and_blocks_are_clear_errors():
 
 
 def test_unknown_policy_lists_known():
-    with pytest.raises(ValueError, match="unknown eviction policy 'fifo2'; known: fifo, lru, s3fifo"):
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo2'; known: arc, chain-lru, default, fifo, lru, pnu, s3fifo"):
         TieredStore.from_config({"eviction": "fifo2", "dram_capacity": 2 * BB}, BB)
 
 

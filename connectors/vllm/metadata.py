@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .hints import Hints
+from .observe import RequestNotes
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,14 @@ class SavePlan:
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """One step's work for every worker: loads, saves, lookup leases to release (the scheduler will not
-    load them), and requests preempted this step (their blocks are freed before they are overwritten)."""
+    load them), requests preempted this step (their blocks are freed before they are overwritten), and what
+    the scheduler saw of requests since the last step, for the stores' policies (``notes``)."""
 
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    notes: RequestNotes = field(default_factory=RequestNotes)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.releases or self.preempted)
+        return not (self.loads or self.saves or self.releases or self.preempted or self.notes)

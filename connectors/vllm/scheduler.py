@@ -12,6 +12,9 @@ Decides, per request, which blocks to load and which to save; moves no bytes and
   blocks that came from the store or the local prefix cache) and the leases to release to the workers.
 * ``request_finished`` keeps a request's blocks while its saves or its asynchronous load may still read or
   write them; the workers report them in ``get_finished`` and vLLM frees them then.
+* what it sees of each request (its block hashes when admitted, its stop reason and output blocks when it
+  finishes, the client's hints) goes to every worker's store in the step's metadata (observe.py), so every
+  rank's eviction policy learns the same agents.
 
 A lookup channel other than the embedded workers' (a shared pool the scheduler can ask directly) only needs
 another object with LookupClient's ``submit / poll / result / expired / forget``.
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 from .lookup import LookupResult
 from .hints import Hints, hints_of
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
+from .observe import Notebook
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class _Tracked:
     stored: int = 0  # blocks [0, stored) are in the store, or queued to be
     saves_sent: bool = False
     hints: Hints | None = None
+    arrival_blocks: int = 0  # full blocks the request had when admitted (its output's come after)
 
 
 class SchedulerSide:
@@ -91,6 +96,7 @@ class SchedulerSide:
         self._loading: set[str] = set()  # asynchronous loads sent, not reported done
         self._releases: list[int] = []
         self._hit_tiers: dict[str, LookupResult] = {}
+        self.notes = Notebook()  # what the workers' stores are told at the next step
         self.counters: dict[str, float] = {"lookups": 0, "lookup_hit_blocks": 0, "lookup_seconds": 0.0,
                                            "lookup_timeouts": 0}
 
@@ -143,6 +149,8 @@ class SchedulerSide:
         tracked = self._tracked.get(req_id)
         if tracked is None:
             tracked = self._tracked[req_id] = _Tracked(request, hints=hints_of(request))
+            tracked.arrival_blocks = self.num_hashed_blocks(request)
+            self.notes.arrived(request, self.block_hashes(request, 0, tracked.arrival_blocks))
         tracked.block_ids = list(block_ids)
         lk = self._lookups.pop(req_id, None)
         if lk is None:
@@ -165,7 +173,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=list(self._loads.values()), releases=self._releases,
-                              preempted=set(so.preempted_req_ids or ()))
+                              preempted=set(so.preempted_req_ids or ()), notes=self.notes.take())
         self._releases = []
         self._loading.update(p.req_id for p in meta.loads if not p.layerwise)
         self._loads.clear()
@@ -217,6 +225,9 @@ class SchedulerSide:
         if plan is not None:  # planned but never sent: nothing touches the blocks
             self._releases.append(plan.lease)
         tracked = self._tracked.pop(req_id, None)
+        if tracked is not None:
+            self.notes.finished(request, self.block_hashes(request, tracked.arrival_blocks,
+                                                           self.num_hashed_blocks(request)))
         if req_id in self._loading:
             return True  # the load is writing into the blocks; its finished_recving frees them
         return tracked is not None and tracked.saves_sent

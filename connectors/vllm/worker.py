@@ -161,8 +161,11 @@ class WorkerSide:
     # ---- one engine step (the model runner's thread) -------------------------------------------------------
 
     def start_loads(self, meta: KVTierMetadata) -> None:
-        """Release the leases the scheduler gave up, then queue this step's loads."""
-        _, ns, transfers = self._ready()
+        """Tell the store what the scheduler saw of requests, release the leases the scheduler gave up, then
+        queue this step's loads (the notes go first: this step's saves must find their requests' chains)."""
+        store, ns, transfers = self._ready()
+        if meta.notes:
+            meta.notes.apply(store, ns)
         for lease in meta.releases:
             self.lookup_leases.release(lookup_lease(lease))
         for plan in meta.loads:

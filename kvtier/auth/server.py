@@ -141,6 +141,11 @@ class ServerAuth:
         finally:
             monitor.close(linger=0)
 
+    def handshake_failed(self, value: int, endpoint: bytes | str) -> None:
+        """Count and log a failed handshake seen by a monitor of the daemon's own (kvtier-pool's PortWatch:
+        a socket has one monitor, so a daemon that watches its port for more than this calls it)."""
+        self._failed_handshake(value, endpoint)
+
     def _failed_handshake(self, value: int, endpoint: bytes | str) -> None:
         self.handshake_failures += 1
         if self._count is not None:

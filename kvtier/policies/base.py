@@ -1,23 +1,36 @@
-"""The eviction policy protocol: which blocks to drop when a tier is full.
+"""The eviction policy protocol: which blocks to drop when a tier is full, and which new blocks to take in.
 
-A policy tracks keys only; the tier owns the bytes, the slots and the pins. All methods take batches, so a
-put of 2,000 blocks is one call. Policies are not thread-safe: the tier calls them under its own lock.
+A policy tracks keys; the tier owns the bytes, the slots and the pins. All methods take batches, so a put of
+2,000 blocks is one call. Policies are not thread-safe: the tier calls them under its own lock.
+
+Keys-only policies (lru, fifo, s3fifo, arc) implement insert / access / remove / victims. Policies that use
+what the engine knows (chains, agents, stop reasons: observations.py) also implement ``observe`` and
+``admit``; ``Policy`` gives every method a default, so a policy overrides only what it uses. Time is read from
+an injectable clock (``clock``, a callable returning seconds), never from the wall directly, so a replay runs
+policies on its virtual clock and tests on a hand-moved one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+import time
+from collections.abc import Callable, Container, Sequence
 from typing import ClassVar, Protocol, runtime_checkable
+
+from kvtier.policies.observations import Observations
+
+Clock = Callable[[], float]
 
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """insert / access / remove / victims. ``capacity`` (in blocks) is given at construction."""
+    """What a tier calls. ``capacity`` (in blocks) and ``clock`` are given at construction."""
 
     name: ClassVar[str]
+    # True if ``observe`` uses what it is given: the store forwards observations only to such tiers.
+    observes: ClassVar[bool]
 
     def insert(self, keys: Sequence[bytes]) -> None:
-        """Start tracking newly stored keys (none of them is tracked yet)."""
+        """Start tracking newly stored keys (none of them is tracked yet), in any order."""
 
     def access(self, keys: Sequence[bytes]) -> None:
         """Record a hit on tracked keys; untracked keys are ignored."""
@@ -31,5 +44,59 @@ class EvictionPolicy(Protocol):
         Fewer than ``n`` are returned only when every other tracked key is protected.
         """
 
+    def observe(self, batch: Observations) -> None:
+        """Learn from arrivals, completions and hints (every one carries its session and time, filled in by
+        the store). Keys may be unknown to the policy; it keeps no state per untracked key beyond a bound."""
+
+    def admit(self, keys: Sequence[bytes], free: int) -> Sequence[int] | None:
+        """Which of a put's new keys (none tracked, distinct) to store, when they do not fit in the ``free``
+        slots: their positions in ``keys``, the most valuable (root-most) first; the tier stores them in that
+        order, as far as slots and victims go. An empty list stores none, None all of them in batch order.
+        Never drops a key the tier holds already: it only decides about new ones."""
+
     def __len__(self) -> int:
         """Number of tracked keys."""
+
+
+class Policy:
+    """Base class of kvtier's policies: no-op ``observe``, ``admit`` taking everything, and the clock.
+
+    Subclasses implement insert / access / remove / victims / __len__ (see EvictionPolicy)."""
+
+    name: ClassVar[str] = ""
+    observes: ClassVar[bool] = False
+
+    def __init__(self, capacity: int = 0, *, clock: Clock = time.monotonic) -> None:
+        self.capacity = capacity
+        self.clock = clock
+
+    def observe(self, batch: Observations) -> None:
+        return None
+
+    def admit(self, keys: Sequence[bytes], free: int) -> Sequence[int] | None:
+        return None
+
+
+class KeysOnly(Policy):
+    """Adapts a policy class written to the keys-only protocol (insert / access / remove / victims / len, no
+    ``observe`` or ``admit``; e.g. a user's ``pkg.mod:Class`` from before observations existed)."""
+
+    def __init__(self, inner: object) -> None:
+        super().__init__(0)
+        self.inner = inner
+        self.name = str(getattr(type(inner), "name", type(inner).__qualname__))  # type: ignore[misc]
+
+    def insert(self, keys: Sequence[bytes]) -> None:
+        self.inner.insert(keys)  # type: ignore[attr-defined]
+
+    def access(self, keys: Sequence[bytes]) -> None:
+        self.inner.access(keys)  # type: ignore[attr-defined]
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        self.inner.remove(keys)  # type: ignore[attr-defined]
+
+    def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
+        return self.inner.victims(n, protected)  # type: ignore[attr-defined,no-any-return]
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]

@@ -7,17 +7,22 @@ half of a 512K-slot tier pinned at the head, rescanning cost 63 ms per eviction 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 
+from kvtier.policies.base import Clock, Policy
 from kvtier.policies.registry import register_policy
 
 
 @register_policy("lru")
-class LRUPolicy:
+class LRUPolicy(Policy):
+    """Keys in use order; ignores observations (the store forwards it none) and takes every new block."""
+
     name = "lru"
 
-    def __init__(self, capacity: int = 0) -> None:
+    def __init__(self, capacity: int = 0, *, clock: Clock = time.monotonic) -> None:
+        super().__init__(capacity, clock=clock)
         self._order: OrderedDict[bytes, None] = OrderedDict()  # oldest first
 
     def insert(self, keys: Sequence[bytes]) -> None:

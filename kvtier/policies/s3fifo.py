@@ -9,19 +9,25 @@ quickly; a prefix hit every turn stays.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 
+from kvtier.policies.base import Clock, Policy
 from kvtier.policies.registry import register_policy
 
 _MAX_FREQ = 3
 
 
 @register_policy("s3fifo")
-class S3FIFOPolicy:
+class S3FIFOPolicy(Policy):
+    """Keys only: ignores observations and takes every new block."""
+
     name = "s3fifo"
 
-    def __init__(self, capacity: int, small_ratio: float = 0.1, move_threshold: int = 1) -> None:
+    def __init__(self, capacity: int, small_ratio: float = 0.1, move_threshold: int = 1, *,
+                 clock: Clock = time.monotonic) -> None:
+        super().__init__(capacity, clock=clock)
         if capacity <= 0:
             raise ValueError(f"s3fifo needs the tier's capacity in blocks (> 0), got {capacity}")
         self._small_target = max(1, int(capacity * small_ratio))

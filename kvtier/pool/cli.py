@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"nodes; tcp://host:* picks a free port) and/or ipc:///path (engine processes on this host, "
                    f"which then map the pool's DRAM; standalone mode). Default {d.bind[0]}")
     p.add_argument("--capacity", type=parse_bytes, default=d.capacity, help="bytes of DRAM to serve (default 8GiB)")
-    p.add_argument("--block-bytes", type=parse_bytes, default=0, help="block size; default: the first client's")
+    p.add_argument("--block-bytes", type=parse_bytes, default=0, help="block size; default: set by the first client "
+                   "to store a block (a hello never sets it)")
     p.add_argument("--master", default="", help="kvtier-master endpoint to register with (placements, events, "
                    "heartbeats); without it clients list this pool in their 'pool' setting")
     p.add_argument("--node-id", default="", help="name with the master (default pool-<host>-<hash of address>)")
@@ -67,12 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-message-timeout-s", type=float, default=d.stream_message_timeout_s,
                    help="the longest one data message may take before its connection is dropped (a peer that "
                    f"trickles bytes holds a thread no longer; default {d.stream_message_timeout_s:g})")
+    p.add_argument("--stream-pending-max", type=int, default=d.stream_pending_max,
+                   help="data connections accepted but not yet admitted (no token / no request yet) at once; past "
+                   f"it the oldest is closed (default {d.stream_pending_max})")
+    p.add_argument("--handshake-s", type=float, default=d.handshake_s, help="a connection that has not finished "
+                   "its handshake this fast (zmq greeting and CURVE on the zmq port, the token or a first request "
+                   f"on the data port) is closed (default {d.handshake_s:g})")
+    p.add_argument("--staging-bytes", type=parse_bytes, default=0, help="memory beyond --capacity for clients' "
+                   "requests and replies (queued request data, get replies gathered into copies, envelopes on "
+                   "the data port), half of it per client; past it requests are held back or answered busy "
+                   "(default: capacity/8, at least 256MiB, at most 4GiB)")
+    p.add_argument("--client-share", type=float, default=d.client_share, help="of the capacity, what one client "
+                   "may hold unevictable at once (one-sided leases, replies in flight); all together at most half "
+                   f"(default {d.client_share:g}; 1 for a pool with one trusted client, e.g. a tool's own)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port "
+                   "(0: a free one, written to the ready file); default: no metrics")
+    p.add_argument("--metrics-host", default=d.metrics_host, help=f"address of the metrics port (default "
+                   f"{d.metrics_host}: this host only; it is not authenticated)")
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this pool's "
                    "keypair, DIR/authorized/*.key the clients admitted, DIR/master.key (optional) the master's "
                    "public key; the data port then admits connections by a token handed out at hello (README "
                    "'Authenticated sockets'). Default: anyone who reaches the ports is served")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
-    p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path} as JSON here once serving")
+    p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path, stream_port, metrics_port} "
+                   "as JSON here once serving")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -81,10 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if min(args.workers, args.max_keys, args.copy_threads, args.stream_max_connections) < 1:
-            raise ValueError("--workers, --max-keys, --copy-threads and --stream-max-connections must be >= 1")
-        if args.capacity <= 0 or args.lease_s <= 0 or args.stream_message_timeout_s <= 0:
-            raise ValueError("--capacity, --lease-s and --stream-message-timeout-s must be > 0")
+        if min(args.workers, args.max_keys, args.copy_threads, args.stream_max_connections,
+               args.stream_pending_max) < 1:
+            raise ValueError("--workers, --max-keys, --copy-threads, --stream-max-connections and "
+                             "--stream-pending-max must be >= 1")
+        if min(args.capacity, args.lease_s, args.stream_message_timeout_s, args.handshake_s) <= 0:
+            raise ValueError("--capacity, --lease-s, --stream-message-timeout-s and --handshake-s must be > 0")
+        if args.staging_bytes < 0 or (args.metrics_port is not None and not 0 <= args.metrics_port < 65536):
+            raise ValueError("--staging-bytes must be >= 0 and --metrics-port a port number")
+        if not 0 < args.client_share <= 1:
+            raise ValueError("--client-share must be in (0, 1]")
         if args.block_bytes:
             why = block_size_problem(args.block_bytes, args.capacity, minimum=1)
             if why:
@@ -101,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             shm_dir=args.shm_dir, lease_s=args.lease_s, eviction=args.eviction, max_keys=args.max_keys,
             copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
             stream_max_connections=args.stream_max_connections,
-            stream_message_timeout_s=args.stream_message_timeout_s,
-            heartbeat_s=args.heartbeat_s, auth_dir=args.auth_dir,
+            stream_message_timeout_s=args.stream_message_timeout_s, stream_pending_max=args.stream_pending_max,
+            handshake_s=args.handshake_s, staging_bytes=args.staging_bytes, client_share=args.client_share,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host, heartbeat_s=args.heartbeat_s, auth_dir=args.auth_dir,
             labels=dict(args.label),
         )
         PoolServer(settings, ready_file=args.ready_file).run()

@@ -50,7 +50,7 @@ class PoolDaemon:
         cmd = [sys.executable, "-m", "kvtier.pool", "--bind", "tcp://127.0.0.1:*", "--capacity", str(self.capacity),
                "--block-bytes", str(self.block_bytes), "--shm-dir", str(self._dir), "--ready-file", str(ready),
                "--rdma", "off", "--workers", str(self.workers), "--eviction", self.eviction,
-               "--log-level", self.log_level]
+               "--log-level", self.log_level, "--client-share", "1"]  # one client: this tool
         if self.ipc:
             cmd += ["--bind", f"ipc://{self._dir}/pool.sock"]
         if self.auth:

@@ -9,13 +9,19 @@ pool's incarnation (a fresh random number per start), so a client notices a rest
 
 Ops (request body -> reply body):
 
-  hello     {block_bytes}        -> {node, epoch, block_bytes, capacity, max_keys, lease_s, transports}
-            Sizes the pool on first contact when it was started without --block-bytes (only a hello does;
-            data ops answer ERR_NOT_READY until then; blocks under 512 B are refused); a client whose blocks
-            have another size is refused (ERR_BAD_REQUEST naming both sizes). ``transports`` maps each data
-            path the pool offers to what a client needs for it: {"tcp": {}, "stream": {"port", "token"?},
-            "shm": {"path", "nbytes"}, "rdma": {...}}. "token" (a pool with --auth-dir): 32 bytes a data
-            connection must send first (kvtier/auth/tokens.py); a fresh one per hello.
+  hello     {block_bytes}        -> {node, epoch, block_bytes, capacity, max_keys, lease_s, transports, session,
+                                     request_bytes}
+            Never sizes the pool: without --block-bytes the first op that stores (put, reserve, a data-port
+            put) sets the size from its ``block_bytes``; until then block_bytes is 0 and other data ops answer
+            ERR_NOT_READY (the pool holds nothing). Blocks under 512 B are refused; a client whose blocks have
+            another size is refused (ERR_BAD_REQUEST naming both sizes). ``transports`` maps each data path
+            the pool offers to what a client needs for it: {"tcp": {}, "stream": {"port", "token"?},
+            "shm": {"path", "nbytes", "generations"} ({} until the pool is sized), "rdma": {...}}. "token"
+            (a pool with --auth-dir): 32 bytes a data connection must send first (kvtier/auth/tokens.py); a
+            fresh one per hello. ``session``: 32 bytes every lease op (reserve, commit, acquire, release)
+            must carry: leases are bound to the client (its key or address) and this session.
+            ``request_bytes``: the largest request a client should send (a batch's requests in flight then
+            fit in its share of what it may hold: kvtier/pool/budget.py).
   contains  {keys}               -> {held: bitmap}
   remove    {keys}               -> {removed: int}
   put       {keys} + data        -> {held: bitmap}        data: the n blocks' bytes in key order, cut into
@@ -27,9 +33,13 @@ Ops (request body -> reply body):
             it has copied on its next reserve: {keys, leases, oks} -> {..., valid: [bool]})
   commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back);
             {leases, oks}        -> {published: int, valid: [bool]}  several reservations in one round trip
-  acquire   {keys}               -> {lease, offsets}     one-sided reads: offset per key, -1 for a miss; the
-            blocks stay put (not evicted, not reused) until their release, or until the lease expires (a
-            pipelined client piggybacks the releases of the chunks it has copied: {keys, releases: [lease]})
+  acquire   {keys}               -> {lease, offsets, generations}   one-sided reads: offset per key, -1 for a
+            miss; the blocks stay put (not evicted, not reused) until their release, or until the lease
+            expires (a pipelined client piggybacks the releases of the chunks it has copied: {keys,
+            releases: [lease]}). ``generations``: little-endian uint64 per key, its slot's generation
+            (kvtier/pool/generations.py); after its copy the client reads them again (a changed one: a miss).
+            Reserve and acquire grant at most the client's share of the pool's held budget: keys past it are
+            answered not held / -1, and ``skipped`` says how many.
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
             {leases}             -> {valid: bool}        have been reused: the client must count those blocks
                                                          as misses); for a list, whether all were live
@@ -39,9 +49,11 @@ Ops (request body -> reply body):
   rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
 
 Leases expire after the pool's ``lease_s`` and are quarantined for another ``lease_s`` before their slots are
-reused (kvtier/pool/leases.py); lease numbers start at random per pool start; ``release`` and ``commit`` carry
-``noreply`` True when the client does not wait for the answer. Errors use kvtier.wire's codes; a put over the
-pool's capacity is ERR_TOO_LARGE naming the sizes.
+reused (kvtier/pool/leases.py); lease numbers are random 62-bit values, and act only for the client and session
+that took them; ``release`` and ``commit`` carry ``noreply`` True when the client does not wait for the answer.
+Errors use kvtier.wire's codes, and ERR_BUSY: the pool has too much waiting from this client (or from all of
+them) and answers at once instead of queueing; a put over the pool's capacity is ERR_TOO_LARGE naming the
+sizes.
 """
 
 from __future__ import annotations
@@ -66,11 +78,18 @@ STATS = "stats"
 CLEAR = "clear"
 RDMA_CONNECT = "rdma_connect"
 
+# Clients cut batches into requests of at most the hello's request_bytes but no fewer than MIN_REQUEST_BLOCKS
+# blocks (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold
+# (reserve, acquire, have in flight) at least MIN_HELD_BLOCKS (kvtier/pool/budget.py), room for those few.
+MIN_REQUEST_BLOCKS = 4
+MIN_HELD_BLOCKS = 4 * MIN_REQUEST_BLOCKS
+
 # Pools register with the master under these labels; clients place and look up blocks among them only.
 POOL_LABELS = {"role": "pool"}
 
 ERR_WRONG_SIZE = wire.ERR_BAD_REQUEST  # a client whose blocks differ in size from the pool's
-ERR_NOT_READY = "not_ready"  # a data op before any hello sized the pool
+ERR_NOT_READY = "not_ready"  # a data op (other than a put) before any put sized the pool
+ERR_BUSY = "busy"  # too much waiting from this client or from all of them; answered at once, try again
 
 
 def bitmap(flags: Sequence[bool] | np.ndarray) -> bytes:

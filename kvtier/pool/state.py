@@ -1,14 +1,23 @@
-"""PoolState: what one kvtier-pool process owns: its DRAM tier, the one-sided leases, counters, its node agent.
+"""PoolState: what one kvtier-pool process owns: its DRAM tier, the one-sided leases, the budgets, counters,
+its node agent.
 
-The DRAM tier is created once: at start when ``--block-bytes`` is given, else at the first client's hello
-(a pool holds blocks of one size; a client with another size is refused, naming both; a client's blocks
-under MIN_BLOCK_BYTES are refused, and its slot count is capped so bookkeeping stays a small share of the
-memory; an operator's --block-bytes is taken as given). When the pool serves
-an ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir``
-that clients map once; the file name carries the pool's epoch, so a restarted pool never reuses the file
-an old mapping still points into (stale files of earlier runs of the same endpoint are removed at start).
+Sizing: a pool holds blocks of one size. ``--block-bytes`` fixes it at start. Without it the pool is sized by
+the first request that stores data (a ``put``, a ``reserve`` or a put on the data port), never by a hello:
+a hello only says what it expects, so a port scan, a health check or a stranger's hello of the wrong size
+cannot decide the layout real engines then get refused by. (Without ``--auth-dir`` anyone who can reach the
+port can still store first: give ``--block-bytes`` where strangers can reach it.) A client whose blocks have
+another size is refused, naming both; blocks under MIN_BLOCK_BYTES are refused, and a client-chosen size
+gets at most ``max_slots`` slots so bookkeeping stays a small share of the memory. When the pool serves an
+ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir`` that
+clients map once (and ``<file>.gen``, the slots' generations, kvtier/pool/generations.py); the file name
+carries the pool's epoch, so a restarted pool never reuses a file an old mapping still points into (stale
+files of earlier runs of the same endpoint are removed at start).
 
-Thread-safe: the pool's worker threads share it; the tier and the lease table lock for themselves.
+With ``--master`` the node agent registers at start, sized or not (engines in distributed mode find pools
+only through the master, and their first put sizes it).
+
+Thread-safe: the pool's worker threads share it; the tier, the lease table and the budgets lock for
+themselves.
 """
 
 from __future__ import annotations
@@ -27,10 +36,12 @@ from kvtier import wire
 from kvtier.auth import ClientKeys, DataTokens
 from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
+from kvtier.pool.budget import Budget
+from kvtier.pool.clients import Client, Sessions
+from kvtier.pool.generations import SlotGenerations
 from kvtier.pool.leases import ClientLeases
-from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, POOL_LABELS
-from kvtier.tiers.dram import DramTier
-from kvtier.transport.frames import Staging
+from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
+from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
 
@@ -40,6 +51,8 @@ TIER = "dram"  # the name the pool's tier is registered under with the master
 MIN_BLOCK_BYTES = 512  # smaller "blocks" are a client bug, and would turn the pool's memory into bookkeeping
 SLOT_OVERHEAD_BYTES = 256  # about what one slot costs in the tier's index, policy and key map
 METADATA_SHARE = 16  # slots are capped so their bookkeeping stays under 1/16 of the memory served
+STAGING_DEFAULT = (256 << 20, 4 << 30)
+REQUESTS_IN_SHARE = 8  # a client's share of the held budget holds this many of its largest requests  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
 
 
 @dataclass
@@ -57,13 +70,19 @@ class PoolSettings:
     lease_s: float = 30.0
     eviction: str = "lru"
     max_keys: int = 1 << 16
-    max_frame_bytes: int = 256 << 20
+    max_frame_bytes: int = 64 << 20  # the largest zmq frame taken in (and at least one block: server.py)
     copy_threads: int = 1
     prefault: bool = False
     rdma: str = "auto"
     stream: str = "auto"  # the raw TCP data port: auto (the tcp bind's host, a free port), off, or host:port
     stream_max_connections: int = 256  # data connections at once; more are refused (one thread each)
     stream_message_timeout_s: float = 30.0  # the longest one data message (<= 16 MiB) may take
+    stream_pending_max: int = 1024  # data connections not yet admitted (no token / no first byte yet) at once
+    staging_bytes: int = 0  # memory beyond the capacity for clients' requests and replies; 0: auto
+    client_share: float = 0.25  # of the capacity one client may hold unevictable (leases, replies in flight)
+    handshake_s: float = 2.0  # a connection must finish its handshake (token, zmq greeting, CURVE) this fast
+    metrics_port: int | None = None  # Prometheus /metrics (kvtier/pool/metrics.py); None: off, 0: a free port
+    metrics_host: str = "127.0.0.1"
     heartbeat_s: float | None = None
     auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server keypair, authorized/, master.key; "" admits anyone
     labels: dict[str, str] = field(default_factory=dict)
@@ -72,6 +91,12 @@ class PoolSettings:
     def ipc(self) -> str | None:
         return next((e for e in self.bind if e.startswith("ipc://")), None)
 
+    @property
+    def staging_limit(self) -> int:
+        if self.staging_bytes:
+            return self.staging_bytes
+        return min(STAGING_DEFAULT[1], max(STAGING_DEFAULT[0], self.capacity // 8))
+
 
 class PoolState:
     """The pool's state; ``serve_*`` ops in kvtier/pool/ops.py read and change it."""
@@ -79,14 +104,25 @@ class PoolState:
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.epoch = secrets.randbits(62)
-        self.leases = ClientLeases(settings.lease_s)
+        cap = settings.capacity
+        # What clients may allocate beyond the capacity (half of it per client), and what they may hold
+        # unevictable (half the capacity, --client-share of it per client): kvtier/pool/budget.py.
+        self.memory = Budget("memory", settings.staging_limit, settings.staging_limit // 2)
+        share = max(1, int(cap * settings.client_share))
+        self.held = Budget("held", max(cap // 2, share), share)
+        self.leases = ClientLeases(settings.lease_s, budget=self.held)
+        self.sessions = Sessions()
+        self.generations: SlotGenerations | None = None
+        # The hook kvtier/auth's roles plug into: a client's CurveZMQ key -> its role ("" for none).
+        self.role_of: Any = None
         self.tier: DramTier | None = None
         self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
         self.rdma: Any = None  # kvtier.transport.rdma.RdmaServer when a device is there
         self.endpoints: list[str] = []  # what the server bound (ports resolved)
         self.stream_port = 0  # the raw TCP data port (kvtier/pool/stream.py), 0: none
+        self.metrics_port = 0  # the Prometheus port (kvtier/pool/metrics.py), 0: none
+        self.dispatcher: Any = None  # kvtier.pool.dispatch.Dispatcher, for the metrics (requests waiting)
         self.counters: Counter[str] = Counter()
-        self.staging = Staging(keep=4 * settings.workers)  # for gets of scattered small blocks
         self._lock = threading.Lock()
         # With --auth-dir, a hello hands out a token the data port asks for (kvtier/auth/tokens.py).
         self.tokens = DataTokens() if settings.auth_dir else None
@@ -96,10 +132,15 @@ class PoolState:
             self.shm_path = _shm_file(Path(settings.shm_dir), settings.ipc, self.epoch)
 
     def start(self, endpoints: list[str]) -> None:
-        """The server is bound to ``endpoints``: create the tier now if its block size is known."""
+        """The server is bound to ``endpoints``: create the tier now if its block size is known, and register
+        with the master either way."""
         self.endpoints = endpoints
         if self.settings.block_bytes:
             self.ensure_tier(self.settings.block_bytes, by_client=False)
+        else:
+            log.info("pool %s: no --block-bytes; the first client to store a block sets the block size (give "
+                     "--block-bytes where strangers can reach the pool without --auth-dir)", self.node_id)
+        self._start_agent()
 
     @property
     def node_id(self) -> str:
@@ -123,7 +164,8 @@ class PoolState:
 
     def ensure_tier(self, block_bytes: int | None, by_client: bool = True) -> DramTier | None:
         """The tier, created for ``block_bytes`` if there is none yet; WireError if the sizes differ. A size a
-        client asks for (hello) must be at least MIN_BLOCK_BYTES and gets at most ``max_slots`` slots."""
+        client's first stored block sets must be at least MIN_BLOCK_BYTES and gets at most ``max_slots``
+        slots."""
         with self._lock:
             if self.tier is not None:
                 if block_bytes and block_bytes != self.tier.block_bytes:
@@ -150,26 +192,62 @@ class PoolState:
                             shm_path=str(self.shm_path) if self.shm_path else None, pin_memory="false",
                             prefault=s.prefault, copy_threads=s.copy_threads)
             tier.attach(PinTable(), lambda keys, _views: self.emit("removed", list(keys)))
+            slots = tier.capacity_bytes // block_bytes
+            gen_path = self.shm_path.with_suffix(".gen") if self.shm_path is not None else None
+            self.generations = SlotGenerations(slots, gen_path)
+            floor = min(tier.capacity_bytes, MIN_HELD_BLOCKS * block_bytes)  # a small pool's clients need a few
+            self.held.limit = max(self.held.limit, floor)
+            self.held.per_account = min(self.held.limit, max(self.held.per_account, floor))
+            if self.agent is not None:  # registered unsized: its events carry the block size from now on
+                self.agent.block_bytes = block_bytes
             self.tier = tier
             log.info("pool %s: DRAM of %s in blocks of %d B (%d blocks), %s", self.node_id,
-                     format_bytes(tier.capacity_bytes), block_bytes, tier.capacity_bytes // block_bytes,
+                     format_bytes(tier.capacity_bytes), block_bytes, slots,
                      f"shared at {self.shm_path}" if self.shm_path else "private memory")
         self._start_rdma(tier)
-        self._start_agent(tier)
         return tier
 
-    def tier_for(self, body: dict[str, Any]) -> DramTier:
-        """The tier for a data op. Only a hello sizes the pool (a data op's ``block_bytes`` is checked, never
-        used to size it: one stray request must not decide the layout); a restarted pool without --block-bytes
-        answers ERR_NOT_READY until a client says hello again (clients do so when they see the new epoch)."""
+    def tier_for(self, body: dict[str, Any], *, stores: bool = False) -> DramTier:
+        """The tier for a data op. An op that ``stores`` data (put, reserve) sizes an unsized pool from its
+        ``block_bytes``; any other op on an unsized pool answers ERR_NOT_READY (it holds nothing yet: a get's
+        keys are misses to the client). Another size is refused, naming both."""
         block_bytes = wire.int_field(body, "block_bytes", 0, 1 << 34, default=0)
         tier = self.tier
         if tier is None:
-            raise WireError(ERR_NOT_READY, "the pool does not know its block size yet (start it with "
-                                           "--block-bytes, or say hello first)")
+            if stores and block_bytes:
+                tier = self.ensure_tier(block_bytes)
+            if tier is None:
+                raise WireError(ERR_NOT_READY, "the pool holds nothing yet and does not know its block size "
+                                               "(the first put sets it, or start it with --block-bytes)")
         if block_bytes and block_bytes != tier.block_bytes:
             self.ensure_tier(block_bytes)  # raises, naming both sizes
         return tier
+
+    def reserve(self, tier: DramTier, keys: list[bytes]) -> Reservation:
+        """``tier.reserve(keys)``, the reserved slots' generations bumped before anyone writes into them."""
+        res = tier.reserve(keys)
+        if res.slots and self.generations is not None:
+            self.generations.bump(res.slots)
+        return res
+
+    def client(self, client: Client, body: dict[str, Any]) -> Client:
+        """``client`` with the session its request carries, if this pool issued it (else none), and its role."""
+        session = body.get("session")
+        role = self.role_of(client.key) if self.role_of is not None and client.key else client.role
+        if not self.sessions.check(session):
+            session = b""
+        if session == client.session and role == client.role:
+            return client
+        return Client(client.key, client.peer, session or b"", role)
+
+    @property
+    def request_bytes(self) -> int:
+        """The largest request a client should send (hello tells it): a batch keeps a few in flight (lanes x
+        window, about 8), and all of them fit in its share of the held budget."""
+        return max(1, self.held.per_account // REQUESTS_IN_SHARE)
+
+    def slot_of(self, tier: DramTier, address: int) -> int:
+        return (address - tier.buffer.ptr) // tier.block_bytes
 
     def keys(self, body: dict[str, Any]) -> list[bytes]:
         blob = wire.keys_field(body, "keys", self.settings.max_keys)
@@ -199,24 +277,36 @@ class PoolState:
         tier = self.tier
         with self._lock:
             counters = dict(self.counters)
+        budgets = {b.name: {"used": b.used, "peak": b.peak, "limit": b.limit, "per_client": b.per_account,
+                            "refused": b.refused, "clients": b.accounts()} for b in (self.memory, self.held)}
         return {"node": self.node_id, "epoch": self.epoch, "tier": tier.stats().__dict__ if tier else None,
                 "leases": len(self.leases), "leases_quarantined": self.leases.quarantined,
-                "leases_expired": self.leases.expired, "counters": counters}
+                "leases_expired": self.leases.expired, "leases_foreign": self.leases.foreign,
+                "budgets": budgets, "counters": counters}
 
     # ---- lifetime --------------------------------------------------------------------------------------
 
-    def _start_agent(self, tier: DramTier) -> None:
+    def _start_agent(self) -> None:
         if not self.settings.master:
             return
         from kvtier.client import NodeAgent
 
+        tier = self.tier
         self.agent = NodeAgent(
-            self.settings.master, self.node_id, [(TIER, tier.capacity_bytes)], block_bytes=tier.block_bytes,
-            address=self.advertised, labels={**self.settings.labels, **POOL_LABELS},
-            used=lambda: {TIER: tier.stats().used_bytes}, list_keys=lambda _tier: tier.keys(), goodbye=True,
-            heartbeat_s=self.settings.heartbeat_s, auth=self.master_keys).start()
+            self.settings.master, self.node_id, [(TIER, tier.capacity_bytes if tier else self.settings.capacity)],
+            block_bytes=tier.block_bytes if tier else 0, address=self.advertised,
+            labels={**self.settings.labels, **POOL_LABELS}, used=self._used, list_keys=self._list_keys,
+            goodbye=True, heartbeat_s=self.settings.heartbeat_s, auth=self.master_keys).start()
         log.info("pool %s: reporting to master %s as %s%s", self.node_id, self.settings.master, self.advertised,
                  " (CurveZMQ)" if self.master_keys is not None else "")
+
+    def _used(self) -> dict[str, int]:
+        tier = self.tier
+        return {TIER: tier.stats().used_bytes if tier else 0}
+
+    def _list_keys(self, _tier: str) -> list[bytes]:
+        tier = self.tier
+        return tier.keys() if tier else []
 
     def _start_rdma(self, tier: DramTier) -> None:
         if self.settings.rdma == "off":
@@ -229,8 +319,10 @@ class PoolState:
             log.log(level, "pool %s: no RDMA (%s); serving tcp%s", self.node_id, reason,
                     " and shared memory" if self.shm_path else "")
             return
+        gens = self.generations
         self.rdma = rdma.RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
-                                    None if self.settings.rdma == "auto" else self.settings.rdma)
+                                    None if self.settings.rdma == "auto" else self.settings.rdma,
+                                    generations=(gens.address, gens.nbytes) if gens is not None else None)
 
     def close(self) -> None:
         """Give back every lease, stop the agent (it says goodbye to the master), free the DRAM."""
@@ -241,6 +333,8 @@ class PoolState:
             self.rdma.close()
         if self.tier is not None:
             self.tier.close()
+        if self.generations is not None:
+            self.generations.close()
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)  # clients' mappings stay valid until they re-map
 
@@ -277,7 +371,7 @@ def _master_keys(settings: PoolSettings) -> ClientKeys | None:
 def _shm_file(shm_dir: Path, ipc: str, epoch: int) -> Path:
     """``kvtier-pool-<endpoint hash>-<epoch>.shm``; files of earlier runs on the same endpoint are removed."""
     prefix = f"kvtier-pool-{_short(ipc)}-"
-    for stale in shm_dir.glob(prefix + "*.shm"):
+    for stale in [*shm_dir.glob(prefix + "*.shm"), *shm_dir.glob(prefix + "*.gen")]:
         try:
             stale.unlink()
             log.info("removed %s, left by an earlier run of the pool on %s", stale, ipc)

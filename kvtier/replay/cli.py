@@ -16,14 +16,16 @@ from kvtier.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
-# `kvtier demo`: the shipped sample (package data), replayed on these settings.
+# `kvtier demo`: the shipped sample (package data), replayed on these settings, the default policy beside LRU.
 DEMO_TRACES = ("sample-traces", "agentic-cc")
-# DRAM at 10% of the sample's unique blocks, without and with a second node's DRAM (a kvtier-pool process, 25%,
-# as a victim cache) and an SSD tier (50%): four points, two policies. Eight of the ten sample traces keep the
-# demo under ~30 s on 2 cores (each pool point starts a fresh kvtier-pool: ~2 s).
-DEMO_ARGS = ["--limit", "8", "--lanes", "8", "--hbm", "40GiB", "--dram", "10%", "--pool", "0,25%",
-             "--ssd", "0,50%",
-             "--set", "pool_offload=on_evict", "--policy", "lru,s3fifo"]
+# Eight of the ten sample traces, 8 lanes, HBM 5% of their unique blocks (an engine's HBM is small against the
+# sessions it serves): first DRAM at 2%..25%, drawn as a PNG; then DRAM 10% without and with a second node's
+# DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 30 s of CPU (each pool
+# point starts a fresh kvtier-pool: ~2 s).
+DEMO_COMMON = ["--limit", "8", "--lanes", "8", "--hbm", "5%", "--policy", "default,lru"]
+DEMO_CAPACITY_ARGS = [*DEMO_COMMON, "--dram", "2%,5%,10%,25%"]
+DEMO_TIER_ARGS = [*DEMO_COMMON, "--dram", "10%", "--pool", "0,25%", "--ssd", "0,50%", "--set", "pool_offload=on_evict"]
+DEMO_PLOT = "kvtier-demo.png"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,16 +37,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("traces", nargs="+", help="trace files or directories")
     add_replay_arguments(p)
     p.set_defaults(func=run_replay)
-    d = sub.add_parser("demo", help="replay the agentic-cc sample shipped with kvtier and print the table",
+    d = sub.add_parser("demo", help="replay the agentic-cc sample shipped with kvtier: the default policy beside "
+                                    "LRU, tables and a hit-rate-vs-DRAM PNG",
                        description="`kvtier replay` on the sample of agentic-cc traces shipped inside the package "
-                                   f"(Apache-2.0, see its NOTICE.md), with {' '.join(DEMO_ARGS)}.")
-    add_output_arguments(d)
+                                   f"(Apache-2.0, see its NOTICE.md): with {' '.join(DEMO_CAPACITY_ARGS)} (plotted "
+                                   f"to --plot, default ./{DEMO_PLOT}), then with {' '.join(DEMO_TIER_ARGS)}.")
+    add_output_arguments(d, plot_default=DEMO_PLOT)
     d.set_defaults(func=run_demo)
 
 
-def add_output_arguments(p: argparse.ArgumentParser) -> None:
+def add_output_arguments(p: argparse.ArgumentParser, plot_default: str | None = None) -> None:
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="draw hit rate against DRAM capacity (needs matplotlib)")
+    p.add_argument("--plot", metavar="FILE.png", default=plot_default,
+                   help="draw hit rate against DRAM capacity per policy, with OPT and the infinite cache"
+                        + (f" (default {plot_default})" if plot_default else ""))
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -77,7 +83,14 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="another store config key; *_capacity keys take bytes, %% or a comma list like --dram")
     g = p.add_argument_group("store and server")
-    g.add_argument("--policy", default="lru,s3fifo", help="eviction policies, comma-separated (default lru,s3fifo)")
+    g.add_argument("--policy", default="default,lru",
+                   help="eviction policies, comma-separated: default (the session-aware pnu), lru, fifo, s3fifo, arc, "
+                        "chain-lru, or an import path (default: default,lru)")
+    g.add_argument("--sessions", action="store_true",
+                   help="the harness sends each agent's session id with its requests (default: none; the store "
+                        "infers agents from the chains)")
+    g.add_argument("--hints", action="store_true",
+                   help="the harness also says when an agent is finished and when it waits on subagents")
     g.add_argument("--offload", choices=OFFLOAD_MODES, default="write-through",
                    help="write-through: computed blocks are stored at once; write-back: when HBM evicts them")
     g.add_argument("--prefill-rate", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="TOK/S",
@@ -91,6 +104,16 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
+    report = replay(args, title)
+    if args.json:
+        from kvtier.bench.common import write_json
+
+        write_json(report, args.json)
+    return 0
+
+
+def replay(args: argparse.Namespace, title: str = "kvtier replay") -> dict[str, Any]:
+    """Run the sweep ``args`` describe: print the table, draw ``args.plot``; return the JSON report."""
     from kvtier.replay.plot import plot_hit_rates, require_matplotlib
     from kvtier.replay.replayer import ReplayConfig
     from kvtier.replay.report import print_table, to_json
@@ -116,7 +139,8 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
         tier, value = _key_value(item, "--bandwidth")
         bandwidth[tier] = float(parse_bytes(value.removesuffix("/s")))
     service = ServiceModel(args.prefill_rate, args.decode_rate, bandwidth)
-    config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload)
+    config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload,
+                          sessions=args.sessions, hints=args.hints)
     hbm = parse_capacity(args.hbm)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
 
@@ -138,19 +162,17 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     reqs = sum(r.result.requests for p in points for r in p.runs.values())
     print(f"CPU: traces read in {parse_s:.1f} s once; {reqs:,} requests replayed in {cpu:.1f} s "
           f"({reqs / cpu if cpu else 0:,.0f} requests per CPU-second); limits (OPT, infinite) {opt:.1f} s")
-    if args.json:
-        from kvtier.bench.common import write_json
-
-        report = to_json(sweep, points)
-        report["cpu"] = {"parse_s": parse_s, "replay_s": cpu, "limits_s": opt}
-        write_json(report, args.json)
+    report = to_json(sweep, points)
+    report["cpu"] = {"parse_s": parse_s, "replay_s": cpu, "limits_s": opt}
     if args.plot:
         plot_hit_rates(points, sweep.block_bytes, args.plot, f"{title}: {workload.short()}\n{name}, "
                        + (f"{args.lanes} lanes" if not workload.timed else "timed arrivals"))
-    return 0
+    return report
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    """Two replays of the shipped sample: DRAM capacities (plotted), then DRAM with a pool and an SSD under it.
+    ``--json`` gets the first report with the second under ``"tiers"``."""
     root = importlib.resources.files("kvtier").joinpath(*DEMO_TRACES)
     with importlib.resources.as_file(root) as sample:
         if not Path(sample).is_dir():
@@ -158,15 +180,23 @@ def run_demo(args: argparse.Namespace) -> int:
         parser = argparse.ArgumentParser(prog="kvtier demo")
         parser.add_argument("traces", nargs="+")
         add_replay_arguments(parser)
-        argv = [str(sample), *DEMO_ARGS]
-        if args.json:
-            argv += ["--json", args.json]
+        quiet = ["--no-progress"] if args.no_progress else []
+        plot = ["--plot", str(args.plot)] if args.plot else []
+        print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
+        report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *quiet]),
+                        title="kvtier demo, DRAM capacity")
         if args.plot:
-            argv += ["--plot", args.plot]
-        if args.no_progress:
-            argv.append("--no-progress")
-        print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_ARGS)}  (sample: {sample})")
-        return run_replay(parser.parse_args(argv), title="kvtier demo")
+            print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
+                  "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and the "
+                  "infinite cache")
+        print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
+        report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *quiet]),
+                                 title="kvtier demo, tiers under DRAM")
+    if args.json:
+        from kvtier.bench.common import write_json
+
+        write_json(report, args.json)
+    return 0
 
 
 def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,7 +1,7 @@
 """``--plot FILE.png``: hit rate against DRAM capacity, one line per policy, with OPT and the infinite cache.
 
-matplotlib is an optional dependency (``pip install 'kvtier[plot]'``); ``require_matplotlib`` is called before
-a replay starts, so a missing library fails in a second, not after the sweep.
+matplotlib is a dependency of kvtier; ``require_matplotlib`` is still called before a replay starts, so an
+install without it fails in a second, not after the sweep.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'kvtier[plot]'") from None
+        raise ValueError("--plot needs matplotlib, a dependency of kvtier: pip install matplotlib") from None
 
 
 def plot_hit_rates(points: list[SweepPoint], block_bytes: int, path: str | Path, title: str) -> None:
@@ -34,7 +34,9 @@ def plot_hit_rates(points: list[SweepPoint], block_bytes: int, path: str | Path,
     ax = fig.add_subplot()
     for name in points[0].runs:
         ax.plot(xs, [p.runs[name].result.hit_rate for p in points], marker="o", label=name)
-    ax.plot(xs, [p.opt_hit_rate for p in points], marker="s", color="black", label="OPT (Belady)")
+    ax.plot(xs, [p.opt_hit_rate for p in points], marker="s", color="black", label="OPT (Belady), HBM + DRAM")
+    ax.plot(xs, [p.opt_dram_only_hit_rate for p in points], marker="^", linestyle=":", color="dimgray",
+            label="OPT, DRAM alone")
     ax.plot(xs, [p.infinite_hit_rate for p in points], linestyle="--", color="gray", label="infinite cache")
     ax.set_xticks(xs)
     ax.set_xticklabels([p.labels.get("dram", "").replace(" (", "\n(") for p in points], fontsize=8)

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvtier.keys import Namespace
+from kvtier.policies import Arrival, Completion, Hint
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.service import Server, ServiceModel
 from kvtier.replay.traces import Request, Step
@@ -44,11 +45,19 @@ HBM = "hbm"
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """How traces are replayed (independent of the cache being measured)."""
+    """How traces are replayed (independent of the cache being measured).
+
+    The store is told what an engine knows, as an agent harness and its server would tell it: each request's
+    arrival (its full chain) and completion (the trace's stop reason). ``sessions``: arrivals carry the agent's
+    session id (each conversation and each subagent its own); off, the store infers agents from the chains.
+    ``hints``: the harness also says when an agent is finished (after its last request) and when it waits on
+    subagents (after the request that spawned them)."""
 
     lanes: int = 32
     think_cap_s: float = 60.0
     offload: str = "write-through"
+    sessions: bool = False
+    hints: bool = False
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
@@ -125,15 +134,29 @@ class _Run:
 _ADVANCE, _ARRIVE, _READY, _DONE = 0, 1, 2, 3
 
 
+class VirtualClock:
+    """The replay's clock, shared with the store's policies (``TieredStore.from_config(..., clock=...)``): the
+    virtual time of the event being handled."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Replayer:
     """Runs one replay; single-threaded and synchronous. The caller owns ``store`` (and closes it)."""
 
     def __init__(
         self, workload: Workload, namespace: Namespace, store: TieredStore | None, hbm_blocks: int,
         real_block_bytes: int, service: ServiceModel, config: ReplayConfig,
-        progress: Callable[[int], Any] | None = None, record: bool = False,
+        progress: Callable[[int], Any] | None = None, record: bool = False, clock: VirtualClock | None = None,
     ) -> None:
         self.workload, self.ns, self.store = workload, namespace, store
+        self.clock = clock or VirtualClock()
         self.hbm = HbmPrefixCache(hbm_blocks)
         self.real_block_bytes, self.service, self.config = real_block_bytes, service, config
         self.server = Server(service)
@@ -152,7 +175,8 @@ class Replayer:
         self._streamed = 0
         self._ttft: list[float] = []
         self._unreported = 0
-        self._last_done = 0.0  # a timed trace schedules no completion events: its end is the last done
+        self._last_done = 0.0
+        self._requests = 0  # request ids, in arrival order
         self.result = ReplayResult(hit_tokens={HBM: 0, **{t: 0 for t in self.tiers}})
 
     # ---- the event loop --------------------------------------------------------------------------------
@@ -171,16 +195,16 @@ class Replayer:
             for _ in range(min(self.config.lanes, len(self._queue))):
                 self._start_next(0.0)
         now = 0.0
-        events, pop = self._events, heapq.heappop
+        events, pop, clock = self._events, heapq.heappop, self.clock
         while events:
             now, _, kind, payload = pop(events)
+            clock.now = now
             if kind == _ARRIVE:
                 self._arrive(now, *payload)
             elif kind == _READY:
                 self._ready(now, *payload)
             elif kind == _DONE:
-                payload.index += 1
-                self._advance(payload, now)
+                self._done(now, *payload)
             else:
                 self._advance(payload, now)
         return self._finish(now, time.process_time() - cpu0)
@@ -234,10 +258,15 @@ class Replayer:
         np.add(ids, run.replay.id_offset, out=self._stream[at: at + n])
         self._streamed = at + n
         keys = list(map(run.keys.__getitem__, ids.tolist()))
+        self._requests += 1
+        rid = str(self._requests)
+        store = self.store
+        if store is not None:  # as an engine registers a request when it schedules it, before its lookup
+            session = str(run.ident) if self.config.sessions and run.ident != -1 else None
+            store.observe(arrivals=[Arrival(rid, keys, now, session)])
         h = self.hbm.prefix(keys)
         d = 0
         load_s = 0.0
-        store = self.store
         if store is not None and h < n:
             rest = keys[h:]
             found = store.lookup_prefix(rest)
@@ -267,7 +296,7 @@ class Replayer:
         res.input_tokens += req.input_tokens
         res.requests += 1
         ready = self.server.load(now, load_s)
-        payload = (run, req, step, now, computed, h, d)
+        payload = (run, req, step, now, computed, h, d, rid)
         if ready > now:
             self._push(ready, _READY, payload)
         else:
@@ -284,7 +313,7 @@ class Replayer:
             store.put(batch, self._rows[: len(batch)])  # type: ignore[union-attr]
 
     def _ready(self, now: float, run: _Run, req: Request, step: int, arrival: float, computed: int, h: int,
-               d: int) -> None:
+               d: int, rid: str) -> None:
         """The request's loads are done: queue its prefill (at least the last token is always computed)."""
         first = self.server.prefill(now, max(computed, 1))
         done = first + self.server.decode_seconds(req.output_tokens)
@@ -293,13 +322,28 @@ class Replayer:
         if self.record:
             parent = run.parent.ident if run.parent is not None else -1
             self.result.records.append(RequestRecord(run.ident, parent, step, arrival, first, done, h, d, computed))
-        if run.ident != -1:
-            self._push(done, _DONE, run)
+        self._push(done, _DONE, (run, req, step, rid))
         if self.progress is not None:
             self._unreported += 1
             if self._unreported >= 64:
                 self.progress(self._unreported)
                 self._unreported = 0
+
+    def _done(self, now: float, run: _Run, req: Request, step: int, rid: str) -> None:
+        """The request's answer is out: the server tells the store (and the harness its hints), then the agent
+        takes its next step."""
+        if self.store is not None:
+            hints = []
+            if self.config.hints and run.ident != -1:
+                following = run.steps[step + 1] if step + 1 < len(run.steps) else None
+                if following is None:
+                    hints.append(Hint(rid, time=now, finished=True))
+                elif not isinstance(following, Request) and following.agents:
+                    hints.append(Hint(rid, time=now, subagents=len(following.agents)))
+            self.store.observe(completions=[Completion(rid, now, req.stop)], hints=hints)
+        if run.ident != -1:
+            run.index += 1
+            self._advance(run, now)
 
     def _finish(self, now: float, cpu_s: float) -> ReplayResult:
         res = self.result

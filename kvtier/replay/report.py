@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict
 from typing import Any
 
 from kvtier.replay.replayer import HBM
 from kvtier.replay.sweep import PolicyRun, Sweep, SweepPoint
 from kvtier.units import format_bytes
+
+# Prefill utilization above which the modeled server is saturated: queues grow, TTFT is minutes, and a ranking
+# of policies is decided in the drain at the end rather than in steady state.
+SATURATED = 0.9
+
+
+def utilization(r: Any) -> float:
+    """The modeled GPU's prefill utilization over a replay (a ReplayResult)."""
+    return r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0
 
 
 def setup(sweep: Sweep) -> dict[str, Any]:
@@ -32,6 +42,7 @@ def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
         "hit_rate": r.hit_rate,
         "tier_hit_rate": r.tier_hit_rate,
         "opt_hit_rate": run.opt_hit_rate,
+        "opt_dram_only_hit_rate": run.opt_dram_only_hit_rate,
         "infinite_hit_rate": run.infinite_hit_rate,
         "prefill_tokens_saved": sum(r.hit_tokens.values()),
         "prefill_tokens_saved_by_store": r.store_saved_tokens,
@@ -42,7 +53,8 @@ def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
         "requests": r.requests,
         "lost_blocks": r.lost_blocks,
         "virtual_s": r.virtual_s,
-        "prefill_utilization": r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0,
+        "prefill_utilization": utilization(r),
+        "saturated": utilization(r) > SATURATED,
         "cpu_s": r.cpu_s,
         "requests_per_cpu_s": r.requests / r.cpu_s if r.cpu_s else None,
         "opt_cpu_s": run.opt_cpu_s,
@@ -55,6 +67,7 @@ def point_json(point: SweepPoint, block_bytes: int) -> dict[str, Any]:
                        for t, b in point.capacity_blocks.items()},
         "policies": {name: policy_json(run, block_bytes) for name, run in point.runs.items()},
         "opt_hit_rate": point.opt_hit_rate,
+        "opt_dram_only_hit_rate": point.opt_dram_only_hit_rate,
         "infinite_hit_rate": point.infinite_hit_rate,
     }
 
@@ -66,7 +79,10 @@ def to_json(sweep: Sweep, points: list[SweepPoint]) -> dict[str, Any]:
     ``{"capacities": {TIER: {"blocks", "bytes", "label"}}, "policies": {NAME: {"hit_rate", "tier_hit_rate":
     {TIER: ...}, "opt_hit_rate", "infinite_hit_rate", ...}}, "opt_hit_rate", "infinite_hit_rate"}``. Hit rates
     are fractions of input tokens. A policy's ``opt_hit_rate`` is Belady's optimum on its own request order (the
-    order depends on service times, so on hits); a point's is the largest of those, so it bounds every policy.
+    order depends on service times, so on hits) at HBM + store capacity; a point's is the largest of those, so
+    it bounds every policy. ``opt_dram_only_hit_rate`` is the same optimum at the store's capacity alone
+    (HBM left out: with write-through, HBM's blocks are in DRAM too). ``prefill_utilization`` is the modeled
+    GPU's busy share; ``saturated`` is true above 90%.
     The top level repeats the first point's fields, so a single-capacity run reads
     ``{"policies": ..., "opt_hit_rate": ..., "infinite_hit_rate": ...}``.
     """
@@ -90,26 +106,34 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
         return
     tiers = list(points[0].capacity_blocks)
     lower = [t for t in tiers if t != HBM]
-    head = "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<8}{'hit':>7}"
+    head = "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<10}{'hit':>7}"
     head += "".join(f"{t:>7}" for t in tiers)
-    head += f"{'OPT':>7}{'inf':>7}{'saved':>9}{'loaded':>11}{'stored':>11}{'TTFT p50':>10}{'p90':>8}{'busy':>6}"
+    head += f"{'OPT':>7}{'OPTd':>7}{'inf':>7}{'saved':>9}{'loaded':>11}{'stored':>11}{'TTFT p50':>10}{'p90':>8}{'busy':>6}"
     head += f"{'req/CPU-s':>10}"
     print("\n" + head)
+    saturated = False
     for point in points:
         caps = "".join(f"{point.labels.get(t, ''):>20}" for t in lower)
         for name, run in point.runs.items():
             r = run.result
             rates = "".join(f"{r.tier_hit_rate.get(t, 0.0):>7.3f}" for t in tiers)
             loaded, stored = sum(r.bytes_loaded.values()), sum(r.bytes_stored.values())
-            util = r.prefill_busy_s / r.virtual_s if r.virtual_s else 0.0
+            util = utilization(r)
+            saturated = saturated or util > SATURATED
             rps = r.requests / r.cpu_s if r.cpu_s else math.inf
-            print(f"{caps}  {name:<8}{r.hit_rate:>7.3f}{rates}{run.opt_hit_rate:>7.3f}{run.infinite_hit_rate:>7.3f}"
+            print(f"{caps}  {name:<10}{r.hit_rate:>7.3f}{rates}{run.opt_hit_rate:>7.3f}"
+                  f"{run.opt_dram_only_hit_rate:>7.3f}{run.infinite_hit_rate:>7.3f}"
                   f"{_tokens(r.store_saved_tokens):>9}{format_bytes(loaded):>11}{format_bytes(stored):>11}"
                   f"{r.ttft_percentile(50):>9.2f}s{r.ttft_percentile(90):>7.1f}s{util:>6.0%}{rps:>10.0f}")
             caps = " " * len(caps)
     print("\nhit: input tokens served from cache (per tier after it); OPT: Belady's optimum at the same total "
-          "capacity on the same request order;\ninf: infinite cache; saved: prefill tokens loaded from below HBM; "
-          "busy: prefill utilization of the modeled GPU.")
+          "capacity (HBM + store) on the same request order;\nOPTd: the same at the store's capacity alone (HBM "
+          "left out; DRAM-only for a DRAM store); inf: infinite cache; saved: prefill tokens loaded from below HBM;"
+          "\nbusy: prefill utilization of the modeled GPU.")
+    if saturated:
+        print(f"\nwarning: the modeled server is saturated (busy above {SATURATED:.0%}): requests queue for minutes "
+              "and the ranking of policies is decided in the drain at the end; compare them also where busy stays "
+              "below ~70% (fewer --lanes, or a faster --prefill-rate)", file=sys.stderr)
 
 
 def _tokens(n: int) -> str:

@@ -22,9 +22,9 @@ import numpy as np
 from kvtier.config import Config
 from kvtier.keys import Namespace
 from kvtier.layout import BlockLayout
-from kvtier.policies import policy_class
+from kvtier.policies import Clock, policy_class
 from kvtier.replay.opt import Limits, LimitsCache
-from kvtier.replay.replayer import HBM, ReplayConfig, Replayer, ReplayResult
+from kvtier.replay.replayer import HBM, ReplayConfig, Replayer, ReplayResult, VirtualClock
 from kvtier.replay.service import ServiceModel
 from kvtier.replay.sizing import Capacity
 from kvtier.replay.workload import Workload
@@ -58,6 +58,7 @@ class PolicyRun:
     limits: Limits
     block_tokens: int
     opt_cpu_s: float = 0.0
+    store_limits: Limits | None = None  # OPT at the store's capacity alone (HBM left out); None without a store
 
     def _rate(self, blocks: int) -> float:
         n = self.result.input_tokens
@@ -70,6 +71,14 @@ class PolicyRun:
     @property
     def infinite_hit_rate(self) -> float:
         return self._rate(self.limits.infinite)
+
+    @property
+    def opt_dram_only_hit_rate(self) -> float:
+        """Belady's optimum for the store's tiers alone, without HBM: what a DRAM-only cache of DRAM's size
+        could reach (DRAM and the lower tiers where the store has them). With write-through the hierarchy is
+        inclusive (a block in HBM is in DRAM too), so this is the bound a DRAM policy's choices play against;
+        ``opt_hit_rate`` (HBM + store) bounds the system."""
+        return self._rate(self.store_limits.opt) if self.store_limits is not None else 0.0
 
 
 @dataclass
@@ -89,6 +98,11 @@ class SweepPoint:
     def infinite_hit_rate(self) -> float:
         return max((r.infinite_hit_rate for r in self.runs.values()), default=0.0)
 
+    @property
+    def opt_dram_only_hit_rate(self) -> float:
+        """The largest store-only OPT over the policies' streams (PolicyRun.opt_dram_only_hit_rate)."""
+        return max((r.opt_dram_only_hit_rate for r in self.runs.values()), default=0.0)
+
 
 # Not a Config key: the size of a second node's DRAM (a kvtier-pool started for the run, under this node's DRAM).
 POOL_KEY = "pool_capacity"
@@ -103,10 +117,11 @@ def capacity_keys() -> list[str]:
 # Settings that keep a lower tier exact and deterministic under stand-in blocks, applied where the Config has
 # them (a --set overrides): the SSD tier's O_DIRECT would round 64 B blocks up to 4 KiB slots (64x fewer
 # blocks), and its write-behind would make hits depend on thread timing instead of the trace.
-# The same for the pool: no write-behind (its thread's timing would decide hits), and a timeout long enough that
-# a busy machine never turns a block into a miss.
+# The same for the pool: no write-behind (its thread's timing would decide hits), one connection (a batch cut
+# into requests goes in order, not in whichever order parallel lanes reach the pool), and a timeout long enough
+# that a busy machine never turns a block into a miss.
 REPLAY_DEFAULTS: dict[str, Any] = {"ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0,
-                                   "pool_staging_bytes": 0, "pool_timeout_ms": 10_000}
+                                   "pool_staging_bytes": 0, "pool_timeout_ms": 10_000, "pool_connections": 1}
 # Config keys naming a directory a tier keeps files in: each run gets a fresh one under it, removed afterwards,
 # so no run finds the blocks of the run before it (salted keys repeat from run to run).
 RUN_DIRECTORIES = ("ssd_path",)
@@ -114,7 +129,7 @@ RUN_DIRECTORIES = ("ssd_path",)
 
 @contextmanager
 def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str, Any],
-                sim_block_bytes: int = SIM_BLOCK_BYTES) -> Iterator[TieredStore | None]:
+                sim_block_bytes: int = SIM_BLOCK_BYTES, clock: Clock | None = None) -> Iterator[TieredStore | None]:
     """A real TieredStore whose tiers hold ``tier_blocks[config key]`` blocks (None when DRAM is 0), closed
     and its tiers' run directories removed on exit. A pool tier is a kvtier-pool process of its own, evicting
     by ``policy`` too, stopped on exit: a fresh one per run, since emptying a pool would keep its policy's
@@ -147,7 +162,7 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
             if values.get(key):
                 Path(values[key]).mkdir(parents=True, exist_ok=True)
                 values[key] = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="run-", dir=values[key]))
-        store = TieredStore.from_config(Config.from_dict(values), sim_block_bytes)
+        store = TieredStore.from_config(Config.from_dict(values), sim_block_bytes, clock=clock)
         try:
             yield store
         finally:
@@ -208,11 +223,12 @@ class Sweep:
                 labels: Mapping[str, str] | None = None, record: bool = False) -> PolicyRun:
         desc = f"{policy} " + " ".join(f"{k}={v}" for k, v in (labels or {}).items())
         bar = self.progress(desc, self.workload.requests) if self.progress else None
+        clock = VirtualClock()
         try:
-            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes) as store:
+            with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes, clock) as store:
                 replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
                                     self.service, self.config, progress=bar.update if bar is not None else None,
-                                    record=record)
+                                    record=record, clock=clock)
                 result = replayer.run()
         finally:
             if bar is not None:
@@ -220,9 +236,11 @@ class Sweep:
         t0 = time.process_time()
         capacity = sum(result.capacity_blocks.values())
         limits = self.limits.limits(result.stream, capacity)
+        store_capacity = capacity - result.capacity_blocks.get(HBM, 0)
+        store_limits = self.limits.limits(result.stream, store_capacity) if store_capacity > 0 else None
         opt_cpu = time.process_time() - t0
         log.info("%s: hit rate %.4f, OPT %.4f (%.1f s CPU), %d requests in %.1f s CPU", desc,
                  result.hit_rate, limits.opt * self.workload.block_tokens / max(result.input_tokens, 1), opt_cpu,
                  result.requests, result.cpu_s)
         result.stream = np.empty(0, np.int32)  # hundreds of MB for a large set; the limits are all we keep
-        return PolicyRun(policy, result, limits, self.workload.block_tokens, opt_cpu)
+        return PolicyRun(policy, result, limits, self.workload.block_tokens, opt_cpu, store_limits)

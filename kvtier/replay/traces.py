@@ -39,15 +39,20 @@ class Request:
 
     ``delay``: seconds between the previous step of its agent completing and this request being sent
     (uncapped; the replayer caps it). For a timed trace (Mooncake) it is the arrival time from the start.
+    ``stop``: the stop reason the trace recorded (agentic-cc: ``tool_use``, ``end_turn``, ...; None where it has
+    none, as Mooncake); ``api_time``: the model's recorded time for it in seconds (None where not recorded).
     """
 
-    __slots__ = ("blocks", "input_tokens", "output_tokens", "delay")
+    __slots__ = ("blocks", "input_tokens", "output_tokens", "delay", "stop", "api_time")
 
-    def __init__(self, blocks: np.ndarray, input_tokens: int, output_tokens: int, delay: float) -> None:
+    def __init__(self, blocks: np.ndarray, input_tokens: int, output_tokens: int, delay: float,
+                 stop: str | None = None, api_time: float | None = None) -> None:
         self.blocks = blocks
         self.input_tokens = input_tokens
         self.output_tokens = output_tokens
         self.delay = delay
+        self.stop = stop
+        self.api_time = api_time
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,12 @@ class _IdCollector:
             raise self.fail(where, "hash_ids must be integers") from None
         if arr.ndim != 1:
             raise self.fail(where, "hash_ids must be a flat list of integers")
-        req = Request(arr, in_tok, out_tok, delay)
+        stop = r.get("stop")
+        if stop is not None and not isinstance(stop, str):
+            raise self.fail(where, f"'stop' must be a string (a stop reason), got {stop!r}")
+        api = r.get("api_time")
+        api_time = _number(api, self, where, "api_time") if api is not None else None
+        req = Request(arr, in_tok, out_tok, delay, stop or None, api_time)
         self.requests.append(req)
         self.raw.append(arr)
         return req
@@ -211,9 +221,9 @@ class _IdCollector:
                 delay = _number(r["think_time"], self, at, "think_time")
             else:
                 delay = max(0.0, t - prev_end) if steps else 0.0
-            steps.append(self.request(r, at, max(0.0, delay), "in", "out"))
-            api = r.get("api_time")
-            prev_end = t + (_number(api, self, at, "api_time") if api is not None else 0.0)
+            req = self.request(r, at, max(0.0, delay), "in", "out")
+            steps.append(req)
+            prev_end = t + (req.api_time or 0.0)
         if group:
             steps.append(Subagents(tuple(g[0] for g in group), tuple(max(0.0, g[1] - prev_end) for g in group)))
         return tuple(steps)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from kvtier.pins import PinTable
+from kvtier.policies.observations import Observations
 
 # Called with the keys a tier evicts and read-only views of their bytes, before the space is reused, so
 # the store can demote them to the next tier. The views are valid only during the call.
@@ -65,3 +66,14 @@ class Tier(Protocol):
     def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ObservingTier(Protocol):
+    """A tier whose eviction policy can learn from what the engine knows (TieredStore.observe forwards to it
+    while ``observes`` is True): the DRAM and SSD tiers."""
+
+    observes: bool
+
+    def observe(self, batch: Observations) -> None:
+        """Pass a resolved batch (sessions and times filled in) to the policy, under the tier's lock."""

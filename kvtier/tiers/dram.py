@@ -25,7 +25,8 @@ from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
 from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
-from kvtier.policies import make_policy
+from kvtier.policies import Clock, Observations, make_policy
+from kvtier.policies.guard import GuardedPolicy
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 
@@ -48,14 +49,18 @@ class Reservation:
 
 
 class DramTier:
-    """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here."""
+    """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here.
+
+    ``policy`` (a name or import path, ``default`` by default) decides evictions and, with ``admission``, which
+    new blocks a full tier takes; it reads time from ``clock``, and learns from ``observe``. A policy that
+    raises is logged once and replaced by LRU order (GuardedPolicy): puts and gets never see its errors."""
 
     name = "dram"
 
     def __init__(
-        self, capacity_bytes: int, block_bytes: int, *, policy: str = "lru", shm_path: str | None = None,
+        self, capacity_bytes: int, block_bytes: int, *, policy: str = "default", shm_path: str | None = None,
         pin_memory: str | bool = "auto", prefault: bool = False, copy_threads: int = 1,
-        dtypes: Sequence[str] = (),
+        dtypes: Sequence[str] = (), clock: Clock | None = None, admission: bool = True,
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
@@ -71,9 +76,10 @@ class DramTier:
         self._dtypes = tuple(dtypes)
         self._copy_threads = copy_threads
         self._alloc = SlotAllocator(num_slots)
-        self._policy = make_policy(policy, num_slots)
         self._lock = threading.Lock()
         self._slot_of: dict[bytes, int] = {}
+        self._policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self._slot_of.keys, "DRAM tier")
+        self._admission = admission
         self._key_of: list[bytes | None] = [None] * num_slots
         self._pending: dict[bytes, int] = {}  # key -> slot reserved, being written
         self._busy = np.zeros(num_slots, dtype=np.int32)  # in-flight copies per slot
@@ -82,6 +88,8 @@ class DramTier:
         self._on_evict: EvictListener | None = None
         self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
         self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
+        self._declined = 0  # new blocks the policy's admission did not take
+        self._bad_admit = False  # logged once: the policy's admit answered nonsense
         log.info("DRAM tier: %d slots of %d B (%s), policy %s", num_slots, block_bytes, self._buffer, policy)
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
@@ -138,8 +146,21 @@ class DramTier:
         s.blocks = len(self._slot_of)
         s.used_bytes = self._alloc.used_count * self.block_bytes
         s.extra = {"pending": len(self._pending), "shared_path": str(self._buffer.path or ""),
-                   "pinned_memory": self._buffer.pinned}
+                   "pinned_memory": self._buffer.pinned, "policy": self._policy.name, "declined": self._declined,
+                   **({"policy_failed": self._policy.failed} if self._policy.failed else {})}
         return s
+
+    # ---- what the engine knows (observations) ------------------------------------------------------------
+
+    @property
+    def observes(self) -> bool:
+        """Whether this tier's policy learns from observations (the store sends them only then)."""
+        return self._policy.observes
+
+    def observe(self, batch: Observations) -> None:
+        """Hand the policy a batch of observations (sessions and times filled in: TieredStore.observe)."""
+        with self._lock:
+            self._policy.observe(batch)
 
     def close(self) -> None:
         with self._lock:
@@ -152,7 +173,9 @@ class DramTier:
         """Take a slot for each key not held or in flight, evicting unprotected blocks if needed (never a
         block of ``keys`` or of ``protect`` this tier holds: ``protect`` only guards, it reserves nothing).
 
-        Keys that get no slot (every other block is pinned or busy) have ``held`` False.
+        Keys that get no slot have ``held`` False: the policy declined them (admission), or every other block
+        is pinned or busy. When slots run short, the root-most keys get them (the policy orders a batch by the
+        chains it knows; batch order otherwise) and the tail-most are refused.
         """
         n = len(keys)
         held = [True] * n
@@ -164,6 +187,12 @@ class DramTier:
                 return res
             if len({keys[i] for i in new}) < len(new):
                 new = _first_occurrences(keys, new)
+            if self._alloc.free_count < len(new):
+                chosen = self._admitted(keys, new)
+                if len(chosen) < len(new):
+                    for i in set(new).difference(chosen):
+                        held[i] = False  # declined: not stored
+                new = chosen
             # Keys of this batch that are already held are reported held: the batch's new keys must not
             # evict them to make room.
             keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
@@ -171,10 +200,12 @@ class DramTier:
             np.add.at(self._busy, keep, 1)
             slots = self._take_slots(len(new))
             np.subtract.at(self._busy, keep, 1)
+            # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool
+            # map slots to the batch positions they were given, ascending.
+            res.index = sorted(new[: len(slots)])
             for i in new[len(slots):]:
                 held[i] = False
             self._stats.rejected += len(new) - len(slots)
-            res.index = new[: len(slots)]
             res.keys = [keys[i] for i in res.index]
             res.slots = slots
             for k, s in zip(res.keys, slots):
@@ -247,6 +278,24 @@ class DramTier:
 
     # ---- internals (call with the lock held) ------------------------------------------------------------
 
+    def _admitted(self, keys: Sequence[bytes], new: list[int]) -> list[int]:
+        """The positions of ``new`` to store, root-most first, by the policy's ``admit`` (all of them in batch
+        order where it has no view). Without ``admission`` the tier stores what the policy declines too, after
+        the rest. An answer that repeats or makes up a position counts as none: everything is stored."""
+        order = self._policy.admit([keys[i] for i in new], self._alloc.free_count)
+        chosen = _positions(new, order) if order is not None else None
+        if chosen is None:
+            if order is not None and not self._bad_admit:
+                self._bad_admit = True
+                log.error("DRAM tier: policy %r answered admit with a position repeated or out of range (of %d "
+                          "new keys); storing whole batches whenever it does", self._policy.name, len(new))
+            return new
+        if len(chosen) < len(new) and not self._admission:
+            taken = set(chosen)
+            chosen += [i for i in new if i not in taken]
+        self._declined += len(new) - len(chosen)
+        return chosen
+
     def _take_slots(self, n: int) -> list[int]:
         slots = self._alloc.alloc(n)
         short = n - len(slots)
@@ -290,6 +339,20 @@ class _RowViews(Sequence[torch.Tensor]):
         if isinstance(i, slice):
             return [self._rows[s] for s in self._slots[i]]
         return self._rows[self._slots[i]]
+
+
+def _positions(new: list[int], order: Sequence[int]) -> list[int] | None:
+    """``new[j]`` for each j of a policy's answer, in its order; None if the answer repeats a position or
+    names one out of range (a policy's bug: the tier logs it once and stores the whole batch)."""
+    n = len(new)
+    seen: set[int] = set()
+    out = []
+    for j in order:
+        if type(j) is not int or not 0 <= j < n or j in seen:  # noqa: E721 - a bool is not a position
+            return None
+        seen.add(j)
+        out.append(new[j])
+    return out
 
 
 def _first_occurrences(keys: Sequence[bytes], index: list[int]) -> list[int]:

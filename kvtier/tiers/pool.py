@@ -34,12 +34,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvtier import wire
 from kvtier.auth import AuthError, ClientKeys, load_keypair
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
 from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
 from kvtier.tiers.pool_writer import PoolWriter
 from kvtier.transport.base import PoolConnection, PoolError, PoolProtocolError, PoolUnavailable
@@ -50,40 +50,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKOFF_S = (0.5, 10.0)  # first and longest back-off after a pool fails
 PROTOCOL_BACKOFF_S = 60.0
-
-
-class _Recent:
-    """Keys this process recently saw held by a pool (stored or fetched), as a direct-mapped table of their first
-    8 bytes (keys are already hashes). Local and cheap (``slots`` x 8 bytes), never authoritative: a key can
-    drop out (another key took its slot) or be gone from the pool since. It answers "was this sent already?"
-    where asking the pool would be a network round trip (an eviction, under the DRAM tier's lock)."""
-
-    def __init__(self, slots: int = 1 << 20) -> None:
-        self._table = np.zeros(slots, np.uint64)
-        self._mask = np.uint64(slots - 1)
-
-    def _prints(self, keys: Sequence[bytes]) -> np.ndarray:
-        return np.frombuffer(wire.pack_keys(keys), "<u8")[::2] | np.uint64(1)  # never 0: 0 marks an empty slot
-
-    def add(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            fp = self._prints(keys)
-            self._table[fp & self._mask] = fp
-
-    def drop(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            fp = self._prints(keys)
-            slots = fp & self._mask
-            self._table[slots[self._table[slots] == fp]] = 0
-
-    def clear(self) -> None:
-        self._table[:] = 0
-
-    def has(self, keys: Sequence[bytes]) -> list[bool]:
-        if not keys:
-            return []
-        fp = self._prints(keys)
-        return (self._table[fp & self._mask] == fp).tolist()
 
 
 class _Pool:
@@ -128,8 +94,10 @@ class PoolTier:
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
         self._writer = PoolWriter(self._put, block_bytes, staging_bytes) if staging_bytes else None
         self._stats = TierStats(self.name, 0, 0, 0)
-        self._recent = _Recent()
+        self._recent = RecentlyHeld()
         self._bad = RateLimitedLog(log, 10.0)
+        self._no_pool_blocks = 0  # blocks a put had no pool for (none registered, listed or up)
+        self._no_pool = False  # the last put found no pool at all
         self._closed = False
 
     @classmethod
@@ -228,6 +196,7 @@ class PoolTier:
         staged = self._writer.counts if self._writer is not None else {}
         s.extra = {"pools": {p.endpoint: {"transport": p.conn.transport if p.conn else None, "up": p.up(),
                                           "last_error": p.last_error} for p in pools},
+                   "no_pool": self._no_pool, "no_pool_blocks": self._no_pool_blocks,
                    "write_behind": dict(staged), **({"route": route} if (route := self.route.stats()) else {})}
         return s
 
@@ -267,6 +236,7 @@ class PoolTier:
         except PoolError as e:
             self._bad("place", logging.WARNING, "pool put of %d blocks not placed: %s", len(keys), e)
             where = [None] * len(keys)
+        self._placed(sum(w is None for w in where), len(keys))
         held = [bool(h) for h in self._per_pool(keys, where, lambda conn, ks, idx: conn.put(ks, ptrs[idx]), "put")]
         self._recent.add([k for k, h in zip(keys, held) if h])
         self._recent.drop([k for k, h in zip(keys, held) if not h])  # failed or refused: not held, send again
@@ -276,6 +246,24 @@ class PoolTier:
             self._stats.put_bytes += stored * self.block_bytes
             self._stats.rejected += len(keys) - stored
         return held
+
+    def _placed(self, unplaced: int, n: int) -> None:
+        """Count and say (once per 10 s) when a put had no pool for its blocks: pools that never registered
+        with the master, or all down, are otherwise silent misses for ever."""
+        with self._lock:
+            self._no_pool_blocks += unplaced
+            self._no_pool = unplaced == n and n > 0
+        if not unplaced:
+            return
+        known = self.route.endpoints()
+        states = "; ".join(f"{e} {'up' if self._up(e) else 'down (' + self._pool(e).last_error + ')'}"
+                           for e in known) or "none known"
+        hint = ""
+        if self.route.authoritative and not known:
+            hint = (" -- the master names no kvtier-pool: is each pool started with --master pointing at it, and "
+                    "does it log 'reporting to master'?")
+        self._bad("no-pool", logging.WARNING, "no pool reachable: %d of %d blocks of a put not stored in a pool "
+                  "(%s; pools: %s)%s", unplaced, n, self.route.describe(), states, hint)
 
     def _locate(self, keys: list[bytes]) -> list[str | None]:
         try:

@@ -51,6 +51,9 @@ class PoolRoute(Protocol):
     def stats(self) -> dict[str, Any]:
         """Counters of the route itself (the master's health and back-off); empty for a static route."""
 
+    def describe(self) -> str:
+        """Where pools come from, for a person reading a log line."""
+
     def close(self) -> None: ...
 
 
@@ -82,6 +85,9 @@ class PeerRoute:
 
     def stats(self) -> dict[str, Any]:
         return {}
+
+    def describe(self) -> str:
+        return f"the pools listed in 'pool': {', '.join(self._endpoints)}"
 
     def close(self) -> None:
         pass
@@ -251,6 +257,9 @@ class MasterRoute:
 
     def stats(self) -> dict[str, Any]:
         return self._backoff.stats()
+
+    def describe(self) -> str:
+        return f"pools registered with kvtier-master {self.master} (labels {POOL_LABELS})"
 
     def _refresh(self) -> None:
         nodes = self._backoff.call(self._client.nodes, "list the pools")

@@ -43,7 +43,8 @@ import xxhash
 from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
 from kvtier.pins import PinTable
-from kvtier.policies import make_policy
+from kvtier.policies import Clock, Observations, make_policy
+from kvtier.policies.guard import GuardedPolicy
 from kvtier.private import private_dir
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
@@ -71,6 +72,7 @@ class DiskTier(WritePath):
         self, path: str | os.PathLike[str], capacity_bytes: int, block_bytes: int, *,
         segment_bytes: int = 256 << 20, policy: str = "lru", direct_io: str = "auto", fsync: bool = True,
         io_threads: int = 4, staging_bytes: int = 64 << 20, fingerprint: str = "", dtypes: Sequence[str] = (),
+        clock: Clock | None = None,
     ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
@@ -97,8 +99,10 @@ class DiskTier(WritePath):
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._alloc = SlotAllocator(num_slots)
-        self._policy = make_policy(policy, num_slots)
         self._slot_of: dict[bytes, int] = {}  # committed blocks
+        # The policy reads time from ``clock`` and learns what the engine knows (``observe``); one that raises
+        # is logged once and replaced by LRU order (GuardedPolicy).
+        self._policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self._slot_of.keys, "SSD tier")
         self._pending: dict[bytes, int] = {}  # key -> slot being written
         self._staged: dict[bytes, int] = {}  # key -> staging address: queued for write-behind, readable
         self._checksum = np.zeros(num_slots, dtype=np.uint64)
@@ -124,6 +128,16 @@ class DiskTier(WritePath):
         self._writer = WriteBehind(self, max_batch=max(1, (64 << 20) // self.slot_bytes)) if staging_bytes else None
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
+
+    @property
+    def observes(self) -> bool:
+        """Whether this tier's policy learns from observations (TieredStore.observe sends them only then)."""
+        return self._policy.observes
+
+    def observe(self, batch: Observations) -> None:
+        """Hand the policy a batch of observations (sessions and times filled in: TieredStore.observe)."""
+        with self._lock:
+            self._policy.observe(batch)
 
     def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
         """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions and blocks dropped as damaged

@@ -49,7 +49,9 @@ class PoolProtocolError(PoolRefused):
 
 @dataclass
 class PoolInfo:
-    """What a pool says about itself in its hello reply."""
+    """What a pool says about itself in its hello reply. ``block_bytes`` is this connection's block size (the
+    pool's; the client's own while the pool is unsized, ``sized`` False: its first put sizes it). ``session``:
+    the token this client's lease ops carry (kvtier/pool/clients.py)."""
 
     endpoint: str
     node: str
@@ -59,19 +61,26 @@ class PoolInfo:
     max_keys: int
     lease_s: float
     transports: dict[str, Any] = field(default_factory=dict)
+    session: bytes = b""
+    sized: bool = True
+    request_bytes: int = 0  # the largest request the pool wants (0: it did not say)
 
     @classmethod
-    def from_wire(cls, endpoint: str, body: dict[str, Any]) -> PoolInfo:
-        return cls(endpoint, str(body["node"]), int(body["epoch"]), int(body["block_bytes"]), int(body["capacity"]),
-                   int(body["max_keys"]), float(body["lease_s"]), dict(body.get("transports") or {}))
+    def from_wire(cls, endpoint: str, body: dict[str, Any], block_bytes: int = 0) -> PoolInfo:
+        pool_bb = int(body["block_bytes"])
+        session = body.get("session")
+        return cls(endpoint, str(body["node"]), int(body["epoch"]), pool_bb or block_bytes, int(body["capacity"]),
+                   int(body["max_keys"]), float(body["lease_s"]), dict(body.get("transports") or {}),
+                   session if isinstance(session, bytes) else b"", pool_bb > 0, int(body.get("request_bytes") or 0))
 
 
 class PoolConnection(Protocol):
     """A connection to one pool. Thread-safe: calls from several threads run at once on separate sockets.
 
     ``rows`` are uint64 addresses of host blocks of ``info.block_bytes`` bytes; the caller owns that memory
-    and keeps it alive and unchanged (put) or unread (get) until the call returns. Every call finishes within
-    ``timeout_s`` of the pool going silent, raising PoolUnavailable.
+    and keeps it alive and unchanged (put) or unread (get) until the call returns. Every call ends by its
+    deadline, ``timeout_s`` plus its bytes at 100 MB/s from when it starts, whatever the pool does (silent,
+    trickling, refusing), raising PoolUnavailable.
     """
 
     endpoint: str

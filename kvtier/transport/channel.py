@@ -105,10 +105,11 @@ class Channel:
             raise req.error
         return out[0]
 
-    def notify(self, op: str, body: dict[str, Any]) -> None:
-        """Send a request the pool does not answer (``noreply``), waiting at most ``timeout_s`` for a connection
-        (a lane opened just now connects asynchronously); not sent then, the pool's lease expires instead."""
-        deadline = time.monotonic() + self.timeout_s
+    def notify(self, op: str, body: dict[str, Any], timeout_s: float | None = None) -> None:
+        """Send a request the pool does not answer (``noreply``), waiting at most ``timeout_s`` (default: the
+        channel's) for a connection (a lane opened just now connects asynchronously); not sent then, the
+        pool's lease expires instead."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         lane = self._take(1, deadline)[0]
         frame = wire.encode_request(next(self._ids), op, {**body, "noreply": True})
         try:

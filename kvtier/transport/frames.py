@@ -99,6 +99,31 @@ def frames_for(rows: np.ndarray, block_bytes: int, staging: Staging, threads: in
     return frames, used
 
 
+def should_gather(rows: np.ndarray, block_bytes: int) -> bool:
+    """Whether ``rows`` are better sent gathered into one copy than as zero-copy frames: runs averaging under
+    ZERO_COPY_RUN_BYTES (a zmq message per short run costs more than copying it)."""
+    spans = runs(rows, block_bytes)
+    return bool(spans) and len(rows) * block_bytes < ZERO_COPY_RUN_BYTES * len(spans)
+
+
+def zero_copy(rows: np.ndarray, block_bytes: int) -> list[Any]:
+    """Frames pointing straight at the rows (runs coalesced): the rows' owner keeps them until zmq is done."""
+    return [view(addr, count * block_bytes) for addr, count in runs(rows, block_bytes)]
+
+
+def gather(rows: np.ndarray, block_bytes: int, threads: int = 1) -> list[Any]:
+    """The rows copied into one new buffer of exactly their size, as frames of at most MAX_FRAME_BYTES (the
+    frames keep the buffer alive; nothing to give back)."""
+    n = len(rows)
+    buf = np.empty(n * block_bytes, np.uint8)
+    base = np.uint64(buf.ctypes.data)
+    copy_rows(base + np.arange(n, dtype=np.uint64) * np.uint64(block_bytes), np.asarray(rows, np.uint64),
+              block_bytes, threads)
+    per = max(1, MAX_FRAME_BYTES // block_bytes) * block_bytes
+    mv = memoryview(buf)
+    return [mv[a : a + per] for a in range(0, len(buf), per)]
+
+
 def address(buf: Any) -> int:
     """Start address of a received frame (zmq.Frame, bytes or any buffer)."""
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0

@@ -5,10 +5,11 @@ device (InfiniBand or RoCE) on both ends; ``unavailable_reason()`` says what is 
 picks RDMA automatically only when nothing is. Device spec: ``name[:port[:gid_index]]`` (e.g. ``mlx5_0:1:3``
 for RoCE v2 at GID index 3), or $KVTIER_RDMA_DEVICE; default: the first device, port 1, GID index 0.
 
-    pool (RdmaServer)    registers its whole DRAM buffer once (remote read + write), and for each client
-                         that asks (the ``rdma_connect`` op, over the usual zmq control channel) makes an RC
-                         queue pair connected to the client's, answering with its QP number, GID, LID, the
-                         buffer's address and rkey.
+    pool (RdmaServer)    registers its whole DRAM buffer once (remote read + write) and its slot generations
+                         (remote read), and for each client that asks (the ``rdma_connect`` op, over the usual
+                         zmq control channel) makes an RC queue pair connected to the client's, answering with
+                         its QP number, GID, LID, the buffer's address and rkey, and the generations' address
+                         and rkey (a get READs its slots' generations after its data: kvtier/pool/generations.py).
     client (RdmaConnection)  the lease protocol of OneSidedConnection (reserve/commit, acquire/release); the
                          bytes move by RDMA WRITE/READ work requests posted on its queue pair, runs of
                          consecutive rows on both sides merged into one request, completions polled with a
@@ -17,16 +18,15 @@ for RoCE v2 at GID index 3), or $KVTIER_RDMA_DEVICE; default: the first device, 
 Local memory must be registered for the NIC: rows inside a region passed to ``register(addr, nbytes)``
 (e.g. the store's DRAM buffer, registered once) move zero-copy; other rows go through a registered bounce
 buffer (one host copy). After a pool restart (a new epoch) the client connects a new queue pair.
-Thread-safe: one transfer at a time per connection (its queue pair and completion queue are shared).
+Thread-safe: one transfer at a time per connection (its queue pair and completion queue are shared). The
+pyverbs pieces (device lookup, ports, queue pairs) are kvtier/transport/rdma_verbs.py.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
+import ctypes
 import logging
-import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -36,193 +36,35 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
-from kvtier.config import ENV_RDMA_DEVICE
 from kvtier.hostcopy import copy_rows
 from kvtier.pool import protocol as P
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.onesided import OneSidedConnection
+from kvtier.transport.rdma_verbs import (BOUNCE_BYTES, MAX_SERVER_QPS, MAX_WR_BYTES, Broken, Port, QueuePair,
+                                         remote_access)
+from kvtier.transport.rdma_verbs import unavailable_reason
+
+__all__ = ["RdmaConnection", "RdmaServer", "unavailable_reason"]  # unavailable_reason: where callers ask
 
 log = logging.getLogger(__name__)
-
-QUEUE_DEPTH = 128  # work requests in flight per queue pair
-BOUNCE_BYTES = 64 << 20
-MAX_WR_BYTES = 1 << 30
-MAX_SERVER_QPS = 1024  # queue pairs a pool keeps (the oldest go first: clients that left without a word)
-PSN_BITS = 24
-# What the pool's memory region and every queue pair allow: the peer READs and WRITEs our memory, the NIC
-# writes into it locally (READ responses land in local memory).
-REMOTE_ACCESS = ("IBV_ACCESS_LOCAL_WRITE", "IBV_ACCESS_REMOTE_READ", "IBV_ACCESS_REMOTE_WRITE")
-
-
-def remote_access(enums: Any) -> int:
-    """The REMOTE_ACCESS flags as one mask, from pyverbs' ``enums`` module (a parameter so it is testable)."""
-    mask = 0
-    for name in REMOTE_ACCESS:
-        mask |= int(getattr(enums, name))
-    return mask
-
-
-def init_fields(enums: Any, port_num: int) -> dict[str, int]:
-    """The QPAttr fields the RESET -> INIT transition of an RC queue pair needs (pyverbs' INIT mask is
-    PKEY_INDEX | PORT | ACCESS_FLAGS). They must be there when the queue pair is created with a QPAttr:
-    pyverbs then moves it to INIT at once, and to_rts() later skips INIT, so access flags set only in the
-    RTR/RTS attributes are never applied (every remote READ or WRITE would fail with a remote access error)."""
-    return {"port_num": port_num, "pkey_index": 0, "qp_access_flags": remote_access(enums)}
-
-
-@functools.lru_cache(maxsize=8)
-def unavailable_reason(device: str | None = None) -> str | None:
-    """Why RDMA cannot be used here (None: it can). Cached: devices do not come and go at run time."""
-    try:
-        from pyverbs import device as d
-    except ImportError:
-        return "pyverbs is not installed (pip install 'kvtier[rdma]', or the distribution's python3-pyverbs)"
-    try:
-        names = [dev.name.decode() for dev in d.get_device_list()]
-    except Exception as e:  # PyverbsRDMAError when the host has no RDMA subsystem at all
-        return f"no RDMA device on this host ({e})"
-    if not names:
-        return "no RDMA device on this host"
-    wanted = _spec(device)[0]
-    if wanted and wanted not in names:
-        return f"RDMA device {wanted!r} not found (this host has {', '.join(names)})"
-    return None
-
-
-def _spec(device: str | None) -> tuple[str | None, int, int]:
-    """``name[:port[:gid_index]]`` (default: $KVTIER_RDMA_DEVICE) -> (name or None, port, gid index)."""
-    device = device or os.environ.get(ENV_RDMA_DEVICE)
-    if not device:
-        return None, 1, 0
-    parts = device.split(":")
-    return parts[0] or None, int(parts[1]) if len(parts) > 1 else 1, int(parts[2]) if len(parts) > 2 else 0
-
-
-@dataclass
-class _Port:
-    """An opened device, its protection domain, and the port and GID this process uses."""
-
-    ctx: Any
-    pd: Any
-    port: int
-    gid_index: int
-    gid: str
-    lid: int
-    mtu: int
-
-    @classmethod
-    def open(cls, device: str | None) -> _Port:
-        from pyverbs import device as d
-        from pyverbs.pd import PD
-
-        name, port, gid_index = _spec(device)
-        name = name or d.get_device_list()[0].name.decode()
-        ctx = d.Context(name=name)
-        attr = ctx.query_port(port)
-        gid = str(ctx.query_gid(port, gid_index).gid)
-        return cls(ctx, PD(ctx), port, gid_index, gid, int(attr.lid), int(attr.active_mtu))
-
-    def close(self) -> None:
-        self.pd.close()
-        self.ctx.close()
-
-
-class _QueuePair:
-    """One RC queue pair with its own completion queue, connected to one peer."""
-
-    def __init__(self, port: _Port, depth: int = QUEUE_DEPTH) -> None:
-        from pyverbs import enums as e
-        from pyverbs.cq import CQ
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-
-        self.port = port
-        self.cq = CQ(port.ctx, depth, None, None, 0)
-        cap = QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = QPAttr()
-        for name, value in init_fields(e, port.port).items():
-            setattr(init, name, value)
-        # Created with INIT attributes: pyverbs moves an RC queue pair to INIT here, with these access flags.
-        self.qp = QP(port.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap), init)
-        self.psn = secrets.randbits(PSN_BITS)
-        self.depth = depth
-
-    def local(self) -> dict[str, Any]:
-        return {"qpn": int(self.qp.qp_num), "psn": self.psn, "gid": self.port.gid, "lid": self.port.lid,
-                "mtu": self.port.mtu}
-
-    def connect(self, remote: dict[str, Any]) -> None:
-        """INIT -> RTR -> RTS against the peer's queue pair (fields as ``local()`` gives them); INIT, with the
-        access flags, happened when the queue pair was made."""
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-
-        attr = QPAttr(port_num=self.port.port)
-        attr.path_mtu = min(int(remote["mtu"]), self.port.mtu)
-        attr.dest_qp_num = int(remote["qpn"])
-        attr.rq_psn = int(remote["psn"])
-        attr.sq_psn = self.psn
-        attr.max_dest_rd_atomic = 16
-        attr.max_rd_atomic = 16
-        attr.min_rnr_timer = 12
-        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per retry
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        gr = GlobalRoute(dgid=GID(str(remote["gid"])), sgid_index=self.port.gid_index)
-        attr.ah_attr = AHAttr(port_num=self.port.port, is_global=1, gr=gr, dlid=int(remote["lid"]))
-        self.qp.to_rts(attr)
-
-    def transfer(self, write: bool, local: np.ndarray, lkeys: np.ndarray, remote: np.ndarray, sizes: np.ndarray,
-                 rkey: int, deadline: float) -> None:
-        """Post one RDMA WRITE (or READ) per (local, remote, size) and wait for every completion."""
-        from pyverbs import enums as e
-        from pyverbs.wr import SGE, SendWR
-
-        opcode = e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ
-        outstanding = 0
-        for i, (la, lk, ra, size) in enumerate(zip(local.tolist(), lkeys.tolist(), remote.tolist(), sizes.tolist())):
-            wr = SendWR(wr_id=i, opcode=opcode, num_sge=1, sg=[SGE(la, size, lk)], send_flags=e.IBV_SEND_SIGNALED)
-            wr.set_wr_rdma(rkey, ra)
-            while outstanding >= self.depth:
-                outstanding -= self._poll(deadline)
-            self.qp.post_send(wr)
-            outstanding += 1
-        while outstanding:
-            outstanding -= self._poll(deadline)
-
-    def _poll(self, deadline: float) -> int:
-        from pyverbs import enums as e
-
-        while True:
-            n, wcs = self.cq.poll(16)
-            if n:
-                bad = [wc for wc in wcs[:n] if wc.status != e.IBV_WC_SUCCESS]
-                if bad:
-                    raise _Broken(f"RDMA completion failed with status {bad[0].status} (vendor error "
-                                  f"{bad[0].vendor_err})")
-                return n
-            if time.monotonic() > deadline:
-                raise _Broken("RDMA completions did not come within the timeout")
-
-    def close(self) -> None:
-        self.qp.close()
-        self.cq.close()
-
-
-class _Broken(Exception):
-    """The queue pair is in error (or silent): it must be replaced."""
-
 
 class RdmaServer:
     """The pool's side: its DRAM buffer registered for remote read and write, one queue pair per client."""
 
-    def __init__(self, address: int, nbytes: int, device: str | None = None) -> None:
+    def __init__(self, address: int, nbytes: int, device: str | None = None, *,
+                 generations: tuple[int, int] | None = None) -> None:
         from pyverbs import enums as e
         from pyverbs.mr import MR
 
-        self.port = _Port.open(device)
+        self.port = Port.open(device)
         self.mr = MR(self.port.pd, nbytes, remote_access(e), address=address)
         self.address, self.nbytes = address, nbytes
-        self._qps: OrderedDict[int, _QueuePair] = OrderedDict()
+        self.gen_mr = None
+        self.generations = generations  # (address, nbytes) of the slots' generation counters
+        if generations is not None:
+            self.gen_mr = MR(self.port.pd, generations[1], e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ,
+                             address=generations[0])
+        self._qps: OrderedDict[int, QueuePair] = OrderedDict()
         self._lock = threading.Lock()
         log.info("pool RDMA: %d B registered on %s port %d (gid %s)", nbytes, self.port.ctx.name, self.port.port,
                  self.port.gid)
@@ -233,7 +75,7 @@ class RdmaServer:
     def connect(self, body: dict[str, Any]) -> dict[str, Any]:
         """The ``rdma_connect`` op: a queue pair for the client's, and where the buffer is."""
         remote = {k: wire.field(body, k, str if k == "gid" else int) for k in ("qpn", "psn", "gid", "lid", "mtu")}
-        qp = _QueuePair(self.port)
+        qp = QueuePair(self.port)
         try:
             qp.connect(remote)
         except Exception as e:
@@ -243,13 +85,17 @@ class RdmaServer:
             self._qps[qp.local()["qpn"]] = qp
             while len(self._qps) > MAX_SERVER_QPS:
                 self._qps.popitem(last=False)[1].close()
-        return {**qp.local(), "rkey": int(self.mr.rkey), "addr": self.address, "length": self.nbytes}
+        gens = {} if self.gen_mr is None or self.generations is None else {
+            "gen_addr": self.generations[0], "gen_length": self.generations[1], "gen_rkey": int(self.gen_mr.rkey)}
+        return {**qp.local(), "rkey": int(self.mr.rkey), "addr": self.address, "length": self.nbytes, **gens}
 
     def close(self) -> None:
         with self._lock:
             for qp in self._qps.values():
                 qp.close()
             self._qps.clear()
+        if self.gen_mr is not None:
+            self.gen_mr.close()
         self.mr.close()
         self.port.close()
 
@@ -259,10 +105,13 @@ class _Session:
     """A queue pair connected to one pool epoch, and where that pool's buffer is."""
 
     epoch: int
-    qp: _QueuePair
+    qp: QueuePair
     addr: int
     length: int
     rkey: int
+    gen_addr: int = 0
+    gen_length: int = 0
+    gen_rkey: int = 0
 
 
 class RdmaConnection(OneSidedConnection):
@@ -275,10 +124,11 @@ class RdmaConnection(OneSidedConnection):
         from pyverbs import enums as e
         from pyverbs.mr import MR
 
-        self._port = _Port.open(device)
+        self._port = Port.open(device)
         self._access = e.IBV_ACCESS_LOCAL_WRITE
         self._bounce = MR(self._port.pd, max(BOUNCE_BYTES, self.block_bytes), self._access)
         self._bounce_addr = int(self._bounce.buf)
+        self._gens = MR(self._port.pd, 8 * max(1, info.max_keys), self._access)  # generations READ after a get
         self._regions: list[tuple[int, int, Any]] = []  # (start, end, MR), sorted by start
         self._lock = threading.Lock()
         self._session: _Session | None = None
@@ -299,6 +149,7 @@ class RdmaConnection(OneSidedConnection):
             for _, _, mr in self._regions:
                 mr.close()
             self._bounce.close()
+            self._gens.close()
             self._port.close()
         super().close()
 
@@ -309,6 +160,32 @@ class RdmaConnection(OneSidedConnection):
 
     def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         self._move(False, dst, offsets, epoch)
+
+    def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
+        """READ the generation counters of the slots at ``offsets`` (after the data READs completed: issued
+        after their completions, so the NIC reads them later)."""
+        n = len(offsets)
+        with self._lock:
+            s = self._session_for(epoch)
+            if not s.gen_rkey:
+                raise PoolProtocolError(self.endpoint, "the pool registered no slot generations for RDMA",
+                                        wire.ERR_BAD_MESSAGE)
+            slots = offsets.astype(np.uint64) // np.uint64(self.block_bytes)
+            if n > self._gens.length // 8 or (n and int(slots.max()) * 8 + 8 > s.gen_length):
+                raise PoolProtocolError(self.endpoint, "a get's slots fall outside the pool's generations",
+                                        wire.ERR_BAD_MESSAGE)
+            base = int(self._gens.buf)
+            local = np.uint64(base) + np.arange(n, dtype=np.uint64) * np.uint64(8)
+            remote = np.uint64(s.gen_addr) + slots * np.uint64(8)
+            deadline = time.monotonic() + self.channel.timeout_s
+            try:
+                s.qp.transfer(False, local, np.full(n, self._gens.lkey, dtype=np.int64), remote,
+                              np.full(n, 8, dtype=np.int64), s.gen_rkey, deadline)
+            except Broken as e:
+                s.qp.close()
+                self._session = None
+                raise PoolUnavailable(self.endpoint, str(e), "rdma") from None
+            return np.frombuffer(ctypes.string_at(base, 8 * n), dtype=np.uint64).copy()
 
     def _move(self, write: bool, rows: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         bb = self.block_bytes
@@ -336,7 +213,7 @@ class RdmaConnection(OneSidedConnection):
         deadline = time.monotonic() + max(self.channel.timeout_s, len(rows) * bb / 1e9)
         try:
             s.qp.transfer(write, local[starts], lkeys[starts], remote[starts], sizes, s.rkey, deadline)
-        except _Broken as e:
+        except Broken as e:
             s.qp.close()
             self._session = None
             raise PoolUnavailable(self.endpoint, str(e), "rdma") from None
@@ -364,7 +241,7 @@ class RdmaConnection(OneSidedConnection):
         if self._session is not None:
             self._session.qp.close()
             self._session = None
-        qp = _QueuePair(self._port)
+        qp = QueuePair(self._port)
         try:
             ans = self.channel.call(P.RDMA_CONNECT, qp.local())
             if ans.epoch != epoch:
@@ -373,8 +250,10 @@ class RdmaConnection(OneSidedConnection):
         except BaseException:
             qp.close()
             raise
-        session = self._session = _Session(epoch, qp, int(ans.body["addr"]), int(ans.body["length"]),
-                                           int(ans.body["rkey"]))
+        b = ans.body
+        session = self._session = _Session(epoch, qp, int(b["addr"]), int(b["length"]), int(b["rkey"]),
+                                           int(b.get("gen_addr", 0)), int(b.get("gen_length", 0)),
+                                           int(b.get("gen_rkey", 0)))
         log.info("pool %s: RDMA queue pair %d connected to the pool's %d", self.endpoint, qp.local()["qpn"],
                  int(ans.body["qpn"]))
         return session

@@ -6,7 +6,12 @@ batched native copies (kvtier.hostcopy), straight between the caller's rows and 
 
 Pool restarts: every reply carries the pool's epoch. A new epoch means a new pool with a new file; the next
 call says hello again and maps the new file. The old mapping stays valid (the file is unlinked, not
-truncated) until the calls still copying from it finish and drop it; blocks of the old pool are gone.
+truncated) until the calls still copying from it finish and drop it; blocks of the old pool are gone. A pool
+that has no block size yet has no file either: the connection maps it at its first copy (after the reserve
+that sized the pool).
+
+Next to the DRAM file each mapping holds the pool's slot generations (``<file>.gen``, read-only): a get reads
+its slots' generations there after its copy (kvtier/pool/generations.py).
 
 Thread-safe; offsets from the pool are bounds-checked against the mapping before any copy.
 """
@@ -23,7 +28,8 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import copy_rows
-from kvtier.transport.base import PoolError, PoolInfo, PoolProtocolError, PoolUnavailable
+from kvtier.pool.generations import GenerationView
+from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
 
@@ -31,9 +37,10 @@ log = logging.getLogger(__name__)
 
 
 class Mapping:
-    """The pool's DRAM file of one epoch, mapped shared into this process; unmapped when the last user drops it."""
+    """The pool's DRAM file of one epoch, mapped shared into this process, and its slot generations; unmapped
+    when the last user drops it."""
 
-    def __init__(self, path: str, nbytes: int, epoch: int) -> None:
+    def __init__(self, path: str, nbytes: int, epoch: int, generations: str, block_bytes: int) -> None:
         self.path, self.nbytes, self.epoch = path, nbytes, epoch
         fd = os.open(path, os.O_RDWR)
         try:
@@ -46,6 +53,11 @@ class Mapping:
             os.close(fd)
         self._array = np.frombuffer(self._mm, dtype=np.uint8)
         self.base = int(self._array.ctypes.data)
+        self.block_bytes = block_bytes
+        self.generations = GenerationView(generations, nbytes // block_bytes)
+
+    def generations_at(self, offsets: np.ndarray) -> np.ndarray:
+        return self.generations.of(offsets.astype(np.int64) // self.block_bytes)
 
     def rows(self, offsets: np.ndarray, block_bytes: int) -> np.ndarray:
         """Addresses of blocks at ``offsets``; PoolProtocolError if one would fall outside the file."""
@@ -63,7 +75,7 @@ class ShmConnection(OneSidedConnection):
     def __init__(self, channel: Any, info: PoolInfo, **kw: Any) -> None:
         super().__init__(channel, info, **kw)
         self._lock = threading.Lock()
-        self._mapping = self._map(info)
+        self._mapping: Mapping | None = self._map(info) if info.sized else None
 
     # The mapping is held in a local for the whole copy: a concurrent call that re-maps after a restart drops
     # the connection's reference, and the last reference gone unmaps the file (a copy into it would fault).
@@ -77,6 +89,9 @@ class ShmConnection(OneSidedConnection):
         copy_rows(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes)
         del mapping
 
+    def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
+        return self._mapped(epoch).generations_at(offsets)
+
     # ---- mapping ---------------------------------------------------------------------------------------
 
     def _map(self, info: PoolInfo) -> Mapping:
@@ -84,8 +99,9 @@ class ShmConnection(OneSidedConnection):
         if not shm.get("path"):
             raise PoolProtocolError(self.endpoint, "the pool named no shared file", wire.ERR_BAD_MESSAGE)
         try:
-            mapping = Mapping(str(shm["path"]), int(shm["nbytes"]), info.epoch)
-        except OSError as e:
+            mapping = Mapping(str(shm["path"]), int(shm["nbytes"]), info.epoch, str(shm.get("generations") or ""),
+                              info.block_bytes)
+        except (OSError, ValueError) as e:
             raise PoolUnavailable(self.endpoint, f"cannot map the pool's shared file {shm['path']}: {e.strerror} "
                                                  "(is the pool on another host, or in another container?)",
                                   "no_shm") from None
@@ -93,20 +109,26 @@ class ShmConnection(OneSidedConnection):
                  info.epoch)
         return mapping
 
-    def _mapped(self, epoch: int) -> Mapping:
-        """The mapping of ``epoch`` (re-mapping after a pool restart); PoolUnavailable if the pool moved on."""
+    def _mapped(self, epoch: int, timeout_s: float | None = None) -> Mapping:
+        """The mapping of ``epoch`` (mapping the file of a pool sized since the hello, re-mapping after a pool
+        restart); PoolUnavailable if the pool moved on."""
         mapping = self._mapping
-        if mapping.epoch == epoch:
+        if mapping is not None and mapping.epoch == epoch:
             return mapping
         with self._lock:
-            if self._mapping.epoch != epoch:
-                info = hello(self.channel, self.block_bytes)
+            if self._mapping is None or self._mapping.epoch != epoch:
+                info = hello(self.channel, self.block_bytes, timeout_s, self.session)
                 if info.epoch != epoch:
                     raise PoolUnavailable(self.endpoint, "the pool restarted again during the call", "restarted")
+                if not info.sized:
+                    raise PoolUnavailable(self.endpoint, "the pool has no shared file yet", "not_ready")
                 self._mapping = self._map(info)
-                self.info = info
+                self._adopt(info)
             return self._mapping
 
-    def _hello_again(self) -> None:
-        self._mapped(self.info.epoch)  # mapping the new file says hello (sizing a pool without --block-bytes)
+    def _hello_again(self, deadline: float | None) -> None:
+        info = hello(self.channel, self.block_bytes, self._time_left(deadline), self.session)
+        self._adopt(info)
+        if info.sized:
+            self._mapped(info.epoch, self._time_left(deadline))
 

@@ -12,8 +12,10 @@ socket puts the kernel's one copy straight where the bytes belong:
 
 The envelope is kvtier.wire's (same codec, same versions and error codes); only the framing is a length
 prefix instead of zmq's. Batches are cut into requests of ``REQUEST_BYTES`` spread over parallel sockets
-(``lanes``), one thread each. Every socket operation has the timeout: a silent pool is PoolUnavailable and its
-socket is closed (a stream cannot be resynchronised mid-message; the pool closes it too after an error reply).
+(``lanes``), one thread each. Every call has one deadline (the timeout plus its bytes at the slowest bandwidth
+a call may take) and every socket operation waits at most what is left of it, so a pool that goes silent or
+trickles its reply is PoolUnavailable by then and its socket is closed (a stream cannot be resynchronised
+mid-message; the pool closes it too after an error reply).
 
 A pool started with --auth-dir hands out a token in its hello reply (over CurveZMQ); each data socket sends
 it as its first bytes. The block bytes themselves cross the wire unencrypted (README "Authenticated sockets").
@@ -39,22 +41,35 @@ from kvtier import wire
 from kvtier.pool import protocol as P
 from kvtier.transport import frames as F
 from kvtier.transport.base import PoolError, PoolInfo, PoolProtocolError, PoolRefused, PoolUnavailable
-from kvtier.transport.connection import ConnectionBase, hello
+from kvtier.transport.connection import MIN_BANDWIDTH, ConnectionBase, hello
 
 log = logging.getLogger(__name__)
 
 REQUEST_BYTES = 16 << 20
 HEADER = struct.Struct("<I")
 MAX_ENVELOPE = 16 << 20  # a 1M-key blob and change
+ENVELOPE_STEP = 64 << 10  # an envelope's body is received in steps from this size up, doubling
 IOV_MAX = 512  # buffers per sendmsg call
 
 
 # ---- framing (shared with the pool's side, kvtier/pool/stream.py) -----------------------------------------
+#
+# Every function takes ``deadline`` (time.monotonic()): before each system call the socket's timeout is set to
+# what is left of it, so the whole message ends by then (socket.timeout) however the peer paces its bytes; a
+# per-call timeout alone lets a peer sending a byte every 0.3 s hold a call for ever.
 
-def send_message(sock: socket.socket, envelope: bytes, payload: Sequence[Any] = ()) -> None:
+def _left(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline passed")
+    sock.settimeout(left)
+
+
+def send_message(sock: socket.socket, envelope: bytes, payload: Sequence[Any] = (), *, deadline: float) -> None:
     """[u32 length][envelope] then the payload buffers, all of it (sendmsg, partial writes resumed)."""
     buffers = [memoryview(HEADER.pack(len(envelope)) + envelope), *(memoryview(b).cast("B") for b in payload)]
     while buffers:
+        _left(sock, deadline)
         sent = sock.sendmsg(buffers[:IOV_MAX])
         while sent and buffers:
             if sent >= len(buffers[0]):
@@ -65,39 +80,50 @@ def send_message(sock: socket.socket, envelope: bytes, payload: Sequence[Any] = 
                 sent = 0
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
     """Fill ``view`` from the socket; ConnectionError on end of stream."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        _left(sock, deadline)
+        k = sock.recv_into(view[got:], n - got)
         if not k:
             raise ConnectionError("the peer closed the connection")
         got += k
 
 
-def read_envelope(sock: socket.socket) -> bytes | None:
-    """The next length-prefixed envelope, or None at a clean end of stream (before its first byte)."""
+def read_envelope(sock: socket.socket, *, deadline: float, max_bytes: int = MAX_ENVELOPE,
+                  charge: Callable[[int], bool] | None = None) -> bytes | None:
+    """The next length-prefixed envelope, or None at a clean end of stream (before its first byte). The body
+    grows as its bytes arrive (a declared length allocates nothing by itself); ``charge(n)`` is asked before
+    each growth by ``n`` bytes, and a False ends the read (WireError ERR_TOO_LARGE: no memory for it now)."""
     head = bytearray(HEADER.size)
-    k = sock.recv_into(head, HEADER.size, socket.MSG_WAITALL)
+    _left(sock, deadline)
+    k = sock.recv_into(head, HEADER.size)
     if k == 0:
         return None
     if k < HEADER.size:
-        recv_exact(sock, memoryview(head)[k:])
+        recv_exact(sock, memoryview(head)[k:], deadline=deadline)
     (length,) = HEADER.unpack(head)
-    if length > MAX_ENVELOPE:
-        raise wire.WireError(wire.ERR_TOO_LARGE, f"an envelope of {length} bytes, the limit is {MAX_ENVELOPE}")
-    body = bytearray(length)
-    recv_exact(sock, memoryview(body))
+    if length > max_bytes:
+        raise wire.WireError(wire.ERR_TOO_LARGE, f"an envelope of {length} bytes, the limit is {max_bytes}")
+    body = bytearray()
+    while len(body) < length:
+        step = min(length - len(body), max(ENVELOPE_STEP, len(body)))  # doubling: few copies, no big promise
+        if charge is not None and not charge(step):
+            raise wire.WireError(P.ERR_BUSY, "no memory for this envelope now (the pool's budget is in use)")
+        part = bytearray(step)
+        recv_exact(sock, memoryview(part), deadline=deadline)
+        body += part
     return bytes(body)
 
 
-def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+def recv_views(sock: socket.socket, views: Sequence[memoryview], *, deadline: float) -> None:
     """Fill ``views`` in order (recvmsg_into scatters into up to IOV_MAX of them per call, resumed after partial
     reads); ConnectionError on end of stream."""
     pending = [v for v in views if len(v)]
     while pending:
-        batch = pending[:IOV_MAX]
-        got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        _left(sock, deadline)
+        got = sock.recvmsg_into(pending[:IOV_MAX])[0]
         if not got:
             raise ConnectionError("the peer closed the connection")
         while got and pending:
@@ -109,10 +135,10 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
                 got = 0
 
 
-def recv_rows(sock: socket.socket, rows: np.ndarray, block_bytes: int) -> None:
+def recv_rows(sock: socket.socket, rows: np.ndarray, block_bytes: int, *, deadline: float) -> None:
     """Receive ``len(rows)`` blocks in order straight into the rows (runs of consecutive rows as one buffer)."""
     recv_views(sock, [memoryview(F.view(addr, count * block_bytes)).cast("B")
-                      for addr, count in F.runs(rows, block_bytes, max_bytes=1 << 30)])
+                      for addr, count in F.runs(rows, block_bytes, max_bytes=1 << 30)], deadline=deadline)
 
 
 # ---- the client --------------------------------------------------------------------------------------------
@@ -137,13 +163,13 @@ class StreamConnection(ConnectionBase):
         rows = np.asarray(rows, dtype=np.uint64)
         held = [False] * n
 
-        def one(a: int, b: int, sock: socket.socket) -> None:
+        def one(a: int, b: int, sock: socket.socket, deadline: float) -> None:
             frames, used = F.frames_for(rows[a:b], bb, self._staging)
             try:
-                send_message(sock, wire.encode_request(0, P.PUT, self._body(keys[a:b])), frames)
+                send_message(sock, wire.encode_request(0, P.PUT, self._body(keys[a:b])), frames, deadline=deadline)
             finally:
                 self._staging.give(used)  # sendmsg returned: the kernel has the bytes
-            body = self._reply(sock, P.PUT)
+            body = self._reply(sock, P.PUT, deadline)
             held[a:b] = P.unbitmap(body["held"], b - a)
         self._run(n, one)
         return held
@@ -153,10 +179,10 @@ class StreamConnection(ConnectionBase):
         rows = np.asarray(rows, dtype=np.uint64)
         hit = [False] * n
 
-        def one(a: int, b: int, sock: socket.socket) -> None:
-            send_message(sock, wire.encode_request(0, P.GET, self._body(keys[a:b])))
-            got = P.unbitmap(self._reply(sock, P.GET)["hit"], b - a)
-            recv_rows(sock, rows[a:b][np.flatnonzero(got)], bb)
+        def one(a: int, b: int, sock: socket.socket, deadline: float) -> None:
+            send_message(sock, wire.encode_request(0, P.GET, self._body(keys[a:b])), deadline=deadline)
+            got = P.unbitmap(self._reply(sock, P.GET, deadline)["hit"], b - a)
+            recv_rows(sock, rows[a:b][np.flatnonzero(got)], bb, deadline=deadline)
             hit[a:b] = got
         self._run(n, one)
         return hit
@@ -171,11 +197,13 @@ class StreamConnection(ConnectionBase):
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _run(self, n: int, one: Callable[[int, int, socket.socket], None]) -> None:
-        """Cut the batch into requests and run them over parallel sockets; raise the first failure."""
-        per = max(1, min(self.info.max_keys, REQUEST_BYTES // self.block_bytes))
+    def _run(self, n: int, one: Callable[[int, int, socket.socket, float], None]) -> None:
+        """Cut the batch into requests and run them over parallel sockets, all by one deadline (the call's:
+        kvtier.transport.connection); raise the first failure."""
+        deadline = self._deadline(n * self.block_bytes)
+        self._greet_if_needed(deadline)
+        per = self._per_request(REQUEST_BYTES)
         chunks = list(self._chunks(n, per))
-        deadline = time.monotonic() + self.channel.timeout_s + n * self.block_bytes / 100e6
         if len(chunks) == 1:
             self._on_socket(one, *chunks[0], deadline)
             return
@@ -199,17 +227,19 @@ class StreamConnection(ConnectionBase):
         if errors:
             raise errors[0]
 
-    def _on_socket(self, one: Callable[[int, int, socket.socket], None], a: int, b: int, deadline: float) -> None:
+    def _on_socket(self, one: Callable[[int, int, socket.socket, float], None], a: int, b: int,
+                   deadline: float) -> None:
         if time.monotonic() > deadline:
             raise PoolUnavailable(self.endpoint, "batch not done within its time budget", "timeout")
-        sock = self._take()
+        sock = self._take(deadline)
         try:
-            one(a, b, sock)
+            one(a, b, sock, deadline)
         except (OSError, ConnectionError) as e:  # socket.timeout is an OSError
             sock.close()
             # A pool restarted on a fixed data port refuses our old token by closing: fetch a fresh one.
             self._retoken = self._token() is not None
-            what = f"no progress within {self.channel.timeout_s:g} s" if isinstance(e, socket.timeout) else str(e)
+            what = (f"not done by its deadline ({self.channel.timeout_s:g} s + its bytes at "
+                    f"{MIN_BANDWIDTH / 1e6:.0f} MB/s)" if isinstance(e, socket.timeout) else str(e))
             raise PoolUnavailable(self.endpoint, f"data connection: {what}", "timeout") from None
         except PoolError:
             sock.close()  # the pool closes after an error reply: this stream is done
@@ -220,8 +250,8 @@ class StreamConnection(ConnectionBase):
         with self._lock:
             self._free.append(sock)
 
-    def _reply(self, sock: socket.socket, op: str) -> dict[str, Any]:
-        envelope = read_envelope(sock)
+    def _reply(self, sock: socket.socket, op: str, deadline: float) -> dict[str, Any]:
+        envelope = read_envelope(sock, deadline=deadline)
         if envelope is None:
             raise ConnectionError("the pool closed the data connection")
         _, ok, body = wire.decode_reply(envelope, peer=f"the pool at {self.endpoint}")
@@ -235,10 +265,10 @@ class StreamConnection(ConnectionBase):
             raise cls(self.endpoint, f"{op}: {body.get('message', '')}", code)
         return body
 
-    def _take(self) -> socket.socket:
+    def _take(self, deadline: float) -> socket.socket:
         if self._retoken:
             self._retoken = False
-            self.info = self._refresh()
+            self.info = self._refresh(deadline)
         while True:
             with self._lock:
                 sock = self._free.pop() if self._free else None
@@ -248,39 +278,51 @@ class StreamConnection(ConnectionBase):
                 return sock
             sock.close()  # the pool dropped it while idle (its idle timeout, a restart): open a fresh one
         try:
-            return self._open()
+            return self._open(deadline)
         except OSError:  # a restarted pool listens on another data port: ask it again
-            self.info = self._refresh()
+            self.info = self._refresh(deadline)
             try:
-                return self._open()
+                return self._open(deadline)
             except OSError as e:
                 raise PoolUnavailable(self.endpoint, f"cannot open a data connection: {e}", "unreachable") from None
 
-    def _open(self) -> socket.socket:
+    def _open(self, deadline: float) -> socket.socket:
         port = int((self.info.transports.get("stream") or {}).get("port", 0))
         if not port:
             raise ConnectionRefusedError("the pool offers no stream data port")
-        sock = socket.create_connection((self._host, port), timeout=self.channel.timeout_s)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("deadline passed")
+        sock = socket.create_connection((self._host, port), timeout=left)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         token = self._token()
         if token is not None:  # a pool with --auth-dir: the token from our (encrypted) hello opens the port
-            sock.sendall(token)
+            send_message_raw(sock, token, deadline)
         return sock
 
     def _token(self) -> bytes | None:
         token = (self.info.transports.get("stream") or {}).get("token")
         return token if isinstance(token, bytes) else None
 
-    def _hello_again(self) -> None:
+    def _hello_again(self, deadline: float) -> None:
         """After a restart the pool has another data port and, with --auth-dir, other tokens: take both."""
-        self.info = hello(self.channel, self.block_bytes)
+        self._adopt(hello(self.channel, self.block_bytes, self._time_left(deadline), self.session))
 
-    def _refresh(self) -> PoolInfo:
-        info = hello(self.channel, self.block_bytes)
+    def _refresh(self, deadline: float) -> PoolInfo:
+        info = hello(self.channel, self.block_bytes, self._time_left(deadline), self.session)
+        self.session = info.session
         if info.epoch != self.info.epoch:
             self.channel.epoch = info.epoch
             self._saw_epoch()
         return info
+
+
+def send_message_raw(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """``data`` as it is (no length prefix), by the deadline."""
+    view = memoryview(data)
+    while view:
+        _left(sock, deadline)
+        view = view[sock.send(view):]
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

@@ -37,8 +37,8 @@ class TcpConnection(ConnectionBase):
         super().__init__(*args, **kw)
         self._staging = F.Staging(keep=4 * self.lanes)  # for puts of scattered small blocks
 
-    def _per_request(self) -> int:
-        return max(1, min(self.info.max_keys, REQUEST_BYTES // self.block_bytes))
+    def _requests(self) -> int:
+        return self._per_request(REQUEST_BYTES)
 
     def put(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
         n, bb = len(keys), self.block_bytes
@@ -49,14 +49,14 @@ class TcpConnection(ConnectionBase):
         used: list[np.ndarray] = []
 
         def requests() -> Iterator[Request]:
-            for a, b in self._chunks(n, self._per_request()):
+            for a, b in self._chunks(n, self._requests()):
                 def on_reply(ans: Answer, a: int = a, b: int = b) -> None:
                     held[a:b] = P.unbitmap(ans.body["held"], b - a)
                 frames, staged = F.frames_for(rows[a:b], bb, self._staging)
                 used.extend(staged)
                 yield Request(P.PUT, self._body(keys[a:b]), frames, on_reply)
         try:
-            self._batch(requests(), self._count(n, self._per_request()), n * bb)
+            self._batch(requests(), self._count(n, self._requests()), self._deadline(n * bb))
         finally:
             self._staging.give(used)  # the batch returns once zmq has let go of every frame
         return held
@@ -67,7 +67,7 @@ class TcpConnection(ConnectionBase):
         hit = [False] * n
 
         def requests() -> Iterator[Request]:
-            for a, b in self._chunks(n, self._per_request()):
+            for a, b in self._chunks(n, self._requests()):
                 def on_reply(ans: Answer, a: int = a, b: int = b) -> None:
                     got = P.unbitmap(ans.body["hit"], b - a)
                     src = F.rows_in(ans.data, bb)
@@ -77,5 +77,5 @@ class TcpConnection(ConnectionBase):
                     copy_rows(rows[index], src, bb)
                     hit[a:b] = got
                 yield Request(P.GET, self._body(keys[a:b]), (), on_reply)
-        self._batch(requests(), self._count(n, self._per_request()), n * bb)
+        self._batch(requests(), self._count(n, self._requests()), self._deadline(n * bb))
         return hit

@@ -7,9 +7,12 @@ The tests run in order and share the module's engines and SSD directory:
 2. SSD: a new engine process with the same config serves B's prefix from disk (write_through), outputs equal.
 3. A block of prefix C corrupted on disk between the two processes: a miss from that block on, never data;
    C's outputs still equal the reference.
-4. Negative control: new weights written over the model (same path, so the same key namespace today): the
-   next engine loads the old weights' KV and its outputs differ from an engine computing under the new
-   weights: the comparisons above can fail, and loaded KV really feeds attention.
+4. Negative control: new weights written over the model (same path) under the same operator-stated checkpoint
+   id (the module's engines set ``weights_fingerprint: checkpoint-1`` instead of the automatic fingerprint, so
+   the namespace does not change with the weights): the next engine loads the old
+   weights' KV and its outputs differ from an engine computing under the new weights: the comparisons above
+   can fail, and loaded KV really feeds attention. (With the fingerprint on, the default, that KV is never
+   looked at: test_engine_durability.py.)
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ def st(engine_py, work) -> State:
     s.model = build_model(engine_py, root / "llama", seed=0)  # this module's copy: test 4 rewrites its weights
     s.ssd = root / "ssd"
     s.config = connector({"dram_capacity": "64MiB", "ssd_path": str(s.ssd), "ssd_capacity": "64MiB",
-                          "ssd_offload": "write_through", "ipc_dir": str(root)})
+                          "ssd_offload": "write_through", "ipc_dir": str(root),
+                          # A stated checkpoint id instead of the automatic weights fingerprint: test 4 rewrites the
+                          # weights under it (the automatic one is tested in test_engine_durability.py).
+                          "weights_fingerprint": "checkpoint-1"})
     return s
 
 
@@ -127,8 +133,8 @@ def test_corrupted_ssd_block_is_a_miss_never_wrong_tokens(st: State, engines: En
 
 
 def test_negative_control_kv_of_other_weights_gives_other_outputs(st: State, engines: Engines, engine_py, work):
-    build_model(engine_py, st.model, seed=1)  # new weights in place: same path, same (weight-blind) namespace
-    stale = engines.start("embedded-e4-w2", st.model, st.config)
+    build_model(engine_py, st.model, seed=1)  # new weights in place: same path
+    stale = engines.start("embedded-e4-w2", st.model, st.config)  # the same stated checkpoint id: same namespace
     fresh = engines.start("embedded-ref-w2", build_model(engine_py, work / "embedded" / "llama-w2", seed=1))
     recomputed = fresh.generate([B])[0]
     loaded = stale.generate([B])[0]

@@ -1,9 +1,11 @@
-"""Real-engine cases that wait for i13m: a clean shutdown writes DRAM's blocks down to the SSD under the
-DEFAULT ``ssd_offload: on_evict``, and the vLLM namespace folds in a fingerprint of the weights.
+"""A real vLLM engine's store across restarts, with the defaults a user gets.
 
-Today (verified): with on_evict, a restarted engine finds 0 blocks (no segment was ever written); and KV
-saved under other weights at the same model path is loaded (test_engine_embedded's negative control).
-Remove the skip when i13m is merged.
+1. A clean shutdown writes DRAM's blocks down to the SSD under the DEFAULT ``ssd_offload: on_evict`` (nothing
+   was evicted, so nothing reached the disk before): a new engine process serves the prefix from disk.
+2. New weights written at the same model path: the automatic weights fingerprint (``weights_fingerprint:
+   auto``, the default) puts them in another namespace, so the old weights' KV is not even looked at, and the
+   outputs equal an engine's computing under the new weights. (test_engine_embedded.py's negative control
+   shows that the same KV, when loaded, does change the outputs.)
 """
 
 from __future__ import annotations
@@ -11,9 +13,7 @@ from __future__ import annotations
 import pytest
 from .enginekit import BLOCK, Engines, Reference, assert_same, build_model, connector, prompt_tokens
 
-pytestmark = [pytest.mark.slow, pytest.mark.skip(
-    reason="waits for i13m: a clean shutdown flushes DRAM to the SSD with the default on_evict; a weights "
-           "fingerprint in the vLLM namespace")]
+pytestmark = pytest.mark.slow
 
 P = prompt_tokens(11)
 A, B = P + [5, 6, 7], P + [8, 9]
@@ -22,16 +22,16 @@ FULL = (len(P) // BLOCK) * BLOCK
 
 def test_restart_with_default_on_evict_serves_prefix_from_disk(engines: Engines, model, reference: Reference,
                                                                  work):
-    root = work / "after-i13m-restart"
+    root = work / "durable-restart"
     config = connector({"dram_capacity": "64MiB", "ssd_path": str(root / "ssd"), "ssd_capacity": "64MiB",
                         "ipc_dir": str(root)})  # ssd_offload left at its default: on_evict
     root.mkdir()
-    first = engines.start("i13m-first", model, config)
+    first = engines.start("durable-first", model, config)
     assert first.generate([A])[0]["cached"] == 0
     (store,) = first.store_stats()
     assert store["offload"]["policy"] == "on_evict" and store["tiers"]["dram"]["evictions"] == 0
     assert first.close() == 0  # clean shutdown: DRAM's blocks must reach the disk now
-    second = engines.start("i13m-second", model, config)
+    second = engines.start("durable-second", model, config)
     before = second.metrics()
     b = second.generate([B])[0]
     after = second.metrics()
@@ -43,16 +43,16 @@ def test_restart_with_default_on_evict_serves_prefix_from_disk(engines: Engines,
 
 
 def test_kv_under_changed_weights_is_not_loaded(engines: Engines, engine_py, work):
-    root = work / "after-i13m-weights"
+    root = work / "durable-weights"
     model = build_model(engine_py, root / "llama", seed=0)
     config = connector({"dram_capacity": "64MiB", "ssd_path": str(root / "ssd"), "ssd_capacity": "64MiB",
                         "ssd_offload": "write_through", "ipc_dir": str(root)})
-    old = engines.start("i13m-w1", model, config)
+    old = engines.start("durable-w1", model, config)
     old.generate([A])
     assert old.close() == 0
     build_model(engine_py, model, seed=1)  # new weights at the same path
-    new = engines.start("i13m-w2", model, config)
-    fresh = engines.start("i13m-ref-w2", build_model(engine_py, root / "llama-w2", seed=1))
+    new = engines.start("durable-w2", model, config)
+    fresh = engines.start("durable-ref-w2", build_model(engine_py, root / "llama-w2", seed=1))
     b = new.generate([B])[0]
     assert b["cached"] == 0  # the old weights' KV lives under another namespace now: not even looked at
     assert_same(b, fresh.generate([B])[0])

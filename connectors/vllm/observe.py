@@ -1,0 +1,156 @@
+"""What the scheduler knows about requests, carried to every worker's store for its eviction policy.
+
+The scheduler sees each request arrive (its block hashes, its session), finish (the stop reason, the blocks its
+output added) and the client's hints in ``kv_transfer_params["kvtier"]``; the stores live in the workers. So
+the scheduler writes it all down (``Notebook``) and each step's connector metadata carries the notes
+(``RequestNotes``) to every rank, whose worker hands them to its store (``RequestNotes.apply`` ->
+``TieredStore.observe``): every rank's policy sees the same requests, hence infers the same agents.
+
+Times travel as ages (seconds before the metadata was built, on the scheduler's clock): a worker places them on
+its own clock, which need not be the scheduler's (another host). No vLLM import; pickled with the metadata.
+
+Client hints (all optional; a bad value is logged and ignored, never fails a request):
+
+    {"kv_transfer_params": {"kvtier": {"session": "agent-42", "finished": true, "subagents": 3,
+                                       "ttl_s": 600, "priority": 1}}}
+
+``session``: the agent (default: vLLM's ``session_id``, else inferred from the chains); ``finished``: this is
+the session's last request (its blocks are not worth keeping); ``subagents``: after this request the agent
+waits for that many subagents; ``ttl_s`` / ``priority``: as for the pins (hints.py), also inputs to the policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.keys import Namespace
+from kvtier.policies import Arrival, Completion, Hint
+from kvtier.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArrivalNote:
+    req_id: str
+    hashes: tuple[bytes, ...]  # the request's full blocks, root first
+    session: str | None
+    age_s: float
+
+
+@dataclass(frozen=True)
+class CompletionNote:
+    req_id: str
+    stop: str | None
+    hashes: tuple[bytes, ...]  # blocks its output added after the arrival's
+    age_s: float
+
+
+@dataclass(frozen=True)
+class HintNote:
+    req_id: str
+    session: str | None
+    finished: bool
+    subagents: int
+    ttl_s: float | None
+    priority: float | None
+    age_s: float
+
+
+@dataclass
+class RequestNotes:
+    """One step's notes (empty most steps but the first and last of a request)."""
+
+    arrivals: list[ArrivalNote] = field(default_factory=list)
+    completions: list[CompletionNote] = field(default_factory=list)
+    hints: list[HintNote] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.arrivals or self.completions or self.hints)
+
+    def apply(self, store: TieredStore, namespace: Namespace) -> None:
+        """Tell ``store`` (a worker's), with the hashes folded into this rank's ``namespace`` and the ages
+        placed on the store's clock."""
+        now = store.clock()
+        arrivals = [Arrival(a.req_id, namespace.keys(a.hashes), now - a.age_s, a.session) for a in self.arrivals]
+        hints = [Hint(h.req_id, h.session, now - h.age_s, h.finished, h.subagents, h.ttl_s, h.priority)
+                 for h in self.hints]
+        completions = [Completion(c.req_id, now - c.age_s, c.stop, namespace.keys(c.hashes))
+                       for c in self.completions]
+        # Hints ride with the arrival (the client sends them with the request), before its completion.
+        store.observe(arrivals, (), hints)
+        if completions:
+            store.observe((), completions)
+
+
+class Notebook:
+    """The scheduler's notes since the last step. Scheduler thread only."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.clock = clock
+        self._arrivals: list[tuple[str, tuple[bytes, ...], str | None, float]] = []
+        self._completions: list[tuple[str, str | None, tuple[bytes, ...], float]] = []
+        self._hints: list[tuple[str, str | None, bool, int, float | None, float | None, float]] = []
+
+    def arrived(self, request: Any, hashes: Sequence[bytes]) -> None:
+        """``request`` was admitted with these full blocks (root first); its hints go with it."""
+        hint = policy_hints(getattr(request, "kv_transfer_params", None), f"request {request.request_id}")
+        session = (hint.get("session") if hint else None) or getattr(request, "session_id", None)
+        now = self.clock()
+        self._arrivals.append((request.request_id, tuple(hashes), session if isinstance(session, str) else None,
+                               now))
+        if hint and any(k in hint for k in ("finished", "subagents", "ttl_s", "priority")):
+            self._hints.append((request.request_id, None, bool(hint.get("finished", False)),
+                                int(hint.get("subagents", 0)), hint.get("ttl_s"), hint.get("priority"), now))
+
+    def finished(self, request: Any, added: Sequence[bytes]) -> None:
+        """``request`` finished; ``added``: the full blocks its output added after its arrival's."""
+        self._completions.append((request.request_id, stop_reason(request), tuple(added), self.clock()))
+
+    def take(self) -> RequestNotes:
+        now = self.clock()
+        notes = RequestNotes([ArrivalNote(r, h, s, now - t) for r, h, s, t in self._arrivals],
+                             [CompletionNote(r, s, h, now - t) for r, s, h, t in self._completions],
+                             [HintNote(r, s, f, n, ttl, p, now - t) for r, s, f, n, ttl, p, t in self._hints])
+        self._arrivals, self._completions, self._hints = [], [], []
+        return notes
+
+
+def stop_reason(request: Any) -> str | None:
+    """vLLM's finish reason as a stop reason: ``stop``, ``length``, ``abort``, ...; a stop on a given token or
+    string is ``stop:<it>`` (e.g. Llama 3's end-of-message token, which ends a tool call, apart from its
+    end-of-turn), so the policy learns one gap distribution per way an answer ends."""
+    reason = request.get_finished_reason()
+    if reason is None:
+        return None
+    name = str(reason)
+    stop = getattr(request, "stop_reason", None)
+    return f"{name}:{stop}" if name == "stop" and stop is not None else name
+
+
+def policy_hints(params: Any, owner: str) -> dict[str, Any] | None:
+    """The policy's inputs among ``params["kvtier"]`` (vLLM's ``kv_transfer_params``; any connector's dict of
+    the same shape), validated: bad ones dropped and logged naming ``owner``; None if there is no such dict."""
+    raw = params.get("kvtier") if isinstance(params, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, Any] = {}
+    checks = {
+        "session": lambda v: isinstance(v, str) and v != "",
+        "finished": lambda v: isinstance(v, bool),
+        "subagents": lambda v: type(v) is int and 0 <= v < 1 << 20,  # noqa: E721 - not a bool
+        "ttl_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
+        "priority": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    }
+    for name, ok in checks.items():
+        if name in raw:
+            if ok(raw[name]):
+                out[name] = float(raw[name]) if name in ("ttl_s", "priority") else raw[name]
+            else:
+                log.warning("kvtier: %s: ignoring hint %s=%r", owner, name, raw[name])
+    return out
