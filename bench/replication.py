@@ -185,7 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-capacity", type=int, default=256 << 20, help="bytes per pool (default 256 MiB)")
     p.add_argument("--hot", type=float, default=0.125, help="share of prefixes that are hot (default 0.125)")
     p.add_argument("--hot-share", type=float, default=0.8, help="share of reads that go to hot prefixes (0.8)")
-    p.add_argument("--heat", type=float, default=4.0, help="--replicate-heat of the replicated setup (default 4)")
+    p.add_argument("--heat", type=float, default=30.0, help="--replicate-heat of the replicated setup (default 30: "
+                   "above what the cold prefixes reach in a phase, so only the hot ones are copied)")
     p.add_argument("--lease-s", type=float, default=2.0, help="the master's lease (default 2)")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per phase (default 4)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")

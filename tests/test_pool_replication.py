@@ -127,3 +127,26 @@ def test_an_operator_asks_a_pool_to_copy_blocks_from_another(tmp_path, make_keys
         assert all(d.get(keys, orows.numpy().astype("uint64")))
         assert torch.equal(out, data)
         d.close()
+
+
+def test_a_copy_from_a_dead_source_ends_by_its_deadline_and_the_pool_serves_on(tmp_path, make_keys):
+    """The source pool is gone (a port nobody listens on): the op answers `unavailable` within the copier's
+    deadline, nothing is stored, and the pool answers the next request (the negative of the copy above)."""
+    import socket
+
+    from kvtier import wire
+    from kvtier.pool.replicas import TIMEOUT_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    keys = make_keys(4, start=7000)
+    with PoolProcess(tmp_path, name="dst", capacity="4MiB", block_bytes=BB) as dst:
+        ch = Channel(dst.tcp, shared_context(), timeout_s=TIMEOUT_S + 5.0)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as err:
+            ch.call(P.COPY_FROM, {"source": dead, "keys": wire.pack_keys(keys)})
+        assert time.monotonic() - t0 < TIMEOUT_S + 3.0
+        assert "copy_from " + dead in str(err.value), err.value
+        assert ch.call(P.CONTAINS, {"keys": wire.pack_keys(keys)}).body["held"] == P.bitmap([False] * 4)
+        ch.close()

@@ -33,6 +33,7 @@ from kvtier.pool import protocol as P
 from kvtier.pool.clients import Client
 from kvtier.pool.state import MIN_BLOCK_BYTES, PoolState, block_size_problem
 from kvtier.transport import frames as F
+from kvtier.transport.base import PoolError
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError
 
 Body = dict[str, Any]
@@ -337,11 +338,23 @@ def check_fits(n: int, block_bytes: int, capacity: int) -> None:
         raise WireError(ERR_TOO_LARGE, why)
 
 
+def copy_from(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
+    source = body.get("source")
+    if not isinstance(source, str) or not source or len(source) > 512:
+        raise WireError(ERR_BAD_REQUEST, "copy_from needs 'source': the client endpoint of the pool to copy from")
+    st.tier_for(body)
+    try:
+        copied, missing = st.copier.copy_from(source, st.keys(body))
+    except PoolError as e:
+        raise WireError(wire.ERR_UNAVAILABLE, f"copy_from {source[:128]}: {e}"[:500]) from None
+    return Reply({"copied": copied, "missing": missing})
+
+
 Op = Callable[[PoolState, Client, Body, list[Any]], Reply]
 OPS: dict[str, Op] = {
     P.HELLO: hello, P.CONTAINS: contains, P.REMOVE: remove, P.PUT: put, P.GET: get, P.RESERVE: reserve,
     P.COMMIT: commit, P.ACQUIRE: acquire, P.RELEASE: release, P.STATS: stats, P.CLEAR: clear,
-    P.RDMA_CONNECT: rdma_connect,
+    P.RDMA_CONNECT: rdma_connect, P.COPY_FROM: copy_from,
 }
 NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
 # What each op needs when the pool requires keys (kvtier/auth/roles.py; checked per message by PoolServer.serve
@@ -350,6 +363,7 @@ NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answ
 PERMISSIONS = {
     P.HELLO: DATA, P.CONTAINS: READ, P.STATS: READ, P.REMOVE: DATA, P.PUT: DATA, P.GET: DATA, P.RESERVE: DATA,
     P.COMMIT: DATA, P.ACQUIRE: DATA, P.RELEASE: DATA, P.RDMA_CONNECT: DATA, P.CLEAR: ADMIN,
+    P.COPY_FROM: ADMIN,
 }
 
 # Ops that make a client hold more (memory or slots): the dispatcher holds them back while the client's

@@ -47,6 +47,9 @@ Ops (request body -> reply body):
   clear     {}                   -> {removed: int}       drop every block (an operator's reset; a policy's
             history, e.g. S3-FIFO's ghosts, stays)
   rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
+  copy_from {source, keys}       -> {copied, missing}     copy the keys' blocks from the pool at ``source``
+            (its client endpoint) into this one, pool to pool (kvtier/pool/replicas.py; hot-block replication
+            asks for the same copy in a heartbeat reply); an operator's op, answered when the copy is done
 
 Leases expire after the pool's ``lease_s`` and are quarantined for another ``lease_s`` before their slots are
 reused (kvtier/pool/leases.py); lease numbers are random 62-bit values, and act only for the client and session
@@ -77,6 +80,7 @@ RELEASE = "release"
 STATS = "stats"
 CLEAR = "clear"
 RDMA_CONNECT = "rdma_connect"
+COPY_FROM = "copy_from"
 
 # Clients cut batches into requests of at most the hello's request_bytes but no fewer than MIN_REQUEST_BLOCKS
 # blocks (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold

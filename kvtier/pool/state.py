@@ -40,6 +40,7 @@ from kvtier.pool.budget import Budget
 from kvtier.pool.clients import Client, Sessions
 from kvtier.pool.generations import SlotGenerations
 from kvtier.pool.leases import ClientLeases
+from kvtier.pool.replicas import Copier
 from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
 from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
@@ -127,6 +128,8 @@ class PoolState:
         # With --auth-dir, a hello hands out a token the data port asks for (kvtier/auth/tokens.py).
         self.tokens = DataTokens() if settings.auth_dir else None
         self.master_keys = _master_keys(settings)  # read now: a bad master.key is a start-up error
+        # Pool-to-pool copies (hot-block replication, the copy_from op): kvtier/pool/replicas.py.
+        self.copier = Copier(self)
         self.shm_path: Path | None = None
         if settings.ipc:
             self.shm_path = _shm_file(Path(settings.shm_dir), settings.ipc, self.epoch)
@@ -296,9 +299,18 @@ class PoolState:
             self.settings.master, self.node_id, [(TIER, tier.capacity_bytes if tier else self.settings.capacity)],
             block_bytes=tier.block_bytes if tier else 0, address=self.advertised,
             labels={**self.settings.labels, **POOL_LABELS}, used=self._used, list_keys=self._list_keys,
-            goodbye=True, heartbeat_s=self.settings.heartbeat_s, auth=self.master_keys).start()
+            goodbye=True, heartbeat_s=self.settings.heartbeat_s, auth=self.master_keys,
+            on_replicate=self.copier.on_replicate).start()
+        self.copier.start()
         log.info("pool %s: reporting to master %s as %s%s", self.node_id, self.settings.master, self.advertised,
                  " (CurveZMQ)" if self.master_keys is not None else "")
+
+    def peer_keys(self, endpoint: str) -> ClientKeys | None:
+        """The keys this pool presents to another pool it copies from: its own server keypair and that pool's
+        public key (auth_dir/servers/<endpoint>, else the shared server.key); none without --auth-dir."""
+        if not self.settings.auth_dir:
+            return None
+        return ClientKeys.load(self.settings.auth_dir, endpoint, own="server")
 
     def _used(self) -> dict[str, int]:
         tier = self.tier
@@ -329,6 +341,7 @@ class PoolState:
         self.leases.expire_all()
         if self.agent is not None:
             self.agent.close()
+        self.copier.close()  # after the agent: no more work comes
         if self.rdma is not None:
             self.rdma.close()
         if self.tier is not None:

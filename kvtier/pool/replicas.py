@@ -1,0 +1,186 @@
+"""Copies of blocks from another pool into this one: hot-block replication's pool-to-pool copy.
+
+The master (master/replication.py) hands a pool work in its heartbeat replies: "copy these keys from pool X"
+and "drop these replicas". ``Copier.on_replicate`` queues the copies for one background thread (the agent's
+heartbeat thread must not wait on another pool) and removes the drops at once. An operator can ask for the
+same copy with the pool op ``copy_from`` {source, keys} -> {copied, missing} (kvtier/pool/ops.py), which runs
+it on the asking worker and answers when it is done.
+
+A copy is a client's get from the source pool (the usual client transports, so the same checks that make a
+get's bytes its key's: a torn or reused one-sided slot is a miss there, never copied) into a staging buffer,
+then the same reserve/copy/commit a put runs here, with its "stored" event: the directory learns of the copy
+as of any block this pool stores. Keys this pool already holds are not fetched.
+
+Bounds: one copy runs at a time (a lock), staging is at most ``STAGE_BYTES`` (or one block, when a block is
+larger) and is charged to the pool's memory budget like a reply's; at most ``MAX_QUEUED`` copy jobs wait
+(more are dropped, counted, and asked again by the master a few intervals later); each source call ends by
+``timeout_s``. An unreachable or failing source costs that job only: logged (rate-limited), counted, the
+connection dropped and made again for the next job.
+
+With ``--auth-dir`` a pool reads from another pool with its own keypair (the daemons' server.key): that key
+needs the data permission on the other pools (list it under their authorized/engines/ too).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtier.hostcopy import copy_rows
+from kvtier.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from kvtier.client.api import NodeReply
+    from kvtier.pool.state import PoolState
+
+log = logging.getLogger(__name__)
+STAGE_BYTES = 8 << 20
+MAX_QUEUED = 64
+TIMEOUT_S = 5.0  # each call to a source pool
+ACCOUNT = "replication"  # what the staging buffer is charged to in the pool's memory budget
+
+
+class Copier:
+    """Pool-to-pool copies for one PoolState (see the module doc). ``start()`` starts the background thread;
+    ``close()`` stops it (a copy in progress ends by its timeout)."""
+
+    def __init__(self, state: PoolState, timeout_s: float = TIMEOUT_S) -> None:
+        self.state = state
+        self.timeout_s = timeout_s
+        self._jobs: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue(MAX_QUEUED)
+        self._lock = threading.Lock()  # one copy at a time: the staging bound holds for all callers
+        self._conns: dict[str, Any] = {}  # source address -> kvtier.transport.base.PoolConnection
+        self._thread: threading.Thread | None = None
+        self._bad = RateLimitedLog(log)
+
+    def start(self) -> Copier:
+        self._thread = threading.Thread(target=self._run, name="kvtier-pool-copier", daemon=True)
+        self._thread.start()
+        return self
+
+    # ---- the master's work ---------------------------------------------------------------------------
+
+    def on_replicate(self, reply: NodeReply) -> None:
+        """A heartbeat reply's replication work: queue its copies, remove its drops now."""
+        for _source_node, address, keys in reply.replicate:
+            try:
+                self._jobs.put_nowait((address, list(keys)))
+            except queue.Full:
+                self.state.count(replicate_jobs_dropped=1)
+        if reply.drop:
+            self.drop(reply.drop)
+
+    def drop(self, keys: list[bytes]) -> int:
+        tier = self.state.tier
+        if tier is None:
+            return 0
+        held = [k for k, h in zip(keys, tier.contains(keys)) if h]
+        removed = tier.remove(held)
+        self.state.emit("removed", held)
+        self.state.count(replicas_dropped=removed)
+        return removed
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self.copy_from(*job)
+            except Exception:  # noqa: BLE001 -- a bug in one copy must not end the thread
+                self._bad("copier", logging.ERROR, "pool copy from %s failed", job[0], exc_info=True)
+
+    # ---- one copy ------------------------------------------------------------------------------------
+
+    def copy_from(self, source: str, keys: list[bytes]) -> tuple[int, int]:
+        """Copy the blocks of ``keys`` the pool at ``source`` holds into this pool: (copied, missing). Keys held
+        here already count as copied. Raises PoolError when the source cannot be reached."""
+        st = self.state
+        tier = st.tier
+        if tier is None or not keys:
+            return 0, len(keys)
+        wanted = [k for k, h in zip(keys, tier.contains(keys)) if not h]
+        copied, missing = len(keys) - len(wanted), 0
+        if not wanted:
+            return copied, missing
+        bb = tier.block_bytes
+        per = max(1, STAGE_BYTES // bb)
+        with self._lock:
+            if not st.memory.take(ACCOUNT, min(per, len(wanted)) * bb):
+                st.count(replicate_refused_memory=1)
+                return copied, len(wanted)
+            try:
+                stage = np.empty((min(per, len(wanted)), bb), np.uint8)
+                conn = self._connection(source, bb)
+                for i in range(0, len(wanted), per):
+                    chunk = wanted[i : i + per]
+                    rows = stage.ctypes.data + np.arange(len(chunk), dtype=np.uint64) * np.uint64(bb)
+                    try:
+                        hits = conn.get(chunk, rows)
+                    except Exception:
+                        self._forget(source)
+                        st.count(replicate_errors=1)
+                        raise
+                    got = [k for k, h in zip(chunk, hits) if h]
+                    missing += len(chunk) - len(got)
+                    copied += self._store(got, rows[np.flatnonzero(hits)])
+            finally:
+                st.memory.give(ACCOUNT, min(per, len(wanted)) * bb)
+        st.count(replicate_copied=copied, replicate_missing=missing)
+        return copied, missing
+
+    def _store(self, keys: list[bytes], rows: np.ndarray) -> int:
+        """A put of the blocks at addresses ``rows`` (one per key) into this pool's tier, as ops.put does: the
+        number now held."""
+        if not keys:
+            return 0
+        st = self.state
+        tier = st.tier
+        assert tier is not None
+        res = st.reserve(tier, keys)
+        try:
+            if res.slots:
+                copy_rows(res.addresses, rows[np.asarray(res.index)], tier.block_bytes, st.settings.copy_threads)
+        except BaseException:
+            tier.commit(res, success=False)
+            raise
+        tier.commit(res)
+        st.emit("stored", res.keys)
+        return sum(res.held)
+
+    def _connection(self, source: str, block_bytes: int) -> Any:
+        conn = self._conns.get(source)
+        if conn is None:
+            from kvtier.transport.connection import connect
+
+            conn = connect(source, block_bytes, timeout_s=self.timeout_s, auth=self.state.peer_keys(source))
+            self._conns[source] = conn
+        return conn
+
+    def _forget(self, source: str) -> None:
+        conn = self._conns.pop(source, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            while True:  # make room for the stop sign: queued copies are given up
+                try:
+                    self._jobs.put_nowait(None)
+                    break
+                except queue.Full:
+                    try:
+                        self._jobs.get_nowait()
+                    except queue.Empty:
+                        pass
+            self._thread.join(self.timeout_s + 1.0)
+        with self._lock:
+            for source in list(self._conns):
+                self._forget(source)
+
+
+__all__ = ["Copier", "STAGE_BYTES", "TIMEOUT_S"]
