@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.hostcopy import copy_rows
-from kvtier.tiers.ssd_io import StagingPool
+from kvtier.tiers.ssd_io import STAGE_TIMEOUT_S, StagingPool
 from kvtier.writebehind import WriteQueue
 
-STAGE_TIMEOUT_S = 10.0  # longest a waiting submit blocks for staging memory before it drops the blocks
 MAX_BATCH_BYTES = 256 << 20  # one send: at most this much
 
 Send = Callable[[list[bytes], np.ndarray], list[bool]]  # (keys, staged row addresses) -> held per key

@@ -31,7 +31,9 @@ from kvtier.tiers.slots import SlotAllocator
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # safe for every device (512 B and 4 KiB logical sectors); also the page size
-STAGE_TIMEOUT_S = 10.0  # longest a put waits for staging memory before it gives up on those blocks
+# Longest a put (SSD) or a waiting submit (pool write-behind) waits for StagingPool memory before it gives up on
+# those blocks; one value for both, next to the StagingPool they wait on.
+STAGE_TIMEOUT_S = 10.0
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _SEGMENT_NAME = re.compile(r"^seg-(\d+)\.dat$")
 
