@@ -47,8 +47,16 @@ def _bytes_field(default: int | str, help: str) -> Any:
     return field(default=parse_bytes(default), metadata={"kind": "bytes", "help": help})
 
 
-def _field(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _field(default: Any, help: str, choices: tuple[str, ...] = (), kind: str = "") -> Any:
+    metadata: dict[str, Any] = {"help": help, "choices": choices}
+    if kind:
+        metadata["kind"] = kind
+    return field(default=default, metadata=metadata)
+
+
+def _switch_field(default: str, help: str) -> Any:
+    """auto, true or false; any boolean word (or a JSON boolean) is read as true/false."""
+    return _field(default, help, ("auto", "true", "false"), kind="switch")
 
 
 @dataclass
@@ -59,8 +67,8 @@ class Config:
     dram_capacity: int = _bytes_field("4GiB", "bytes of host DRAM for packed blocks, allocated once")
     dram_shm_path: str = _field("", "back the DRAM buffer with this file (e.g. /dev/shm/kvtier) so "
                                     "other processes can map it; empty: private memory")
-    dram_pin_memory: str = _field("auto", "page-lock the DRAM buffer for fast GPU copies: auto (when CUDA "
-                                          "is present), true, false", ("auto", "true", "false"))
+    dram_pin_memory: str = _switch_field("auto", "page-lock the DRAM buffer for fast GPU copies: auto (when CUDA "
+                                                 "is present), true, false")
     dram_prefault: bool = _field(False, "touch every page of the DRAM buffer at start-up, so the first "
                                         "puts pay no page faults (costs ~0.1 s per GiB at start)")
     eviction: str = _field("default", "DRAM eviction policy: default (the session-aware predictor, pnu), lru, "
@@ -78,9 +86,8 @@ class Config:
     ssd_promote: bool = _field(True, "copy a block served from SSD into DRAM too")
     ssd_eviction: str = _field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
                                           "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
-    ssd_direct_io: str = _field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
-                                        "warning, where the filesystem lacks it), true, false",
-                                ("auto", "true", "false"))
+    ssd_direct_io: str = _switch_field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
+                                               "warning, where the filesystem lacks it), true, false")
     ssd_fsync: bool = _field(True, "fsync data and index at the end of each SSD write batch (crash-durable); "
                                    "false keeps checksums but may lose the last writes to a machine crash")
     ssd_segment_bytes: int = _bytes_field("256MiB", "size of each SSD segment file")
@@ -131,7 +138,7 @@ class Config:
             raise ConfigError("; ".join(_unknown_key_message(k, known) for k in unknown))
         config = dataclasses.replace(base) if base is not None else cls()
         for key, raw in values.items():
-            setattr(config, key, _coerce(known[key], raw))
+            setattr(config, key, coerce_value(key, field_kind(known[key]), raw))
         config.validate()
         return config
 
@@ -243,30 +250,73 @@ def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:
     return f"unknown config key {key!r}{hint}"
 
 
-def _coerce(f: dataclasses.Field[Any], raw: Any) -> Any:
-    """Turn a dict/env/TOML value into the field's type, or raise ConfigError naming the key."""
+# One set of boolean words for every key kvtier reads (store keys, the vLLM connector's, the SGLang backend's),
+# from a dict, a file or a KVTIER_* variable; case and surrounding blanks do not matter. JSON/TOML booleans and
+# the integers 0 and 1 are accepted as themselves.
+TRUE_WORDS = ("true", "yes", "on", "1")
+FALSE_WORDS = ("false", "no", "off", "0")
+_BOOL_WORDS = ", ".join(f"{t}/{f}" for t, f in zip(TRUE_WORDS, FALSE_WORDS))
+
+
+def parse_bool(key: str, raw: Any) -> bool:
+    """``raw`` as a boolean, or ConfigError naming ``key`` and the words accepted."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str):
+        word = raw.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise ConfigError(f"{key}: expected a boolean ({_BOOL_WORDS}), got {raw!r}")
+
+
+def coerce_value(key: str, kind: str, raw: Any) -> Any:
+    """Turn a dict/env/TOML value into ``kind`` or raise ConfigError naming ``key``. Kinds: bool, int, float,
+    str, bytes (a size such as "64GiB", kvtier.units.parse_bytes) and switch (``auto`` or a boolean word,
+    normalised to "auto", "true" or "false"); any other kind passes ``raw`` through."""
+    if kind == "bool":
+        return parse_bool(key, raw)
+    if kind == "switch":
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return "auto"
+        try:
+            return "true" if parse_bool(key, raw) else "false"
+        except ConfigError:
+            raise ConfigError(f"{key}: {raw!r} is not one of auto, true, false (or a boolean word: {_BOOL_WORDS})"
+                              ) from None
     try:
-        if f.metadata.get("kind") == "bytes":
+        if kind == "bytes":
             return parse_bytes(raw)
-        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if kind == "bool":
-            if isinstance(raw, bool):
-                return raw
-            if isinstance(raw, str) and raw.strip().lower() in ("1", "true", "yes", "on"):
-                return True
-            if isinstance(raw, str) and raw.strip().lower() in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError(f"expected a boolean, got {raw!r}")
         if kind == "int":
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError(f"expected an integer, got {raw!r}")
             return int(raw)
         if kind == "float":
+            if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+                raise ValueError(f"expected a number, got {raw!r}")
             return float(raw)
         if kind == "str":
             if not isinstance(raw, (str, int, float)) or isinstance(raw, bool):
                 raise ValueError(f"expected a string, got {type(raw).__name__}")
             return str(raw)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{f.name}: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     return raw
+
+
+def field_kind(f: dataclasses.Field[Any]) -> str:
+    """The coercion kind of a dataclass field: its metadata's ``kind`` (bytes, switch), else its type's name."""
+    kind = f.metadata.get("kind")
+    if kind:
+        return str(kind)
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+def coerce_fields(cls: type[Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (keys of the dataclass ``cls``) coerced to its fields' kinds: what the connectors' settings use,
+    so their keys accept exactly what Config's do."""
+    known = {f.name: f for f in fields(cls)}
+    return {k: coerce_value(k, field_kind(known[k]), v) for k, v in values.items()}

@@ -93,3 +93,63 @@ def test_readme_has_a_row_for_every_key():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     missing = [f.name for f in fields(Config) if f"| `{f.name}` |" not in readme]
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+# ---- one coercion for every key: store keys, the vLLM connector's, the SGLang backend's (issue 16) -----------
+
+BOOL_WORDS = [("true", True), ("yes", True), ("on", True), ("1", True), ("TRUE", True), (" On ", True),
+              ("false", False), ("no", False), ("off", False), ("0", False), ("Off", False), (True, True),
+              (False, False), (1, True), (0, False)]
+
+
+def _vllm_bool(raw):
+    from kvtier.connectors.vllm.settings import split_extra_config
+
+    return split_extra_config({"save_decode": raw})[0].save_decode
+
+
+def _store_bool(raw):
+    return Config.from_dict({"dram_prefault": raw}).dram_prefault
+
+
+def _sglang_style_bool(raw):
+    # The SGLang backend has no boolean key today; its settings go through the same coerce_fields.
+    from dataclasses import dataclass
+
+    from kvtier.config import coerce_fields
+
+    @dataclass(frozen=True)
+    class Settings:
+        flag: bool = False
+
+    return Settings(**coerce_fields(Settings, {"flag": raw})).flag
+
+
+@pytest.mark.parametrize("read", [_store_bool, _vllm_bool, _sglang_style_bool], ids=["store", "vllm", "sglang"])
+@pytest.mark.parametrize("raw,want", BOOL_WORDS, ids=[repr(w) for w, _ in BOOL_WORDS])
+def test_every_reader_accepts_the_same_boolean_words(read, raw, want):
+    assert read(raw) is want
+
+
+@pytest.mark.parametrize("read,key", [(_store_bool, "dram_prefault"), (_vllm_bool, "save_decode"),
+                                      (_sglang_style_bool, "flag")], ids=["store", "vllm", "sglang"])
+@pytest.mark.parametrize("raw", ["maybe", "", 2, 0.5, None, ["yes"]])
+def test_a_bad_boolean_names_the_key_and_the_words(read, key, raw):
+    with pytest.raises(ConfigError, match=rf"{key}: expected a boolean \(true/false, yes/no, on/off, 1/0\)"):
+        read(raw)
+
+
+@pytest.mark.parametrize("raw,want", [("auto", "auto"), ("AUTO", "auto"), (False, "false"), ("off", "false"),
+                                      ("no", "false"), (True, "true"), ("on", "true"), ("1", "true")])
+def test_auto_switches_read_boolean_words(raw, want):
+    # ssd_direct_io and dram_pin_memory are auto/true/false: a JSON false or "off" means false, as for a bool key.
+    assert Config.from_dict({"ssd_direct_io": raw, "dram_pin_memory": raw}).ssd_direct_io == want
+
+
+def test_sglang_backend_keys_use_the_store_coercion():
+    from kvtier.connectors.sglang.settings import split_extra_config
+
+    settings, _, _ = split_extra_config({"staging_bytes": "32MiB", "hint_max_fraction": "0.25"})
+    assert (settings.staging_bytes, settings.hint_max_fraction) == (32 << 20, 0.25)
+    with pytest.raises(ConfigError, match="hint_max_fraction: expected a number"):
+        split_extra_config({"hint_max_fraction": True})

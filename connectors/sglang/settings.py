@@ -18,11 +18,10 @@ Pure data; no SGLang import.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvtier.config import Config, ConfigError
-from kvtier.units import parse_bytes
+from kvtier.config import Config, ConfigError, coerce_fields
 
 # Keys SGLang itself puts in or reads from the extra config (hicache_storage.py, backend_factory.py,
 # hybrid_cache_controller.parse_storage_backend_extra_config, cache_controller, unified_radix_cache).
@@ -39,7 +38,7 @@ class BackendSettings:
     # K and V, or every layer) that cannot be copied straight between the host pool and a DRAM slot: loads of
     # pages found on the SSD or in a pool, saves when the node pool is the top tier. A batch larger than it
     # goes through it in chunks.
-    staging_bytes: int = 256 << 20
+    staging_bytes: int = field(default=256 << 20, metadata={"kind": "bytes"})  # or a size: "256MiB"
     # Agent hints (a storage call's extra_info["kvtier"]) may pin at most this fraction of the DRAM blocks.
     hint_max_fraction: float = 0.5
     # ZMQ PUB endpoint for kvtier's L3 KV events (SGLang's own event format and publisher; e.g. tcp://*:5560,
@@ -68,24 +67,10 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendSettings
     sglang = {k: extra.pop(k) for k in SGLANG_KEYS if k in extra}
     own = {k: extra.pop(k) for k in BACKEND_KEYS if k in extra}
     try:
-        settings = BackendSettings(**{k: _coerce(k, v) for k, v in own.items()})
+        settings = BackendSettings(**coerce_fields(BackendSettings, own))
         Config.from_dict(extra)  # a typo fails at start-up, with the key named
     except ConfigError as e:
         raise ConfigError(f"--hicache-storage-backend-extra-config: {e} (kvtier backend keys: "
                           f"{', '.join(BACKEND_KEYS)}; SGLang's own: {', '.join(SGLANG_KEYS)})") from None
     return settings, bool(sglang.get("interface_v1", 0)), extra
 
-
-def _coerce(key: str, value: Any) -> Any:
-    try:
-        if key == "staging_bytes":
-            return parse_bytes(value)
-        if key == "hint_max_fraction":
-            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-                raise ValueError(f"expected a number, got {value!r}")
-            return float(value)
-        if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {type(value).__name__}")
-        return value
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{key}: {e}") from None

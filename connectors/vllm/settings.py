@@ -17,11 +17,10 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvtier.config import Config, ConfigError
-from kvtier.units import parse_bytes
+from kvtier.config import Config, ConfigError, coerce_fields
 
 LOAD_MODES = ("async", "layerwise")
 
@@ -41,7 +40,7 @@ class ConnectorSettings:
     # Blocks a lookup found stay pinned until their load, at most this long.
     lease_ttl_s: float = 60.0
     # Per worker and direction: host staging memory between the engine's KV and the store (whole blocks).
-    staging_bytes: int = 256 << 20
+    staging_bytes: int = field(default=256 << 20, metadata={"kind": "bytes"})  # or a size: "256MiB"
     # A layer-wise load not finished this long after the forward needs it is a failed load (recomputed); a
     # wait that cannot end early (a save still reading blocks vLLM frees) logs an error each period.
     load_timeout_s: float = 30.0
@@ -82,33 +81,10 @@ def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettin
     extra = dict(extra or {})
     own = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
     try:
-        settings = ConnectorSettings(**{k: _coerce(k, v) for k, v in own.items()})
+        settings = ConnectorSettings(**coerce_fields(ConnectorSettings, own))
         # Validate the store keys now, in both roles, so a typo fails at start-up with the key named.
         Config.from_dict(extra)
     except ConfigError as e:
         raise ConfigError(f"kv_connector_extra_config: {e} (connector keys: {', '.join(CONNECTOR_KEYS)})") from None
     return settings, extra
 
-
-def _coerce(key: str, value: Any) -> Any:
-    default = getattr(ConnectorSettings, key)
-    try:
-        if key == "staging_bytes":
-            return parse_bytes(value)
-        if isinstance(default, bool):
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-                return value.lower() in ("true", "1", "yes")
-            raise ValueError(f"expected a boolean, got {value!r}")
-        if isinstance(default, float):
-            if isinstance(value, bool):
-                raise ValueError(f"expected a number, got {value!r}")
-            return float(value)
-        if isinstance(default, str):
-            if not isinstance(value, str):
-                raise ValueError(f"expected a string, got {type(value).__name__}")
-            return value
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{key}: {e}") from None
-    return value
