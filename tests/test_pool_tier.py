@@ -93,10 +93,10 @@ def test_a_dead_pool_is_a_miss_within_the_timeout_then_skipped(tmp_path, make_ke
                     assert torch.equal(out[i], blocks_for([keys[i]], BB)[0])
             tier = pool_tier(reader)
             assert not tier.stats().extra["pools"][p2.tcp]["up"]
-            down_until = tier._pools[p2.tcp].down_until  # set by the failed call
+            down_until = tier._pools[p2.tcp].health.down_until  # set by the failed call
             assert reader.get(keys, out) == hit
             # p2 is in its back-off: not called again (a call would have failed and moved its back-off).
-            assert tier._pools[p2.tcp].down_until == down_until
+            assert tier._pools[p2.tcp].health.down_until == down_until
         p2.resume()
 
 

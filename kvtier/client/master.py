@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from kvtier import wire
 from kvtier.auth import ClientKeys, silence_hint
+from kvtier.backoff import Backoff, Clock
 from kvtier.client import api
 from kvtier.client.api import Call, CostResult, HeatResult, Hints, KeysLike, LocateResult, LookupResult, TopResult
 
@@ -86,35 +87,33 @@ class Failover:
     in a back-off, in the order given (all of them in back-off: the one whose back-off ends first). Thread-safe
     (a lock); with one master, always that one (a back-off is then the caller's business, as before)."""
 
-    def __init__(self, endpoints: list[str], backoff_s: tuple[float, float] = FAILOVER_BACKOFF_S) -> None:
+    def __init__(self, endpoints: list[str], backoff_s: tuple[float, float] = FAILOVER_BACKOFF_S,
+                 clock: Clock = time.monotonic) -> None:
         self.endpoints = endpoints
         self.first_s, self.max_s = backoff_s
         self.preferred = 0
-        self._down_until = [0.0] * len(endpoints)
-        self._backoff = [self.first_s] * len(endpoints)
+        self._health = [Backoff(self.first_s, self.max_s, clock=clock) for _ in endpoints]
         self._lock = threading.Lock()
         self.failovers = 0  # calls answered by another master than the one asked first
 
     def order(self) -> list[int]:
         if len(self.endpoints) == 1:
             return [0]
-        now = time.monotonic()
         with self._lock:
             rest = [i for i in range(len(self.endpoints)) if i != self.preferred]
-            up = [i for i in [self.preferred, *rest] if self._down_until[i] <= now]
-            return up or [min(range(len(self.endpoints)), key=lambda i: self._down_until[i])]
+            up = [i for i in [self.preferred, *rest] if self._health[i].up()]
+            return up or [min(range(len(self.endpoints)), key=lambda i: self._health[i].down_until)]
 
     def answered(self, i: int, first: int) -> None:
         with self._lock:
             if i != first:
                 self.failovers += 1
             self.preferred = i
-            self._down_until[i], self._backoff[i] = 0.0, self.first_s
+            self._health[i].answered()
 
     def failed(self, i: int) -> None:
         with self._lock:
-            self._down_until[i] = time.monotonic() + self._backoff[i]
-            self._backoff[i] = min(self._backoff[i] * 2, self.max_s)
+            self._health[i].failed()
 
 
 def _retryable(e: MasterError) -> bool:

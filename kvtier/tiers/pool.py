@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier.auth import AuthError, ClientKeys, load_keypair
+from kvtier.backoff import Backoff, Clock
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
@@ -53,19 +54,18 @@ PROTOCOL_BACKOFF_S = 60.0
 
 
 class _Pool:
-    """One pool endpoint: its connection (made on first use) and its health."""
+    """One pool endpoint: its connection (made on first use) and its health (a Backoff)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, clock: Clock = time.monotonic) -> None:
         self.endpoint = endpoint
         self.conn: PoolConnection | None = None
         self.epoch: int | None = None  # the pool's incarnation when last seen
-        self.down_until = 0.0
-        self.backoff = BACKOFF_S[0]
+        self.health = Backoff(*BACKOFF_S, clock=clock)
         self.last_error = ""
         self.lock = threading.Lock()
 
     def up(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return self.health.up()
 
 
 class PoolTier:
@@ -77,7 +77,7 @@ class PoolTier:
 
     def __init__(self, block_bytes: int, route: PoolRoute, *, transport: str = "auto", timeout_s: float = 0.5,
                  connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = (),
-                 auth_dir: str = "") -> None:
+                 auth_dir: str = "", clock: Clock = time.monotonic) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
         if auth_dir:  # this client's keypair must be there from the start (AuthError); the pools' keys per connect
@@ -90,6 +90,7 @@ class PoolTier:
         self.connections = connections
         self._dtypes = tuple(dtypes)
         self._pools: dict[str, _Pool] = {}
+        self._clock = clock  # the pools' back-offs read it (a test moves it instead of sleeping)
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
         self._writer = PoolWriter(self._put, block_bytes, staging_bytes) if staging_bytes else None
@@ -302,7 +303,7 @@ class PoolTier:
     def _call(self, endpoint: str, fn: Callable[[PoolConnection], T]) -> T:
         pool = self._pool(endpoint)
         if not pool.up():
-            raise PoolUnavailable(endpoint, f"skipped for {pool.down_until - time.monotonic():.1f} s more after: "
+            raise PoolUnavailable(endpoint, f"skipped for {pool.health.left_s():.1f} s more after: "
                                             f"{pool.last_error}", "backoff")
         with pool.lock:
             if pool.conn is None:
@@ -324,9 +325,8 @@ class PoolTier:
             raise
         finally:
             self._check_epoch(pool)
-        if pool.backoff != BACKOFF_S[0]:
+        if pool.health.answered():
             log.info("pool %s is answering again", endpoint)
-            pool.backoff = BACKOFF_S[0]
         return result
 
     def _auth(self, endpoint: str) -> ClientKeys | None:
@@ -357,21 +357,19 @@ class PoolTier:
         if isinstance(e, (PoolProtocolError, PoolUnavailable)):
             self._recent.clear()  # it may come back restarted, empty: nothing it held counts as sent any more
         if isinstance(e, PoolProtocolError):
-            pool.down_until = time.monotonic() + PROTOCOL_BACKOFF_S
+            pool.health.failed(hold_s=PROTOCOL_BACKOFF_S)
             log.error("pool %s cannot be used: %s; retrying in %.0f s", pool.endpoint, e.message, PROTOCOL_BACKOFF_S)
         elif isinstance(e, PoolUnavailable):
-            pool.down_until = time.monotonic() + pool.backoff
-            if pool.backoff == BACKOFF_S[0]:
+            if pool.health.failed():
                 log.warning("pool %s unavailable (%s); its blocks are misses until it answers again",
                             pool.endpoint, e.message)
-            pool.backoff = min(pool.backoff * 2, BACKOFF_S[1])
         pool.last_error = e.message
 
     def _pool(self, endpoint: str) -> _Pool:
         with self._lock:
             pool = self._pools.get(endpoint)
             if pool is None:
-                pool = self._pools[endpoint] = _Pool(endpoint)
+                pool = self._pools[endpoint] = _Pool(endpoint, self._clock)
             return pool
 
     def _up(self, endpoint: str) -> bool:

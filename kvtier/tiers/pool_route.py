@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from kvtier import wire
+from kvtier.backoff import Backoff, Clock
 from kvtier.keys import rendezvous_order
 from kvtier.pool.protocol import POOL_LABELS
 from kvtier.transport.base import PoolUnavailable
@@ -107,17 +108,14 @@ class MasterBackoff:
     """
 
     def __init__(self, master: str, first_s: float = MASTER_BACKOFF_S[0], max_s: float = MASTER_BACKOFF_S[1], *,
-                 probe: Callable[[], Any] | None = None) -> None:
+                 probe: Callable[[], Any] | None = None, clock: Clock = time.monotonic) -> None:
         self.master = master
         self.first_s, self.max_s = first_s, max_s
         self._probe = probe
         self._probing = False
         self._cond = threading.Condition()
         self._busy = False
-        self._down_until = 0.0
-        self._backoff = first_s  # the next back-off's length
-        self._current = 0.0  # the length of the back-off now running (0: the master answers)
-        self._down = False
+        self._health = Backoff(first_s, max_s, clock=clock)  # updated under _cond
         self._last_error = ""
         self._failures = 0  # master calls that got no answer (also the generation waiters compare)
         self._calls = 0
@@ -129,10 +127,10 @@ class MasterBackoff:
             generation = self._failures
             mine = False
             while True:
-                left = max(0.0, self._down_until - time.monotonic())
+                left = self._health.left_s()
                 if self._failures != generation or left > 0:  # failed with the call it queued behind, or waits
                     break
-                if self._down and self._probe is not None:  # back-off over: the probe asks, this caller goes on
+                if self._health.failing and self._probe is not None:  # back-off over: the probe asks, this caller goes on
                     self._start_probe(self._probe)
                     break
                 if not self._busy:
@@ -185,30 +183,24 @@ class MasterBackoff:
         finally:
             with self._cond:
                 self._busy = False
-                if answered and self._down:
+                if answered and self._health.answered():
                     log.info("kvtier-master %s is answering again; pool lookups and placements resume", self.master)
-                if answered:
-                    self._down, self._backoff, self._current, self._down_until = False, self.first_s, 0.0, 0.0
                 self._cond.notify_all()
 
     def _failed(self, error: str) -> None:
         with self._cond:
             self._failures += 1
             self._last_error = error
-            self._down_until = time.monotonic() + self._backoff
-            self._current = self._backoff
-            if not self._down:
+            if self._health.failed():
                 log.warning("kvtier-master %s is not answering (%s); pool blocks are misses and puts skip the pool, "
                             "retrying after a back-off of %.1f s growing to %.0f s", self.master, error,
-                            self._backoff, self.max_s)
-            self._down = True
-            self._backoff = min(self._backoff * 2, self.max_s)
+                            self._health.current_s, self.max_s)
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
-            return {"master": self.master, "up": not self._down, "calls": self._calls, "failures": self._failures,
-                    "skipped": self._skipped, "backoff_s": self._current,
-                    "backoff_left_s": max(0.0, self._down_until - time.monotonic()),
+            return {"master": self.master, "up": not self._health.failing, "calls": self._calls,
+                    "failures": self._failures, "skipped": self._skipped, "backoff_s": self._health.current_s,
+                    "backoff_left_s": self._health.left_s(),
                     "last_error": self._last_error}
 
 
