@@ -118,6 +118,9 @@ class Config:
     pool_offload: str = _field("write_through", "when blocks go from private DRAM to the pool: write_through "
                                                 "(every put: other nodes see them at once), on_evict, second_hit",
                                ("write_through", "on_evict", "second_hit"))
+    pool_promote: str = _switch_field("auto", "copy a block served from a pool into private DRAM too: true, "
+                                              "false, or auto (as ssd_promote, which also switched this before "
+                                              "pool_promote existed)")
     pool_staging_bytes: int = _bytes_field("256MiB", "host memory for blocks queued for the pool "
                                                      "(write-behind); 0 sends on the caller's thread")
     auth_dir: str = _field("", "CurveZMQ keys for a master and pools started with --auth-dir: this client's "
@@ -194,7 +197,8 @@ class Config:
         return config
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first bad value. Policies are checked where they are built."""
+        """Raise ConfigError naming the first bad value, so every mistake a tier would refuse when it is built
+        fails here, when the config is loaded (a vLLM scheduler, an SGLang server start), not in the workers."""
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -213,7 +217,21 @@ class Config:
             raise ConfigError(f"ssd_io_threads must be in 1..64, got {self.ssd_io_threads}")
         if not 0 <= self.close_timeout_s <= 3600:
             raise ConfigError(f"close_timeout_s must be in 0..3600, got {self.close_timeout_s}")
+        self._validate_policies()
         self._validate_mode()
+
+    # Keys naming an eviction policy (kvtier.policies' registry: a registered name, ``default``, or an import
+    # path), checked by resolving them as the tiers will.
+    POLICY_KEYS = ("eviction", "ssd_eviction")
+
+    def _validate_policies(self) -> None:
+        for key in self.POLICY_KEYS:
+            check_policy_name(key, getattr(self, key))
+
+    @property
+    def pool_promotes(self) -> bool:
+        """Whether blocks served from a pool are copied into private DRAM (``pool_promote``; auto: ssd_promote)."""
+        return self.ssd_promote if self.pool_promote == "auto" else self.pool_promote == "true"
 
     def _validate_mode(self) -> None:
         if not 1 <= self.pool_timeout_ms <= 60_000:
@@ -242,6 +260,22 @@ class Config:
     def describe(cls) -> list[tuple[str, str, str]]:
         """(key, default, help) for every key: what ``kvtier config`` prints."""
         return [(f.name, repr(f.default), f.metadata.get("help", "")) for f in fields(cls)]
+
+
+def check_policy_name(key: str, spec: Any) -> None:
+    """ConfigError naming ``key``, ``spec`` and the known policies unless ``spec`` names an eviction policy (a
+    registered name, ``default``, or an import path 'package.module:Class' that imports)."""
+    from kvtier.policies import known_policies, policy_class  # here: importing config must stay light
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{key}: expected an eviction policy name, got {spec!r}; known: "
+                          f"{', '.join(known_policies())} (or an import path 'package.module:Class')")
+    try:
+        cls = policy_class(spec)
+    except ValueError as e:  # the registry's message names the known policies, or why an import path failed
+        raise ConfigError(f"{key}: {e}") from None
+    if not callable(cls):
+        raise ConfigError(f"{key}: {spec!r} is not a policy class (got a {type(cls).__name__})")
 
 
 def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:

@@ -45,7 +45,7 @@ class TieredStore:
     """The embedded store. Build with ``TieredStore.from_config(config, layout)`` or from tier objects."""
 
     def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = (),
-                 offload: str | Sequence[str] = "on_evict", promote: bool = True,
+                 offload: str | Sequence[str] = "on_evict", promote: bool | Sequence[bool] = True,
                  close_timeout_s: float = 30.0, clock: Clock | None = None) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -75,9 +75,13 @@ class TieredStore:
         if len(policies) != len(self.tiers) - 1:
             raise ValueError(f"{len(self.tiers) - 1} lower tiers but {len(policies)} offload policies")
         seen = 4 * self.tiers[0].stats().capacity_bytes // self.block_bytes
-        self._offloads = [Offloader(self.tiers[0], lower, policy, promote=promote, emit=self._emit,
+        # ``promote``: one answer for every lower tier, or one per lower tier in order (a pool's, the SSD's).
+        promotes = [promote] * len(policies) if isinstance(promote, bool) else list(promote)
+        if len(promotes) != len(policies):
+            raise ValueError(f"{len(policies)} lower tiers but {len(promotes)} promote switches")
+        self._offloads = [Offloader(self.tiers[0], lower, policy, promote=up, emit=self._emit,
                                     seen_capacity=seen, index=i)
-                          for i, (lower, policy) in enumerate(zip(self.tiers[1:], policies), 1)]
+                          for i, (lower, policy, up) in enumerate(zip(self.tiers[1:], policies, promotes), 1)]
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
         # What the engine knows about requests and agents, for the tiers whose policies learn from it.
@@ -98,6 +102,7 @@ class TieredStore:
         dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
         tiers: list[Tier] = []
         offload: list[str] = []
+        promote: list[bool] = []  # per lower tier, as offload
         dram_capacity = cfg.standalone_dram_capacity if cfg.mode == "standalone" else cfg.dram_capacity
         if dram_capacity:
             from kvtier.tiers.dram import DramTier
@@ -114,6 +119,7 @@ class TieredStore:
 
             tiers.append(PoolTier.from_config(cfg, block_bytes, dtypes))
             offload.append(cfg.pool_offload)
+            promote.append(cfg.pool_promotes)
         if cfg.ssd_path:
             from kvtier.tiers.ssd import DiskTier
 
@@ -123,9 +129,11 @@ class TieredStore:
                                   io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
                                   fingerprint=fingerprint, dtypes=dtypes, clock=clock))
             offload.append(cfg.ssd_offload)
+            promote.append(cfg.ssd_promote)
         if not dram_capacity:
-            offload = offload[1:]  # the pool is the top tier: nothing above it offloads into it
-        return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=offload, promote=cfg.ssd_promote,
+            # the pool is the top tier: nothing above it offloads into it (or promotes out of it)
+            offload, promote = offload[1:], promote[1:]
+        return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=offload, promote=promote,
                    close_timeout_s=cfg.close_timeout_s, clock=clock)
 
     # ---- writes ----------------------------------------------------------------------------------------

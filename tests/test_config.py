@@ -153,3 +153,54 @@ def test_sglang_backend_keys_use_the_store_coercion():
     assert (settings.staging_bytes, settings.hint_max_fraction) == (32 << 20, 0.25)
     with pytest.raises(ConfigError, match="hint_max_fraction: expected a number"):
         split_extra_config({"hint_max_fraction": True})
+
+
+# ---- values a tier would refuse fail at load time, with the key named (issue 16) -------------------------------
+
+
+@pytest.mark.parametrize("key", ["eviction", "ssd_eviction"])
+@pytest.mark.parametrize("value", ["lruu", "LRU", "pnu2", "", "no.such.module:Policy", "kvtier.policies.lru:Nope"])
+def test_an_unknown_eviction_policy_fails_at_load_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"^{key}: .*{re.escape(repr(value)) if value else ''}") as e:
+        Config.from_dict({key: value})
+    if ":" not in value:  # a name: the known names are listed
+        assert "known: " in str(e.value) and "lru" in str(e.value) and "default" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["default", "lru", "fifo", "s3fifo", "arc", "chain-lru", "pnu",
+                                   "kvtier.policies.lru:LRUPolicy", "kvtier.policies.lru.LRUPolicy"])
+def test_known_policies_and_import_paths_load(value):
+    c = Config.from_dict({"eviction": value, "ssd_eviction": value})
+    assert (c.eviction, c.ssd_eviction) == (value, value)
+
+
+def test_an_unknown_policy_fails_in_the_connectors_settings_before_any_tier_is_built():
+    # The vLLM scheduler and the SGLang server read their extra config first: a bad policy stops them there.
+    from kvtier.connectors.sglang.settings import split_extra_config as sglang_split
+    from kvtier.connectors.vllm.settings import split_extra_config as vllm_split
+
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: ssd_eviction: unknown eviction policy 'lfu'"):
+        vllm_split({"ssd_path": "/nvme/x", "ssd_eviction": "lfu"})
+    with pytest.raises(ConfigError, match="extra-config: eviction: unknown eviction policy 's4fifo'"):
+        sglang_split({"eviction": "s4fifo"})
+
+
+def test_an_unknown_policy_in_the_environment_or_a_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="environment: eviction: unknown eviction policy 'lfu'"):
+        Config.from_env({"KVTIER_EVICTION": "lfu"})
+    f = tmp_path / "c.toml"
+    f.write_text('ssd_eviction = "belady"\n')
+    with pytest.raises(ConfigError, match=r"c.toml: ssd_eviction: unknown eviction policy 'belady'"):
+        Config.from_file(f)
+
+
+@pytest.mark.parametrize("values,pool,ssd", [
+    ({}, True, True),
+    ({"ssd_promote": False}, False, False),  # auto: as ssd_promote, which switched both before pool_promote
+    ({"ssd_promote": False, "pool_promote": "on"}, True, False),
+    ({"pool_promote": False}, False, True),
+    ({"pool_promote": "auto", "ssd_promote": "no"}, False, False),
+])
+def test_pool_promote_is_its_own_key_defaulting_to_ssd_promote(values, pool, ssd):
+    c = Config.from_dict(values)
+    assert (c.pool_promotes, c.ssd_promote) == (pool, ssd)

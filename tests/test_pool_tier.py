@@ -164,3 +164,25 @@ def test_recently_held_keys_never_claim_a_key_that_was_not_added(ops):
             assert not h or k in truth
     recent.add(keys[:1])
     assert recent.has(keys[:1]) == [True]  # the latest key of a slot is always remembered
+
+
+def test_pool_promote_switches_pool_promotion_alone(pools, make_keys, tmp_path):
+    # pool_promote=false: a block served from a pool stays there (DRAM gets no copy), while the SSD below still
+    # promotes (ssd_promote true): before pool_promote, ssd_promote was the one switch for both.
+    keys = make_keys(8, start=5000)
+    with store_for(pools) as writer:
+        assert writer.put(keys, blocks_for(keys, BB)).stored == 8
+        assert writer.flush(5.0)
+    with store_for(pools, pool_promote=False, ssd_path=str(tmp_path / "ssd"), ssd_capacity=64 * BB,
+                   ssd_segment_bytes=16 * BB, ssd_direct_io="false", ssd_fsync=False) as reader:
+        offloads = reader.stats()["offloads"]
+        assert (offloads["pool"]["promote"], offloads["ssd"]["promote"]) == (False, True)
+        out = torch.empty(8, BB, dtype=torch.uint8)
+        assert reader.get(keys, out) == [True] * 8
+        assert torch.equal(out, blocks_for(keys, BB))
+        assert reader.stats()["offloads"]["pool"].get("promoted", 0) == 0
+        assert reader.lookup_prefix(keys).tiers == ["pool"] * 8
+    with store_for(pools, pool_promote=True) as promoting:  # the control: the same get promotes
+        assert promoting.get(keys, out) == [True] * 8
+        assert promoting.stats()["offloads"]["pool"]["promoted"] == 8
+        assert promoting.lookup_prefix(keys).tiers == ["dram"] * 8
