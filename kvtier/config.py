@@ -242,6 +242,14 @@ class Config:
         bad = [e for e in pools if not e.startswith(("tcp://", "ipc://"))]
         if bad:
             raise ConfigError(f"pool: {bad[0]!r} is not a tcp://host:port or ipc:///path endpoint")
+        masters = [e.strip() for e in self.master.split(",") if e.strip()]
+        bad = [e for e in masters if not e.startswith(("tcp://", "ipc://"))]
+        if bad:  # else the workers' zmq connect fails when the pool tier is built
+            raise ConfigError(f"master: {bad[0]!r} is not a tcp://host:port or ipc:///path endpoint")
+        remote = [e for e in pools if not e.startswith("ipc://")]
+        if self.pool_transport == "shm" and remote:  # a pool offers shared memory only on an ipc:// endpoint
+            raise ConfigError(f"pool_transport: 'shm' maps a pool on this host, reached at an ipc:///path endpoint; "
+                              f"pool lists {remote[0]!r} (use auto, stream, tcp or rdma for it)")
         if self.mode == "embedded" and (pools or self.master):
             raise ConfigError("pool/master are set but mode is 'embedded' (set mode to standalone or distributed)")
         if self.mode == "standalone":

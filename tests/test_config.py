@@ -204,3 +204,20 @@ def test_an_unknown_policy_in_the_environment_or_a_file_is_named(tmp_path):
 def test_pool_promote_is_its_own_key_defaulting_to_ssd_promote(values, pool, ssd):
     c = Config.from_dict(values)
     assert (c.pool_promotes, c.ssd_promote) == (pool, ssd)
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"mode": "distributed", "master": "localhost:7300"}, r"master: 'localhost:7300' is not a tcp://host:port"),
+    ({"mode": "distributed", "master": "tcp://a:7300,b:7300"}, r"master: 'b:7300' is not"),
+    ({"mode": "distributed", "pool": "tcp://a:7400", "pool_transport": "shm"},
+     r"pool_transport: 'shm' maps a pool on this host.*'tcp://a:7400'"),
+])
+def test_endpoints_a_pool_tier_cannot_use_fail_at_load(values, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(values)
+
+
+def test_endpoints_a_pool_tier_can_use_load():
+    Config.from_dict({"mode": "distributed", "master": "tcp://a:7300, tcp://b:7300"})
+    Config.from_dict({"mode": "standalone", "pool": "ipc:///run/kvtier/pool.sock", "pool_transport": "shm"})
+    Config.from_dict({"mode": "distributed", "pool": "tcp://a:7400", "pool_transport": "stream"})
