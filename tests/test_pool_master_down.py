@@ -73,7 +73,8 @@ def test_after_a_backoff_a_probe_asks_the_master_and_callers_never_wait():
     def dead():
         raise MasterTimeout("timeout", "no reply")
 
-    b = MasterBackoff("tcp://nowhere:1", first_s=0.01, max_s=0.02, probe=probe)
+    now = [100.0]  # the back-off's clock, moved by the test: the waits below are for the probe thread's counters
+    b = MasterBackoff("tcp://nowhere:1", first_s=0.01, max_s=0.02, probe=probe, clock=lambda: now[0])
     with pytest.raises(PoolUnavailable):
         b.call(dead, "locate")  # the first failure: this caller's own call
     ran: list[int] = []
@@ -85,12 +86,25 @@ def test_after_a_backoff_a_probe_asks_the_master_and_callers_never_wait():
             assert e.code == "backoff"
             return None
 
+    others = set(threading.enumerate())  # probe threads of other tests' routes do not count
+
+    def probing() -> bool:  # this back-off's probe thread is still running (it must end before the next starts)
+        return any(t.name == "kvtier-master-probe" and t not in others for t in threading.enumerate())
+
     # While the master is down no caller runs its call (none waits a timeout): probes ask, on their own thread.
-    assert until(lambda: try_call() is None and len(probes) >= 3, 10, 0.002)
+    for n in range(1, 4):
+        assert try_call() is None  # inside the back-off: no probe either
+        now[0] += 1.0  # the back-off has run out
+        assert try_call() is None  # this caller goes on at once; a probe asks
+        assert until(lambda: b.stats()["failures"] == 1 + n and not probing(), 10, 0.002)  # failed: a back-off
+        assert len(probes) == n
     assert ran == [] and set(probes) == {"kvtier-master-probe"} and not b.stats()["up"]
     answering.set()
-    assert until(lambda: try_call() == "ok", 10, 0.002)  # a probe got an answer: calls go through again
-    assert ran and b.stats()["up"] and b.stats()["backoff_s"] == 0
+    now[0] += 1.0
+    assert try_call() is None  # the probe that will get the answer starts
+    assert until(lambda: b.stats()["up"], 10, 0.002)
+    assert try_call() == "ok"  # a probe got an answer: calls go through again
+    assert ran == [1] and b.stats()["backoff_s"] == 0
 
 
 def test_concurrent_callers_fail_with_the_call_they_queued_behind(paused_master, make_keys):
