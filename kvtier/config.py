@@ -228,6 +228,24 @@ class Config:
         for key in self.POLICY_KEYS:
             check_policy_name(key, getattr(self, key))
 
+    def check_block_bytes(self, block_bytes: int) -> None:
+        """ConfigError naming the key whose size holds no block of ``block_bytes`` (known once the layout is):
+        what TieredStore.from_config checks before it builds any tier, so none is left half built (a pool
+        tier's connections and threads, an SSD directory) by a later tier's refusal."""
+        if block_bytes <= 0:
+            raise ConfigError(f"a block must have > 0 bytes, got {block_bytes}")
+        dram_key = "standalone_dram_capacity" if self.mode == "standalone" else "dram_capacity"
+        sizes = [(dram_key, getattr(self, dram_key), block_bytes)]
+        if self.mode != "embedded" and self.pool_staging_bytes:
+            sizes.append(("pool_staging_bytes", self.pool_staging_bytes, block_bytes))
+        if self.ssd_path:
+            # O_DIRECT slots are rounded up to 4 KiB; auto may fall back to buffered I/O, so only true rounds here.
+            slot = -(-block_bytes // 4096) * 4096 if self.ssd_direct_io == "true" else block_bytes
+            sizes.append(("ssd_capacity", self.ssd_capacity, slot))
+        for key, value, need in sizes:
+            if value and value < need:  # 0: no such tier/staging (a standalone store without private DRAM)
+                raise ConfigError(f"{key}: {value} B holds no block of {need} B (one block of this layout)")
+
     @property
     def pool_promotes(self) -> bool:
         """Whether blocks served from a pool are copied into private DRAM (``pool_promote``; auto: ssd_promote)."""

@@ -99,6 +99,7 @@ class TieredStore:
         store and its policies read time (``time.monotonic``; a replay passes its virtual clock)."""
         cfg = Config.load(config)
         block_bytes = layout if isinstance(layout, int) else layout.nbytes
+        cfg.check_block_bytes(block_bytes)  # every size that holds no block fails before any tier is built
         dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
         tiers: list[Tier] = []
         offload: list[str] = []

@@ -221,3 +221,37 @@ def test_endpoints_a_pool_tier_can_use_load():
     Config.from_dict({"mode": "distributed", "master": "tcp://a:7300, tcp://b:7300"})
     Config.from_dict({"mode": "standalone", "pool": "ipc:///run/kvtier/pool.sock", "pool_transport": "shm"})
     Config.from_dict({"mode": "distributed", "pool": "tcp://a:7400", "pool_transport": "stream"})
+
+
+@pytest.mark.parametrize("values,key", [
+    ({"dram_capacity": 4095}, "dram_capacity"),
+    ({"ssd_path": "SSD", "ssd_capacity": 4000}, "ssd_capacity"),
+    ({"ssd_path": "SSD", "ssd_capacity": 4097 + 100, "ssd_direct_io": "true"}, "ssd_capacity"),  # 8 KiB O_DIRECT slots
+    ({"mode": "distributed", "pool": "POOL", "pool_staging_bytes": 1000}, "pool_staging_bytes"),
+    ({"mode": "distributed", "pool": "POOL", "ssd_path": "SSD", "ssd_capacity": 100}, "ssd_capacity"),
+])
+def test_a_size_that_holds_no_block_fails_before_any_tier_is_built(tmp_path, values, key):
+    # The pool endpoint listens nowhere and the SSD directory does not exist: a tier built before the check
+    # would leave a pool tier's threads running (or make the directory).
+    import socket
+    import threading
+
+    from kvtier.store import TieredStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        pool = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ssd = tmp_path / "ssd"
+    values = {k: (str(ssd) if v == "SSD" else pool if v == "POOL" else v) for k, v in values.items()}
+    threads = set(threading.enumerate())
+    with pytest.raises(ConfigError, match=rf"^{key}: \d+ B holds no block of \d+ B"):
+        TieredStore.from_config(values, 4097)
+    assert not ssd.exists()
+    assert not [t for t in threading.enumerate() if t not in threads and t.name.startswith("kvtier")]
+
+
+def test_sizes_that_hold_a_block_build():
+    from kvtier.store import TieredStore
+
+    with TieredStore.from_config({"dram_capacity": 4097}, 4097) as store:
+        assert store.tiers[0].stats().capacity_bytes == 4097  # exactly one block: accepted
