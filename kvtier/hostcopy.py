@@ -58,8 +58,9 @@ NATIVE = _lib is not None
 # The batch size from which two copy threads may beat one (UMBP's two-thread copy beats one thread 1.2-1.4x at
 # 1-4 MiB blocks on a quiet 2-core machine: /work/shared/reference/MEASURED.md); below it a batch is a few blocks
 # and the second thread's start (~30-60 us) eats the gain. On a machine whose cores are all busy (load average
-# >= cores - 1) the second thread waits for a core and one thread wins at every size measured
-# (``python -m kvtier.bench.shm_threads``): the auto choice checks for a spare core too.
+# >= cores - 1) the second thread waits for a core: two threads ran at 0.3-0.9x of one on batches of 256 KiB to
+# 16 MiB and tied at 64 MiB (2 cores at load 2-5, ``python -m kvtier.bench.shm_threads``), so the auto choice
+# checks for a spare core too.
 PARALLEL_MIN_BYTES = 1 << 20
 AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate the memory bus
 LOAD_CHECK_S = 1.0  # how often the auto choice re-reads the load average
