@@ -9,7 +9,9 @@ this order so machine noise hits all alike:
                          connections, zmq control (kvtier.transport.stream; what transport "auto" picks)
   pool tcp put / get     TcpConnection: block bytes in zmq frames, parallel connections (kvtier.transport.tcp)
   memcpy                 np.copyto of the same bytes: the baseline of the shm rows
-  pool shm put / get     standalone mode: copies into and out of the pool's mapped file (kvtier.transport.shm)
+  pool shm put / get     standalone mode: copies into and out of the pool's mapped file (kvtier.transport.shm),
+                         threads by batch size (pool_copy_threads 0, the default)
+  pool shm-1thread       the same on one copy thread (pool_copy_threads 1): the default's before/after
   Mooncake put / get     Mooncake Store over TCP, segment in another process (bench/pool_mooncake.py), when
                          the ``mooncake`` package is importable; skipped with a note otherwise
 
@@ -72,6 +74,7 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
         stream = connect(on_tcp, bb, transport="stream", timeout_s=30.0, lanes=connections,
                          auth=pool.client_auth(on_tcp))
         shm = connect(on_ipc, bb, transport="shm", timeout_s=30.0, auth=pool.client_auth(on_ipc))
+        shm1 = connect(on_ipc, bb, transport="shm", timeout_s=30.0, auth=pool.client_auth(on_ipc), copy_threads=1)
         try:
             for r in range(rounds + 1):
                 keys = ns.keys(range(r * n, (r + 1) * n))
@@ -97,11 +100,16 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
                 t["shm get"] = time_once(lambda: _all(shm.get(keys, out_rows), "shm get", bb))
                 _check(out, src, "pool shm", bb)
                 shm.remove(keys)
+                out.zero_()
+                t["shm-1thread put"] = time_once(lambda: _all(shm1.put(keys, src_rows), "shm-1thread put", bb))
+                t["shm-1thread get"] = time_once(lambda: _all(shm1.get(keys, out_rows), "shm-1thread get", bb))
+                _check(out, src, "pool shm on one thread", bb)
+                shm1.remove(keys)
                 if r:
                     for k, v in t.items():
                         times.setdefault(k, []).append(v)
         finally:
-            for conn in (tcp, stream, shm):
+            for conn in (tcp, stream, shm, shm1):
                 conn.close()
     fig = {k: gbps(nbytes, median(v)) for k, v in times.items()}
     out_rows_: list[dict[str, Any]] = []
@@ -112,9 +120,10 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
         for path in ("stream", "tcp"):
             out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
                                  fig[f"{path} {op}"], fig[f"raw {op}"]))
-    for op in OPS:
-        out_rows_.append(row({"tier": "pool", "path": "shm" + tag, "op": op, "block_bytes": bb},
-                             fig[f"shm {op}"], fig["memcpy"]))
+    for path in ("shm", "shm-1thread"):
+        for op in OPS:
+            out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
+                                 fig[f"{path} {op}"], fig["memcpy"]))
     return out_rows_
 
 

@@ -115,6 +115,9 @@ class Config:
     pool_timeout_ms: int = _field(500, "a pool silent this long turns the call's blocks into misses (the "
                                        "engine recomputes) and is skipped for a back-off")
     pool_connections: int = _field(4, "parallel connections per pool for big batches")
+    pool_copy_threads: int = _field(0, "threads per shared-memory copy to/from a pool on this host (shm "
+                                       "transport): 0 = auto (2 for a batch of 1 MiB or more while a core is "
+                                       "spare, else 1)")
     pool_offload: str = _field("write_through", "when blocks go from private DRAM to the pool: write_through "
                                                 "(every put: other nodes see them at once), on_evict, second_hit",
                                ("write_through", "on_evict", "second_hit"))
@@ -256,6 +259,8 @@ class Config:
             raise ConfigError(f"pool_timeout_ms must be in 1..60000, got {self.pool_timeout_ms}")
         if not 1 <= self.pool_connections <= 64:
             raise ConfigError(f"pool_connections must be in 1..64, got {self.pool_connections}")
+        if not 0 <= self.pool_copy_threads <= 16:
+            raise ConfigError(f"pool_copy_threads must be in 0..16 (0: by batch size), got {self.pool_copy_threads}")
         pools = [e.strip() for e in self.pool.split(",") if e.strip()]
         bad = [e for e in pools if not e.startswith(("tcp://", "ipc://"))]
         if bad:

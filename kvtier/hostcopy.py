@@ -5,6 +5,11 @@ are numpy uint64 arrays; the call releases the GIL. ``copy_fragments`` gathers/s
 from a fragment table (kvtier.kernels builds it). When the native library is missing (a source tree that
 was never built, a platform without a C compiler at install) the same copies run through ctypes.memmove,
 one call per row, after one logged warning: slower for small rows, never wrong.
+
+``copy_threads(total_bytes, configured)`` answers how many threads a batch gets where the caller lets the batch
+decide (``configured`` 0): two (at most the cores this process may run on) for a batch of PARALLEL_MIN_BYTES or
+more while a core is spare (the 1-minute load average below usable cores - 1), one otherwise: a second thread
+only pays where it gets a core of its own (README "Shared-memory copy threads" has the measurements).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -48,6 +54,54 @@ def _load_native() -> ctypes.CDLL | None:
 
 _lib = _load_native()
 NATIVE = _lib is not None
+
+# The batch size from which two copy threads may beat one (UMBP's two-thread copy beats one thread 1.2-1.4x at
+# 1-4 MiB blocks on a quiet 2-core machine: /work/shared/reference/MEASURED.md); below it a batch is a few blocks
+# and the second thread's start (~30-60 us) eats the gain. On a machine whose cores are all busy (load average
+# >= cores - 1) the second thread waits for a core: two threads ran at 0.3-0.9x of one on batches of 256 KiB to
+# 16 MiB and tied at 64 MiB (2 cores at load 2-5, ``python -m kvtier.bench.shm_threads``), so the auto choice
+# checks for a spare core too.
+PARALLEL_MIN_BYTES = 1 << 20
+AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate the memory bus
+LOAD_CHECK_S = 1.0  # how often the auto choice re-reads the load average
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+_CORES = usable_cores()
+_spare = (0.0, False)  # (when checked, monotonic; whether a core was spare then)
+
+
+def spare_core() -> bool:
+    """Whether a core is spare for a second copy thread: the 1-minute load average is below usable cores - 1
+    (checked at most every LOAD_CHECK_S; False where there is no load average)."""
+    global _spare
+    now = time.monotonic()
+    checked, spare = _spare
+    if now - checked >= LOAD_CHECK_S:
+        try:
+            spare = os.getloadavg()[0] < _CORES - 1
+        except OSError:
+            spare = False
+        _spare = (now, spare)
+    return spare
+
+
+def copy_threads(total_bytes: int, configured: int = 0) -> int:
+    """The threads for one batched copy of ``total_bytes``: ``configured`` where it is >= 1, else (auto) up to
+    AUTO_MAX_THREADS of the usable cores for a batch of PARALLEL_MIN_BYTES or more while a core is spare, and one
+    for a smaller batch or on a busy machine."""
+    if configured >= 1:
+        return configured
+    if total_bytes < PARALLEL_MIN_BYTES or _CORES < 2 or not spare_core():
+        return 1
+    return min(AUTO_MAX_THREADS, _CORES)
 
 
 def copy_rows(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray | int, threads: int = 1) -> None:

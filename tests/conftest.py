@@ -25,3 +25,7 @@ def make_keys():
 
     ns = Namespace("test-model")
     return lambda n, start=0: ns.keys(range(start, start + n))
+
+
+# The vLLM connector tests' fixtures (model, ipc_dir, engine), found by name; they import vLLM only when used.
+pytest_plugins = ["vllm_fixtures"]

@@ -47,3 +47,46 @@ def test_fallback_without_native_library():
 def test_mismatched_tables():
     with pytest.raises(ValueError, match="2 destinations but 1 sources"):
         hostcopy.copy_rows(np.zeros(2, np.uint64), np.zeros(1, np.uint64), 8)
+
+
+# ---- copy_threads: how many threads a batch gets ---------------------------------------------------------
+
+def test_copy_threads_by_batch_size_spare_core_and_configured(monkeypatch):
+    from kvtier import hostcopy
+
+    monkeypatch.setattr(hostcopy, "_CORES", 2)
+    monkeypatch.setattr(hostcopy, "spare_core", lambda: True)
+    assert hostcopy.copy_threads(hostcopy.PARALLEL_MIN_BYTES - 1) == 1
+    assert hostcopy.copy_threads(hostcopy.PARALLEL_MIN_BYTES) == 2
+    assert hostcopy.copy_threads(1 << 30) == 2
+    assert hostcopy.copy_threads(1 << 30, 1) == 1  # configured wins, either way
+    assert hostcopy.copy_threads(4096, 3) == 3
+    monkeypatch.setattr(hostcopy, "spare_core", lambda: False)  # every core busy: the second thread would wait
+    assert hostcopy.copy_threads(1 << 30) == 1
+    assert hostcopy.copy_threads(1 << 30, 2) == 2
+
+
+def test_copy_threads_never_more_than_usable_cores(monkeypatch):
+    from kvtier import hostcopy
+
+    monkeypatch.setattr(hostcopy, "_CORES", 1)
+    monkeypatch.setattr(hostcopy, "spare_core", lambda: True)
+    assert hostcopy.copy_threads(1 << 30) == 1
+    monkeypatch.setattr(hostcopy, "_CORES", 16)
+    assert hostcopy.copy_threads(1 << 30) == hostcopy.AUTO_MAX_THREADS
+
+
+def test_spare_core_reads_the_load_average_at_most_once_a_check_interval(monkeypatch):
+    from kvtier import hostcopy
+
+    loads = iter([(0.2, 0, 0), (5.0, 0, 0)])
+    monkeypatch.setattr(hostcopy.os, "getloadavg", lambda: next(loads))
+    monkeypatch.setattr(hostcopy, "_CORES", 2)
+    monkeypatch.setattr(hostcopy, "_spare", (-1e9, False))
+    clock = [1000.0]
+    monkeypatch.setattr(hostcopy.time, "monotonic", lambda: clock[0])
+    assert hostcopy.spare_core()  # load 0.2 < 2 - 1
+    clock[0] += hostcopy.LOAD_CHECK_S / 2
+    assert hostcopy.spare_core()  # not re-read yet
+    clock[0] += hostcopy.LOAD_CHECK_S
+    assert not hostcopy.spare_core()  # load 5 on 2 cores

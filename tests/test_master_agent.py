@@ -15,6 +15,7 @@ from kvtier.client import MasterClient, NodeAgent
 from kvtier.client.agent import _messages, _parts
 from kvtier.keys import Namespace
 from masterproc import MasterProcess
+from poolproc import until
 
 BB = 4096
 NS = Namespace("agent-test")
@@ -71,8 +72,8 @@ def test_agent_started_before_the_master_syncs_when_it_appears(tmp_path):
     agent = NodeAgent.for_store(s, mp.endpoint, "early", timeout_s=0.3, heartbeat_s=0.2).start()
     try:
         s.put(KEYS[:20], blocks_for(KEYS[:20], BB))
-        time.sleep(0.5)
-        assert not agent.wait_synced(0.1) and agent.counters["errors"] > 0
+        assert until(lambda: agent.counters["errors"] > 0, timeout=30.0)  # it tried, and found no master
+        assert not agent.wait_synced(0.1)
         mp.start()
         assert agent.wait_synced(10)
         with MasterClient(mp.endpoint) as m:

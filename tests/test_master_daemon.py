@@ -19,6 +19,7 @@ from kvtier.client import api
 from kvtier.hashers import VllmBlockHasher
 from kvtier.keys import Namespace
 from masterproc import MasterProcess
+from poolproc import until
 
 BB = 4096
 NS = Namespace("daemon-test")
@@ -133,8 +134,7 @@ def test_kill9_restart_answers_correctly_within_one_lease(tmp_path):
                        args=("--snapshot-interval-s", "0.2")) as master:
         s, agent = node_holding(master, keys[:40])
         try:
-            time.sleep(0.5)
-            assert "directory snapshot: 40 keys" in master.log()
+            assert until(lambda: "directory snapshot: 40 keys" in master.log(), timeout=30.0), master.log()[-2000:]
             master.kill()
             s.put(keys[40:50], blocks_for(keys[40:50], BB))  # events while the master is down
             s.remove(keys[:2])

@@ -56,6 +56,23 @@ def stall_replies(conn, op: str, seconds: float) -> None:
     conn.channel._handle = slow
 
 
+def hold_replies(conn, op: str, release: threading.Event, timeout: float = 30.0) -> None:
+    """Make this client process hold replies to ``op`` until ``release`` is set (a descheduled engine that
+    wakes once the test has done what it needed meanwhile); at most ``timeout``."""
+    handle = conn.channel._handle
+
+    def held(req, ok, body, data):
+        if req.op == op:
+            release.wait(timeout)
+        return handle(req, ok, body, data)
+    conn.channel._handle = held
+
+
+def expired_meanwhile(conn, n: int = 1) -> bool:
+    """Wait until the pool has expired ``n`` leases (its tick quarantines them); whether it did within 30 s."""
+    return bool(until(lambda: conn.stats()["leases_expired"] >= n, timeout=30.0, interval=0.05))
+
+
 # ---- the lease table (an injected clock: no sleeping) ----------------------------------------------------
 
 def test_an_expired_lease_is_quarantined_for_another_lease_before_its_slots_are_given_back():
@@ -99,10 +116,18 @@ def test_a_get_answered_after_half_the_lease_is_a_miss_never_another_keys_bytes(
         x, y = ns.keys([1, 2])
         mine = filled(1, 0xAA)  # alive while its rows are copied
         assert a.put([x], rows(mine)) == [True]
-        stall_replies(a, P.ACQUIRE, 1.0)
+        released = threading.Event()
+        hold_replies(a, P.ACQUIRE, released)  # a's acquire answered, a descheduled past its lease
         other: list[list[bool]] = []
         yb = filled(1, 0xBB)
-        t = threading.Thread(target=lambda: (time.sleep(0.6), other.append(b.put([y], rows(yb)))))
+
+        def put_other() -> None:
+            try:
+                if expired_meanwhile(b):  # a's lease is over on the pool: its slot quarantined
+                    other.append(b.put([y], rows(yb)))
+            finally:
+                released.set()
+        t = threading.Thread(target=put_other)
         t.start()
         out = filled(1, 0)
         hit = a.get([x], rows(out))
@@ -118,11 +143,21 @@ def test_a_put_answered_after_half_the_lease_stores_nothing_and_overwrites_nothi
         a, b = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)
         z, w = ns.keys([3, 4])
         za, wb = filled(1, 0x11), filled(1, 0x22)
-        stall_replies(a, P.RESERVE, 1.0)
-        t = threading.Thread(target=lambda: (time.sleep(0.6), b.put([w], rows(wb))))
+        released = threading.Event()
+        hold_replies(a, P.RESERVE, released)  # a's reserve answered, a descheduled past its lease
+        stored: list[list[bool]] = []
+
+        def put_other() -> None:
+            try:
+                if expired_meanwhile(b):  # a's lease is over on the pool: its slot quarantined
+                    stored.append(b.put([w], rows(wb)))
+            finally:
+                released.set()
+        t = threading.Thread(target=put_other)
         t.start()
         assert a.put([z], rows(za)) == [False]
         t.join()
+        assert len(stored) == 1, "the pool never expired a's lease"
         out = filled(1, 0)
         hit = b.get([w], rows(out))
         assert not hit[0] or (out == 0x22).all()  # w is w's bytes or a miss, never z's
@@ -314,7 +349,8 @@ def test_replies_a_stalled_client_never_reads_are_dropped_not_queued(tmp_path):
         stalled.connect(p.tcp)
         for i in range(60):  # keys reversed: every block is its own run, so each reply is gathered
             stalled.send(wire.encode_request(i + 1, P.GET, {"keys": wire.pack_keys(keys[::-1]), "block_bytes": bb}))
-        time.sleep(2.0)
+        # Every stalled get served (its reply made, then queued or dropped): what is queued is resident now.
+        assert until(lambda: c.stats()["counters"].get("get_hits", 0) >= 60 * len(keys), timeout=60.0)
         grown = rss_mib(p.proc.pid) - before
         out = filled(64, 0, bb)
         assert c.get(keys, rows(out)) == [True] * 64 and (out == 6).all()  # others are served meanwhile

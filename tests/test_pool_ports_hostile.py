@@ -134,12 +134,14 @@ def test_a_peer_reconnecting_in_a_loop_without_a_token_does_not_keep_honest_call
         auth = ClientKeys.load(auth_keys["good"], p.tcp)
         host, port = host_port(p.tcp)[0], data_port(p.tcp, auth)
         stop = threading.Event()
+        opened = [0]  # connections the attackers opened so far (a count; += of an int is one step under the GIL)
 
         def flood() -> None:  # connections that never send a token, opened as fast as the pool closes them
             held: list[socket.socket] = []
             while not stop.is_set():
                 try:
                     held.append(socket.create_connection((host, port), timeout=1.0))
+                    opened[0] += 1
                 except OSError:
                     time.sleep(0.01)
                 if len(held) > 200:
@@ -150,7 +152,7 @@ def test_a_peer_reconnecting_in_a_loop_without_a_token_does_not_keep_honest_call
         for t in attackers:
             t.start()
         try:
-            time.sleep(0.5)
+            assert until(lambda: opened[0] >= 256, timeout=30.0, interval=0.01)  # the flood is on: past the limit
             ok = sum(round_trip(p.tcp, ns.keys(range(200 + 4 * i, 204 + 4 * i)), transport="stream", auth=auth)
                      for i in range(40))
         finally:

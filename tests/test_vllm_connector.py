@@ -28,12 +28,9 @@ from vllm_engine import (  # noqa: E402
     PREFIX,
     Engine,
     RequestStatus,
-    engine,  # noqa: F401  (a fixture)
     expected_kv,
-    ipc_dir,  # noqa: F401  (a fixture)
     keys_of,
     make_request,
-    model,  # noqa: F401  (a fixture)
     save_a_then_drop_hbm,
     vllm_config,
     worker_side,

@@ -21,8 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (tests/run.sh installs
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from test_vllm_connector_modes import record_hit_sources, request_b  # noqa: E402
-from vllm_engine import (BLOCK, Engine, engine, ipc_dir, model, save_a_then_drop_hbm, tiny_model,  # noqa: E402,F401
-                         vllm_config, worker_side)
+from vllm_engine import BLOCK, Engine, save_a_then_drop_hbm, tiny_model, vllm_config, worker_side  # noqa: E402
 
 ENGINE = str(Path(__file__).parent / "vllm_sigterm_engine.py")
 

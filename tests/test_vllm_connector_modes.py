@@ -24,11 +24,8 @@ from vllm_engine import (  # noqa: E402
     LAYERS,
     PREFIX,
     Engine,
-    engine,  # noqa: F401  (a fixture)
-    ipc_dir,  # noqa: F401  (a fixture)
     keys_of,
     make_request,
-    model,  # noqa: F401  (a fixture)
     save_a_then_drop_hbm,
     worker_side,
 )

@@ -16,11 +16,8 @@ from kvtier.blocks import BlockRows  # noqa: E402
 from poolproc import PoolProcess  # noqa: E402
 from vllm_engine import (  # noqa: E402
     PREFIX,
-    engine,  # noqa: F401  (a fixture)
-    ipc_dir,  # noqa: F401  (a fixture)
     keys_of,
     make_request,
-    model,  # noqa: F401  (a fixture)
     save_a_then_drop_hbm,
     worker_side,
 )

@@ -12,11 +12,8 @@ from kvtier.connectors.vllm.observe import Notebook, RequestNotes, policy_hints,
 from vllm_engine import (  # noqa: E402
     BLOCK,
     PREFIX,
-    engine,  # noqa: F401  (a fixture)
-    ipc_dir,  # noqa: F401  (a fixture)
     keys_of,
     make_request,
-    model,  # noqa: F401  (a fixture)
     worker_side,
 )
 

@@ -13,8 +13,6 @@ import copy
 import functools
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -22,7 +20,6 @@ from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -256,39 +253,7 @@ class Engine:
             w.shutdown()
 
 
-# ---- what the connector tests share: fixtures (import them into a test module) and helpers ---------------
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
-
-
-@pytest.fixture
-def ipc_dir():
-    """A short directory for the lookup sockets (a Unix socket path has at most 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="kvt", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def engine(model, ipc_dir):
-    """``engine(tp=1, **extra)``: an Engine whose kv_connector_extra_config is a small DRAM plus ``extra``
-    (closed at the end of the test, or earlier by the test)."""
-    engines = []
-
-    def make(tp: int = 1, events: bool = False, kv_layout: str = "LBNHC", num_blocks: int = 64,
-             kv_role: str = "kv_both", **extra):
-        config = vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir,
-                                     **extra}, tp=tp, events=events, kv_layout=kv_layout, kv_role=kv_role)
-        eng = Engine(config, tp=tp, num_blocks=num_blocks)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        eng.close()
+# ---- what the connector tests share: helpers (the fixtures are tests/vllm_fixtures.py, a pytest plugin) ----
 
 
 def save_a_then_drop_hbm(eng: Engine, **params) -> None:

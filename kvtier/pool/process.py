@@ -4,13 +4,18 @@ pool benchmark, ``kvtier replay --pool``). Starts it, waits until it serves, sto
     with PoolDaemon(capacity=1 << 30, block_bytes=65536, ipc=True, eviction="s3fifo") as pool:
         pool.endpoint("tcp"), pool.endpoint("ipc")
 
-Runs in the caller's process; not thread-safe (one owner). Its files (ready file, ipc socket, shared-memory
-file) live in a temporary directory removed on exit.
+Runs in the caller's process; not thread-safe (one owner). Its ready file, ipc socket and keys live in a
+temporary directory; the pool's DRAM file (``--shm-dir``, with an ipc endpoint) lives in a directory of its own
+under /dev/shm, memory as a user would run it, not the temp dir, which is a disk on many hosts (a pool in a
+disk file pays for page-cache writeback on every put). Where /dev/shm does not exist it falls back to the
+temporary directory and logs so. Both directories are unique per daemon (``mkdtemp``) and removed on exit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +24,10 @@ import time
 from pathlib import Path
 
 from kvtier.auth import ClientKeys, generate
+
+log = logging.getLogger(__name__)
+
+SHM_ROOT = "/dev/shm"  # where the pool's DRAM file goes: memory (a tmpfs) on Linux
 
 
 class PoolDaemon:
@@ -35,6 +44,7 @@ class PoolDaemon:
         self.log_level, self.start_timeout_s = log_level, start_timeout_s
         self.endpoints: list[str] = []
         self._dir: Path | None = None
+        self.shm_dir: Path | None = None  # the directory of the pool's DRAM file, while it runs
         self._proc: subprocess.Popen[bytes] | None = None
 
     def endpoint(self, scheme: str) -> str:
@@ -46,9 +56,10 @@ class PoolDaemon:
 
     def __enter__(self) -> PoolDaemon:
         self._dir = Path(tempfile.mkdtemp(prefix="kvtier-pool-"))
+        self.shm_dir = _shm_dir(self._dir)
         ready = self._dir / "ready"
         cmd = [sys.executable, "-m", "kvtier.pool", "--bind", "tcp://127.0.0.1:*", "--capacity", str(self.capacity),
-               "--block-bytes", str(self.block_bytes), "--shm-dir", str(self._dir), "--ready-file", str(ready),
+               "--block-bytes", str(self.block_bytes), "--shm-dir", str(self.shm_dir), "--ready-file", str(ready),
                "--rdma", "off", "--workers", str(self.workers), "--eviction", self.eviction,
                "--log-level", self.log_level, "--client-share", "1"]  # one client: this tool
         if self.ipc:
@@ -80,8 +91,19 @@ class PoolDaemon:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(10)
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        for d in (self.shm_dir, self._dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        self.shm_dir = self._dir = None
+
+
+def _shm_dir(fallback: Path) -> Path:
+    """A fresh directory under SHM_ROOT for the pool's DRAM file; ``fallback`` (logged) where there is none."""
+    if os.path.isdir(SHM_ROOT):
+        return Path(tempfile.mkdtemp(prefix=f"kvtier-pool-{os.getpid()}-", dir=SHM_ROOT))
+    log.warning("%s does not exist here: the pool's DRAM file goes to %s (a disk on many hosts: slower copies)",
+                SHM_ROOT, fallback)
+    return fallback
 
 
 def _make_keys(directory: Path) -> Path:

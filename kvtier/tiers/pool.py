@@ -70,14 +70,15 @@ class _Pool:
 
 class PoolTier:
     """Blocks in one or more kvtier-pools. ``transport``: auto, stream, tcp, rdma or shm (see
-    kvtier.transport.connection.connect)."""
+    kvtier.transport.connection.connect); ``copy_threads``: the shm transport's threads per copy (0: by batch
+    size)."""
 
     name = "pool"
     remote = True  # a NodeAgent for the engine does not report this tier as the engine's own
 
     def __init__(self, block_bytes: int, route: PoolRoute, *, transport: str = "auto", timeout_s: float = 0.5,
                  connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = (),
-                 auth_dir: str = "", clock: Clock = time.monotonic) -> None:
+                 auth_dir: str = "", copy_threads: int = 0, clock: Clock = time.monotonic) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
         if auth_dir:  # this client's keypair must be there from the start (AuthError); the pools' keys per connect
@@ -88,6 +89,7 @@ class PoolTier:
         self.transport = transport
         self.timeout_s = timeout_s
         self.connections = connections
+        self.copy_threads = copy_threads  # shm transport: threads per host copy, 0 = by batch size
         self._dtypes = tuple(dtypes)
         self._pools: dict[str, _Pool] = {}
         self._clock = clock  # the pools' back-offs read it (a test moves it instead of sleeping)
@@ -111,7 +113,7 @@ class PoolTier:
                             if cfg.master else PeerRoute(endpoints))
         tier = cls(block_bytes, route, transport=cfg.pool_transport, timeout_s=cfg.pool_timeout_ms / 1000,
                    connections=cfg.pool_connections, staging_bytes=cfg.pool_staging_bytes, dtypes=dtypes,
-                   auth_dir=cfg.auth_dir)
+                   auth_dir=cfg.auth_dir, copy_threads=cfg.pool_copy_threads)
         tier.connect_all()
         return tier
 
@@ -311,7 +313,8 @@ class PoolTier:
                     raise PoolUnavailable(endpoint, pool.last_error, "backoff")
                 try:
                     pool.conn = connect(endpoint, self.block_bytes, transport=self.transport,
-                                        timeout_s=self.timeout_s, lanes=self.connections, auth=self._auth(endpoint))
+                                        timeout_s=self.timeout_s, lanes=self.connections, auth=self._auth(endpoint),
+                                        copy_threads=self.copy_threads)
                 except PoolUnavailable as e:
                     self._failed(pool, e)
                     raise

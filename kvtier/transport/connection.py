@@ -228,10 +228,12 @@ def shared_context() -> zmq.Context[Any]:
 
 
 def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout_s: float = 0.5,
-            lanes: int = 4, auth: ClientKeys | None = None) -> PoolConnection:
+            lanes: int = 4, auth: ClientKeys | None = None, copy_threads: int = 0) -> PoolConnection:
     """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``; ``auth`` for a pool that requires
-    CurveZMQ keys (kvtier.auth.ClientKeys.load(auth_dir, endpoint)). Raises PoolError (unreachable, refused,
-    another protocol version) or ValueError (an unknown transport)."""
+    CurveZMQ keys (kvtier.auth.ClientKeys.load(auth_dir, endpoint)); ``copy_threads``: threads per host copy of
+    the shm transport (0: by batch size, kvtier.hostcopy.copy_threads; the other transports copy no host
+    memory themselves). Raises PoolError (unreachable, refused, another protocol version) or ValueError (an
+    unknown transport)."""
     if transport != "auto" and transport not in TRANSPORTS:
         raise ValueError(f"unknown pool transport {transport!r}; known: auto, {', '.join(TRANSPORTS)}")
     channel = Channel(endpoint, shared_context(), max_lanes=2 * lanes, timeout_s=timeout_s, auth=auth)
@@ -240,7 +242,8 @@ def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout
         kind = choose_transport(transport, endpoint, info)
         module, _, name = TRANSPORTS[kind].partition(":")
         cls = getattr(importlib.import_module(module), name)
-        conn: PoolConnection = cls(channel, info, lanes=lanes)
+        extra = {"copy_threads": copy_threads} if kind == "shm" else {}
+        conn: PoolConnection = cls(channel, info, lanes=lanes, **extra)
     except BaseException:
         channel.close()
         raise

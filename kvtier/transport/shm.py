@@ -2,7 +2,9 @@
 
 Engine processes on one host share one pool: control goes over zmq ipc, bytes never touch a socket. The
 lease protocol (reserve/commit, acquire/release) is OneSidedConnection's; the copies here are the caller's own
-batched native copies (kvtier.hostcopy), straight between the caller's rows and the pool's slots.
+batched native copies (kvtier.hostcopy), straight between the caller's rows and the pool's slots, on
+``copy_threads`` threads (0, the default: hostcopy.copy_threads picks: two threads on a batch of 1 MiB or
+more while a core is spare, one otherwise).
 
 Pool restarts: every reply carries the pool's epoch. A new epoch means a new pool with a new file; the next
 call says hello again and maps the new file. The old mapping stays valid (the file is unlinked, not
@@ -27,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
-from kvtier.hostcopy import copy_rows
+from kvtier.hostcopy import copy_rows, copy_threads
 from kvtier.pool.generations import GenerationView
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
@@ -72,8 +74,11 @@ class ShmConnection(OneSidedConnection):
 
     transport = "shm"
 
-    def __init__(self, channel: Any, info: PoolInfo, **kw: Any) -> None:
+    def __init__(self, channel: Any, info: PoolInfo, *, copy_threads: int = 0, **kw: Any) -> None:
         super().__init__(channel, info, **kw)
+        if copy_threads < 0:
+            raise ValueError(f"copy_threads must be >= 0 (0: by batch size), got {copy_threads}")
+        self.copy_threads = copy_threads
         self._lock = threading.Lock()
         self._mapping: Mapping | None = self._map(info) if info.sized else None
 
@@ -81,13 +86,16 @@ class ShmConnection(OneSidedConnection):
     # the connection's reference, and the last reference gone unmaps the file (a copy into it would fault).
     def _write(self, offsets: np.ndarray, src: np.ndarray, epoch: int) -> None:
         mapping = self._mapped(epoch)
-        copy_rows(mapping.rows(offsets, self.block_bytes), src, self.block_bytes)
+        copy_rows(mapping.rows(offsets, self.block_bytes), src, self.block_bytes, self._threads(len(offsets)))
         del mapping
 
     def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         mapping = self._mapped(epoch)
-        copy_rows(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes)
+        copy_rows(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes, self._threads(len(offsets)))
         del mapping
+
+    def _threads(self, nblocks: int) -> int:
+        return copy_threads(nblocks * self.block_bytes, self.copy_threads)
 
     def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
         return self._mapped(epoch).generations_at(offsets)

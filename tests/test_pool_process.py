@@ -1,0 +1,60 @@
+"""PoolDaemon (kvtier/pool/process.py), the pool helper of the benches and ``kvtier replay --pool``: a real
+kvtier-pool subprocess whose DRAM file lives in memory (/dev/shm), in a directory of its own, removed on exit;
+where /dev/shm is missing it falls back to its temp dir and says so."""
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.keys import Namespace
+from kvtier.pool import process
+from kvtier.pool.process import PoolDaemon
+from kvtier.transport.connection import connect
+
+BB = 4096
+
+
+def _round_trip(pool: PoolDaemon) -> None:
+    """Put two blocks over shm and read them back: the pool sizes and maps its DRAM file on the way."""
+    conn = connect(pool.endpoint("ipc"), BB, transport="shm", timeout_s=10.0)
+    try:
+        src = np.arange(2 * BB, dtype=np.uint32).astype(np.uint8).reshape(2, BB)
+        out = np.zeros_like(src)
+        keys = Namespace("pool-process").keys(range(2))
+        rows = np.uint64(src.ctypes.data) + np.arange(2, dtype=np.uint64) * np.uint64(BB)
+        assert conn.put(keys, rows) == [True, True]
+        assert conn.get(keys, np.uint64(out.ctypes.data) + np.arange(2, dtype=np.uint64) * np.uint64(BB)) == [True,
+                                                                                                               True]
+        assert np.array_equal(out, src)
+    finally:
+        conn.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="this host has no /dev/shm")
+def test_pool_dram_file_is_in_dev_shm_and_removed_on_exit():
+    with PoolDaemon(16 * BB, BB, ipc=True) as pool, PoolDaemon(16 * BB, BB, ipc=True) as other:
+        assert pool.shm_dir is not None and other.shm_dir is not None
+        shm_dir = pool.shm_dir
+        assert shm_dir.parent == Path("/dev/shm")
+        assert shm_dir != other.shm_dir  # two daemons at once (two engineers, two benches) never share a file
+        _round_trip(pool)
+        files = [p.name for p in shm_dir.iterdir()]
+        assert any(name.endswith(".shm") for name in files), files
+        assert not any(p.name.endswith(".shm") for p in pool._dir.iterdir())  # nothing on the temp dir's disk
+    assert not shm_dir.exists()
+    assert pool.shm_dir is None
+
+
+def test_pool_without_dev_shm_falls_back_to_its_temp_dir_and_logs(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(process, "SHM_ROOT", str(tmp_path / "no-shm-here"))
+    with caplog.at_level(logging.WARNING, logger="kvtier.pool.process"):
+        with PoolDaemon(16 * BB, BB, ipc=True) as pool:
+            temp = pool._dir
+            assert pool.shm_dir == temp
+            _round_trip(pool)
+            assert any(p.name.endswith(".shm") for p in temp.iterdir())
+    assert "does not exist here" in caplog.text
+    assert not temp.exists()

@@ -1,0 +1,83 @@
+"""The shm transport's copy threads (pool_copy_threads): by batch size by default, as configured otherwise,
+against a real kvtier-pool process; bytes checked either way."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import TieredStore, hostcopy
+from kvtier.config import Config, ConfigError
+from kvtier.keys import Namespace
+from kvtier.pool.process import PoolDaemon
+from kvtier.transport import shm as shm_module
+from kvtier.transport.connection import connect
+
+BB = 256 << 10
+SMALL = 2  # blocks: 512 KiB, under PARALLEL_MIN_BYTES
+BIG = 8  # blocks: 2 MiB, at or over it
+assert SMALL * BB < hostcopy.PARALLEL_MIN_BYTES <= BIG * BB
+
+
+def _recording(monkeypatch):
+    seen: list[int] = []
+    real = shm_module.copy_rows
+
+    def copy_rows(dst, src, nbytes, threads=1):
+        seen.append(threads)
+        real(dst, src, nbytes, threads)
+
+    monkeypatch.setattr(shm_module, "copy_rows", copy_rows)
+    return seen
+
+
+def _put_get(conn, n: int, start: int) -> None:
+    src = (np.arange(n * BB, dtype=np.uint32) * 7 + start).astype(np.uint8).reshape(n, BB)
+    out = np.zeros_like(src)
+    keys = Namespace("shm-threads").keys(range(start, start + n))
+    offs = np.arange(n, dtype=np.uint64) * np.uint64(BB)
+    assert conn.put(keys, np.uint64(src.ctypes.data) + offs) == [True] * n
+    assert conn.get(keys, np.uint64(out.ctypes.data) + offs) == [True] * n
+    assert np.array_equal(out, src)
+    conn.remove(keys)
+
+
+@pytest.mark.parametrize("configured,spare", [(0, True), (0, False), (1, True), (2, False)])
+def test_shm_copies_use_the_configured_or_batch_sized_threads(monkeypatch, configured, spare):
+    monkeypatch.setattr(hostcopy, "_CORES", 2)
+    monkeypatch.setattr(hostcopy, "spare_core", lambda: spare)
+    seen = _recording(monkeypatch)
+    with PoolDaemon(4 * BIG * BB, BB, ipc=True) as pool:
+        conn = connect(pool.endpoint("ipc"), BB, transport="shm", timeout_s=10.0, copy_threads=configured)
+        try:
+            _put_get(conn, SMALL, 0)
+            small, seen[:] = list(seen), []
+            _put_get(conn, BIG, 100)
+            big = list(seen)
+        finally:
+            conn.close()
+    assert small and big  # a put and a get copied each time
+    assert set(small) == {configured or 1}
+    assert set(big) == {configured or (2 if spare else 1)}
+
+
+def test_pool_copy_threads_config_reaches_the_shm_connection(monkeypatch):
+    monkeypatch.setattr(hostcopy, "_CORES", 2)
+    monkeypatch.setattr(hostcopy, "spare_core", lambda: True)  # auto would take 2
+    seen = _recording(monkeypatch)
+    with PoolDaemon(4 * BIG * BB, BB, ipc=True) as pool:
+        store = TieredStore.from_config({"mode": "standalone", "pool": pool.endpoint("ipc"), "pool_copy_threads": 1,
+                                         "pool_staging_bytes": 0}, BB)
+        try:
+            keys = Namespace("shm-threads-cfg").keys(range(BIG))
+            src = (np.arange(BIG * BB, dtype=np.uint32) % 251).astype(np.uint8).reshape(BIG, BB)
+            store.put(keys, torch.from_numpy(src))
+            assert seen and set(seen) == {1}
+        finally:
+            store.close()
+
+
+def test_pool_copy_threads_out_of_range_is_a_load_time_error():
+    with pytest.raises(ConfigError, match="pool_copy_threads"):
+        Config.from_dict({"pool_copy_threads": -1})
+    with pytest.raises(ConfigError, match="pool_copy_threads"):
+        Config.from_dict({"pool_copy_threads": 17})
