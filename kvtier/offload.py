@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.blocks import BlockRows
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import AddressableSlots, RemoteTier, Tier, WriteBehindStaging
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ class Offloader:
             raise ValueError(f"unknown offload policy {policy!r}; known: {', '.join(OFFLOAD_POLICIES)}")
         self.top, self.lower, self.policy, self.promote = top, lower, policy, promote
         self.index = index  # the lower tier's position in the store (the ``served`` value after_get sees)
+        # What the two tiers declare (kvtier.tiers.base), decided once here.
+        self._staging: WriteBehindStaging | None = lower if isinstance(lower, WriteBehindStaging) else None
+        self._remote: RemoteTier | None = lower if isinstance(lower, RemoteTier) else None
+        self._top_slots: AddressableSlots | None = top if isinstance(top, AddressableSlots) else None
         self._emit = emit or (lambda kind, tier, keys: None)
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # key -> sightings (second_hit), LRU-bounded
         self._seen_capacity = seen_capacity
@@ -128,10 +132,8 @@ class Offloader:
         """The store is closing: write the top tier's blocks that this policy would write on their eviction and
         the lower tier lacks (with write_through: the ones whose copy was dropped), until ``deadline``
         (time.monotonic()) has passed. Returns (written, wanted): blocks the lower tier took, of those due."""
-        from kvtier.tiers.dram import DramTier  # here, not at import: `import kvtier` must not import torch
-
-        top = self.top
-        if not isinstance(top, DramTier):
+        top = self._top_slots
+        if top is None:
             return 0, 0  # no slots to read in place (a node pool on top has no offloads anyway)
         keys = top.keys()
         want = [keys[i] for i in self._due_on_eviction(keys)] if keys else []
@@ -139,7 +141,7 @@ class Offloader:
             self._counts["close_wanted"] += len(want)
         futures: list[Future[list[bytes]]] = []
         written_now = 0
-        put_later = getattr(self.lower, "put_later", None)
+        staging = self._staging
         for i in range(0, len(want), chunk):
             if time.monotonic() >= deadline:
                 break
@@ -150,12 +152,12 @@ class Offloader:
                 part = [part[j] for j in there]
                 if not part:
                     continue
-                if put_later is None:  # no write-behind: written now
+                if staging is None:  # no write-behind: written now
                     stored = [k for k, h in zip(part, self.lower.put(part, rows)) if h]
                     self._written(stored)
                     written_now += len(stored)
                     continue
-                future = put_later(part, rows, wait=True)  # staged (copied) before it returns
+                future = staging.put_later(part, rows, wait=True)  # staged (copied) before it returns
             if future is None:
                 break  # the lower tier stopped admitting (disk full or failing): its stats say why
             future.add_done_callback(lambda f: self._written(f.result() if not f.exception() else []))
@@ -166,12 +168,11 @@ class Offloader:
 
     def _lower_holds(self, keys: Sequence[bytes]) -> list[bool]:
         # A remote tier answers from what it knows locally (sent or fetched recently), as on eviction.
-        return self.lower.held_locally(keys) if getattr(self.lower, "remote", False) else self.lower.contains(keys)
+        return self._remote.held_locally(keys) if self._remote is not None else self.lower.contains(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload queued so far is written (or failed); False on timeout."""
-        flush = getattr(self.lower, "flush", None)
-        return True if flush is None else bool(flush(timeout))
+        return True if self._staging is None else self._staging.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -182,12 +183,11 @@ class Offloader:
     def _offload(self, keys: list[bytes], blocks: Any, *, wait: bool) -> None:
         with self._lock:
             self._counts["offered"] += len(keys)
-        put_later = getattr(self.lower, "put_later", None)
-        if put_later is None:  # a lower tier without write-behind: write now (under the top tier's lock)
+        if self._staging is None:  # a lower tier without write-behind: write now (under the top tier's lock)
             held = self.lower.put(keys, blocks)
             self._written([k for k, h in zip(keys, held) if h])
             return
-        future: Future[list[bytes]] | None = put_later(keys, blocks, wait=wait)
+        future: Future[list[bytes]] | None = self._staging.put_later(keys, blocks, wait=wait)
         if future is None:  # the lower tier does not admit (disk full or failing): its stats say why
             with self._lock:
                 self._counts["refused"] += len(keys)

@@ -36,7 +36,7 @@ from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
 from kvtier.store_types import Fill, Listener, PrefixLookup, PutResult, StoreEvent
-from kvtier.tiers.base import ObservingTier, Tier
+from kvtier.tiers.base import AddressableSlots, ObservingTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
+        # The top tier's slots, where it declares them (a DramTier; not a node pool at the top of a standalone
+        # store): what put_in_place fills and borrow lends.
+        self._slots: AddressableSlots | None = tiers[0] if isinstance(tiers[0], AddressableSlots) else None
         self.pins = PinTable()
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
@@ -156,7 +159,7 @@ class TieredStore:
     def writes_in_place(self) -> bool:
         """Whether ``put_in_place`` works: the top tier has addressable slots (a DramTier; not the node pool
         at the top of a standalone store)."""
-        return hasattr(self.tiers[0], "reserve") and hasattr(self.tiers[0], "commit")
+        return self._slots is not None
 
     def put_in_place(self, keys: Sequence[bytes], fill: Fill) -> PutResult:
         """put() with one copy fewer: the caller writes the blocks straight into the top tier's slots.
@@ -170,16 +173,16 @@ class TieredStore:
         ``writes_in_place`` is False (use put).
         """
         check_keys(keys)
-        top = self.tiers[0]
-        if not self.writes_in_place:
-            raise TypeError(f"the top tier {top.name!r} has no addressable slots to fill in place; use put")
+        top = self._slots
+        if top is None:
+            raise TypeError(f"the top tier {self.tiers[0].name!r} has no addressable slots to fill in place; use put")
         reservations: list[tuple[Any, list[int]]] = []  # (a tier reservation, its slots' batch positions)
         with self._claim(keys) as fresh:
             fresh_keys = [keys[i] for i in fresh]
             try:
                 # The batch's blocks the top tier holds are protected: never evicted to make room for the new
                 # ones (a block evicted meanwhile is simply not protected: it is not reserved either).
-                own = [k for k, h in zip(keys, top.contains(keys)) if h] if fresh else []
+                own = [k for k, h in zip(keys, self.tiers[0].contains(keys)) if h] if fresh else []
                 todo = list(range(len(fresh)))
                 while todo:
                     res = top.reserve([fresh_keys[i] for i in todo], protect=own)
@@ -253,11 +256,10 @@ class TieredStore:
         the block exits; they cannot be evicted meanwhile. Zero-copy reads for callers that copy straight
         from the slots (a connector's scatter into engine KV); ``get`` the None ones as usual."""
         check_keys(keys)
-        acquire = getattr(self.tiers[0], "acquire", None)
-        if acquire is None:  # a top tier without addressable slots
+        if self._slots is None:  # a top tier without addressable slots
             yield [None] * len(keys)
             return
-        with acquire(keys) as addresses:
+        with self._slots.acquire(keys) as addresses:
             self._count(get_hits=sum(a is not None for a in addresses))
             if self._offloads:  # a hit like a get's: second_hit counts it as a sighting
                 borrowed = [k for k, a in zip(keys, addresses) if a is not None]

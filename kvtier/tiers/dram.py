@@ -15,7 +15,6 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,28 +26,13 @@ from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations, make_policy
 from kvtier.policies.guard import GuardedPolicy
-from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.base import AddressableSlots, EvictListener, Reservation, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Reservation:
-    """Slots reserved for keys by ``DramTier.reserve``; hand it back to ``commit`` exactly once.
-
-    ``held[i]`` is True where key i is held after the put (already stored, in flight elsewhere, or reserved
-    here); ``index[j]`` is the position in the caller's batch of the j-th reserved slot.
-    """
-
-    held: list[bool]
-    keys: list[bytes] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    index: list[int] = field(default_factory=list)
-    addresses: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
-
-
-class DramTier:
+class DramTier(AddressableSlots):
     """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here.
 
     ``policy`` (a name or import path, ``default`` by default) decides evictions and, with ``admission``, which

@@ -38,7 +38,7 @@ from kvtier.auth import AuthError, ClientKeys, load_keypair
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
-from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.base import EvictListener, RemoteTier, TierStats, WriteBehindStaging
 from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
 from kvtier.tiers.pool_writer import PoolWriter
@@ -68,12 +68,11 @@ class _Pool:
         return time.monotonic() >= self.down_until
 
 
-class PoolTier:
+class PoolTier(WriteBehindStaging, RemoteTier):
     """Blocks in one or more kvtier-pools. ``transport``: auto, stream, tcp, rdma or shm (see
     kvtier.transport.connection.connect)."""
 
     name = "pool"
-    remote = True  # a NodeAgent for the engine does not report this tier as the engine's own
 
     def __init__(self, block_bytes: int, route: PoolRoute, *, transport: str = "auto", timeout_s: float = 0.5,
                  connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = (),
