@@ -44,8 +44,10 @@ Emit = Callable[[str, str, list[bytes]], None]  # (kind, tier name, keys): the s
 
 
 class Offloader:
-    """Moves blocks between ``top`` and ``lower`` by ``policy``. Thread-safe. ``on_top_evict`` is called under
-    the top tier's lock and never waits; the other hooks run on the store caller's thread."""
+    """Moves blocks between ``top`` and ``lower`` by ``policy``. Thread-safe. Every hook runs on the store caller's
+    thread, outside the top tier's lock: ``on_top_evict`` inside the reserve that evicted (the victims stay readable
+    in the top tier, and their slots unwritten, until it returns), so it may write to a lower tier that stages
+    nothing, but only waits for staging memory where the policy says so (never on eviction)."""
 
     def __init__(self, top: Tier, lower: Tier, policy: str = "on_evict", *, promote: bool = True,
                  emit: Emit | None = None, seen_capacity: int = 1 << 16, index: int = 1) -> None:
@@ -95,9 +97,9 @@ class Offloader:
     def _due_on_eviction(self, keys: Sequence[bytes]) -> list[int]:
         """Positions of ``keys`` the policy writes down when they leave the top tier: those the lower tier lacks
         (second_hit: and seen at least twice)."""
-        # This runs under the top tier's lock on eviction: a remote tier's contains is a network round trip, so
-        # it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool skips the
-        # rest if held.
+        # This runs on every eviction, inside the put that evicted: a remote tier's contains is a network round
+        # trip, so it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool
+        # skips the rest if held.
         held = self._lower_holds(keys)
         if self.policy != "second_hit":
             return [i for i, h in enumerate(held) if not h]
@@ -183,7 +185,7 @@ class Offloader:
     def _offload(self, keys: list[bytes], blocks: Any, *, wait: bool) -> None:
         with self._lock:
             self._counts["offered"] += len(keys)
-        if self._staging is None:  # a lower tier without write-behind: write now (under the top tier's lock)
+        if self._staging is None:  # a lower tier without write-behind: write now (the top tier's lock is free)
             held = self.lower.put(keys, blocks)
             self._written([k for k, h in zip(keys, held) if h])
             return

@@ -25,7 +25,9 @@ from kvtier.pins import PinTable
 from kvtier.policies.observations import Observations
 
 # Called with the keys a tier evicts and read-only views of their bytes, before the space is reused, so
-# the store can demote them to the next tier. The views are valid only during the call.
+# the store can demote them to the next tier. The views are valid only during the call. DramTier calls it with
+# its lock released (a demotion may write to a disk or a pool, a listener may ask a master); it must not call
+# the tier's remove for those keys (remove waits for their hand-down to end).
 EvictListener = Callable[[Sequence[bytes], Sequence[Any]], None]
 
 
