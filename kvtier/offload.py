@@ -18,7 +18,8 @@ On close (``write_down``) DRAM is about to vanish as if evicted whole: every blo
 eviction and the lower tier lacks is written, until a deadline; what is left when it passes is lost with the
 process (the count is logged).
 Promotion (``promote``): a block served by the lower tier is copied into DRAM as well, so the session's next
-turn finds it there; it stays on disk too, so evicting it again costs no write.
+turn finds it there; it stays on disk too, so evicting it again costs no write. The store does the copy, through
+its own put path (TieredStore._promote: one way into a tier); the offloader says whether and counts it.
 """
 
 from __future__ import annotations
@@ -113,22 +114,17 @@ class Offloader:
         if self.policy == "second_hit":
             self._see(keys)
 
-    def after_get(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
-        """``served[i]`` is the index of the tier that served key i (-1: a miss); ``rows`` hold the bytes.
-        Promotes what this offloader's lower tier served."""
+    def after_get(self, keys: Sequence[bytes], served: Sequence[int]) -> None:
+        """``served[i]`` is the index of the tier that served key i (-1: a miss): hits are sightings. What this
+        offloader's lower tier served the store promotes itself (``TieredStore._promote``), if ``promote``."""
         if self.policy == "second_hit":
             self._see([k for k, t in zip(keys, served) if t >= 0])
-        if not self.promote:
-            return
-        below = [i for i, t in enumerate(served) if t == self.index]
-        if not below:
-            return
-        up = [keys[i] for i in below]
-        held = self.top.put(up, BlockRows(rows.ptrs[below], rows.owners))
-        promoted = [k for k, h in zip(up, held) if h]
-        with self._lock:
-            self._counts["promoted"] += len(promoted)
-        self._emit("stored", self.top.name, promoted)
+
+    def promoted(self, n: int) -> None:
+        """The store copied ``n`` blocks this offloader's lower tier served into the top tier."""
+        if n:
+            with self._lock:
+                self._counts["promoted"] += n
 
     def write_down(self, deadline: float, chunk: int = 256) -> tuple[int, int]:
         """The store is closing: write the top tier's blocks that this policy would write on their eviction and

@@ -8,7 +8,7 @@ buffers alive and unchanged until then. ``put_in_place`` lends the caller top-ti
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
 thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
-tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
+tiers in order, and what a lower tier served is promoted into the top tier through the same path; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
 expire (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners
 hear which keys each tier gained and lost (the engines' KV events and the master's directory feed on them).
 """
@@ -71,7 +71,8 @@ class TieredStore:
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.close_timeout_s = close_timeout_s
-        self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
+        self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0,
+                         "promoted": 0}
         # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py).
         # ``offload`` is one policy for every lower tier, or one per lower tier in order.
         policies = [offload] * (len(self.tiers) - 1) if isinstance(offload, str) else list(offload)
@@ -247,7 +248,9 @@ class TieredStore:
         hits = sum(hit)
         self._count(get_hits=hits, get_misses=len(keys) - hits)
         for offload in self._offloads:
-            offload.after_get(keys, served, rows)
+            offload.after_get(keys, served)
+        if any(t > 0 for t in served):
+            self._promote(keys, served, rows)
         return hit
 
     @contextmanager
@@ -406,10 +409,33 @@ class TieredStore:
 
         return on_evict
 
+    def _promote(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
+        """Copy into the top tier what a lower tier served (``served[i]``: the index of the tier that served key
+        i), where that tier's offloader promotes: the session's next turn finds it there, and it stays below
+        too, so evicting it again costs no write. Through put's claim, so a key another thread is putting or
+        promoting right now is written once; counted (``promoted``, per tier in the offload stats) and announced
+        as put's blocks are."""
+        up = [i for i, t in enumerate(served) if t > 0 and self._offloads[t - 1].promote]
+        if not up:
+            return
+        up_keys = [keys[i] for i in up]
+        with self._claim(up_keys, self.tiers[0].contains(up_keys)) as fresh:
+            fresh_keys = [up_keys[j] for j in fresh]
+            stored = self.tiers[0].put(fresh_keys, _subset(rows, [up[j] for j in fresh])) if fresh else []
+        promoted = [j for j, ok in zip(fresh, stored) if ok]
+        if not promoted:
+            return
+        self._count(promoted=len(promoted))
+        for offload in self._offloads:
+            offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
+        self._emit("stored", self.tiers[0].name, [up_keys[j] for j in promoted])
+
     @contextmanager
-    def _claim(self, keys: Sequence[bytes]) -> Iterator[list[int]]:
-        """Positions of the keys no tier holds and no other put is writing: in flight until the block exits."""
-        held = self.contains(keys)
+    def _claim(self, keys: Sequence[bytes], held: list[bool] | None = None) -> Iterator[list[int]]:
+        """Positions of the keys no tier holds (or, given ``held``, those it marks False) and no other put is
+        writing: in flight until the block exits."""
+        if held is None:
+            held = self.contains(keys)
         inflight = self._inflight
         with self._lock:
             fresh = []
