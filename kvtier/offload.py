@@ -44,6 +44,31 @@ OFFLOAD_POLICIES = ("write_through", "on_evict", "second_hit")
 Emit = Callable[[str, str, list[bytes]], None]  # (kind, tier name, keys): the store's event hook
 
 
+class Sightings:
+    """How often each recent key was put or hit: second_hit's memory. One per store, fed by the store once per
+    put, get and borrow and read by all its offloaders (so a sighting counts once, whatever the number of lower
+    tiers); the least recently seen keys beyond ``capacity`` are forgotten. Thread-safe."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def see(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            seen = self._seen
+            for k in keys:
+                seen[k] = seen.get(k, 0) + 1
+                seen.move_to_end(k)
+            while len(seen) > self._capacity:
+                seen.popitem(last=False)
+
+    def counts(self, keys: Sequence[bytes]) -> list[int]:
+        with self._lock:
+            get = self._seen.get
+            return [get(k, 0) for k in keys]
+
+
 class Offloader:
     """Moves blocks between ``top`` and ``lower`` by ``policy``. Thread-safe. Every hook runs on the store caller's
     thread, outside the top tier's lock: ``on_top_evict`` inside the reserve that evicted (the victims stay readable
@@ -51,7 +76,7 @@ class Offloader:
     nothing, but only waits for staging memory where the policy says so (never on eviction)."""
 
     def __init__(self, top: Tier, lower: Tier, policy: str = "on_evict", *, promote: bool = True,
-                 emit: Emit | None = None, seen_capacity: int = 1 << 16, index: int = 1) -> None:
+                 emit: Emit | None = None, sightings: Sightings | None = None, index: int = 1) -> None:
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"unknown offload policy {policy!r}; known: {', '.join(OFFLOAD_POLICIES)}")
         self.top, self.lower, self.policy, self.promote = top, lower, policy, promote
@@ -61,8 +86,8 @@ class Offloader:
         self._remote: RemoteTier | None = lower if isinstance(lower, RemoteTier) else None
         self._top_slots: AddressableSlots | None = top if isinstance(top, AddressableSlots) else None
         self._emit = emit or (lambda kind, tier, keys: None)
-        self._seen: OrderedDict[bytes, int] = OrderedDict()  # key -> sightings (second_hit), LRU-bounded
-        self._seen_capacity = seen_capacity
+        # second_hit's memory: the store's (it records each put, get and borrow there once), else an empty one.
+        self._sightings = sightings if sightings is not None else Sightings()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
@@ -71,10 +96,9 @@ class Offloader:
     def after_put(self, keys: Sequence[bytes], rows: BlockRows, refused: Sequence[bytes] = (),
                   refused_rows: BlockRows | None = None) -> None:
         """``keys`` were just stored in the top tier from ``rows``; ``refused`` (from ``refused_rows``) were
-        offered by the same put but the top tier had no room for them (rows valid during this call)."""
-        if self.policy == "second_hit":
-            self._see(keys)
-        elif self.policy == "write_through" and keys:
+        offered by the same put but the top tier had no room for them (rows valid during this call). The store
+        has recorded both as sightings already."""
+        if self.policy == "write_through" and keys:
             self._offload(list(keys), rows, wait=True)
         if refused and refused_rows is not None:
             self._refused_by_top(refused, refused_rows)
@@ -82,8 +106,6 @@ class Offloader:
     def _refused_by_top(self, keys: Sequence[bytes], rows: BlockRows) -> None:
         """Blocks the top tier could not take go down as its evictions would (write_through: all of them, waiting
         for staging memory as its puts do; the other policies: what they write on eviction, never waiting)."""
-        if self.policy == "second_hit":
-            self._see(keys)
         wanted = self._due_on_eviction(keys)
         if wanted:
             sub = rows if len(wanted) == len(keys) else BlockRows(rows.ptrs[wanted], rows.owners)
@@ -104,21 +126,11 @@ class Offloader:
         held = self._lower_holds(keys)
         if self.policy != "second_hit":
             return [i for i, h in enumerate(held) if not h]
+        seen = self._sightings.counts(keys)
+        wanted = [i for i in range(len(keys)) if not held[i] and seen[i] >= 2]
         with self._lock:
-            wanted = [i for i, k in enumerate(keys) if not held[i] and self._seen.get(k, 0) >= 2]
             self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
         return wanted
-
-    def after_borrow(self, keys: Sequence[bytes]) -> None:
-        """``keys`` were hits read in place from the top tier (a connector's zero-copy borrow)."""
-        if self.policy == "second_hit":
-            self._see(keys)
-
-    def after_get(self, keys: Sequence[bytes], served: Sequence[int]) -> None:
-        """``served[i]`` is the index of the tier that served key i (-1: a miss): hits are sightings. What this
-        offloader's lower tier served the store promotes itself (``TieredStore._promote``), if ``promote``."""
-        if self.policy == "second_hit":
-            self._see([k for k, t in zip(keys, served) if t >= 0])
 
     def promoted(self, n: int) -> None:
         """The store copied ``n`` blocks this offloader's lower tier served into the top tier."""
@@ -197,14 +209,6 @@ class Offloader:
             self._counts["written"] += len(stored)
         self._emit("stored", self.lower.name, stored)
 
-    def _see(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            seen = self._seen
-            for k in keys:
-                seen[k] = seen.get(k, 0) + 1
-                seen.move_to_end(k)
-            while len(seen) > self._seen_capacity:
-                seen.popitem(last=False)
 
 
 

@@ -31,7 +31,7 @@ from kvtier.config import Config
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
-from kvtier.offload import Offloader, write_down
+from kvtier.offload import Offloader, Sightings, write_down
 from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
@@ -78,9 +78,11 @@ class TieredStore:
         policies = [offload] * (len(self.tiers) - 1) if isinstance(offload, str) else list(offload)
         if len(policies) != len(self.tiers) - 1:
             raise ValueError(f"{len(self.tiers) - 1} lower tiers but {len(policies)} offload policies")
-        seen = 4 * self.tiers[0].stats().capacity_bytes // self.block_bytes
+        # second_hit's memory of puts and hits, one for all lower tiers (recorded here, once per call).
+        self._sightings = (Sightings(4 * self.tiers[0].stats().capacity_bytes // self.block_bytes)
+                           if "second_hit" in policies else None)
         self._offloads = [Offloader(self.tiers[0], lower, policy, promote=promote, emit=self._emit,
-                                    seen_capacity=seen, index=i)
+                                    sightings=self._sightings, index=i)
                           for i, (lower, policy) in enumerate(zip(self.tiers[1:], policies), 1)]
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
@@ -148,6 +150,8 @@ class TieredStore:
                     stored[i] = ok
         new_keys = [k for k, ok in zip(fresh_keys, stored) if ok]
         result = self._stored(keys, fresh_keys, new_keys)
+        if self._sightings is not None:
+            self._sightings.see(fresh_keys)  # stored or refused: either is a sighting
         if self._offloads and fresh:
             # What the top tier had no room for goes down as if evicted at once (write_through: the whole batch).
             stored_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if ok])
@@ -199,6 +203,8 @@ class TieredStore:
                     fill(index, slots)
                     # Offloaded before the commit, while the slots are reserved: once published, a concurrent
                     # remove or eviction could give a slot to another block while write-through reads it.
+                    if self._sightings is not None:
+                        self._sightings.see(new_keys)
                     for offload in self._offloads:
                         offload.after_put(new_keys, slots)
             except BaseException:
@@ -247,8 +253,8 @@ class TieredStore:
                 served[i] = t if f else -1
         hits = sum(hit)
         self._count(get_hits=hits, get_misses=len(keys) - hits)
-        for offload in self._offloads:
-            offload.after_get(keys, served)
+        if self._sightings is not None:
+            self._sightings.see([k for k, t in zip(keys, served) if t >= 0])
         if any(t > 0 for t in served):
             self._promote(keys, served, rows)
         return hit
@@ -264,10 +270,8 @@ class TieredStore:
             return
         with self._slots.acquire(keys) as addresses:
             self._count(get_hits=sum(a is not None for a in addresses))
-            if self._offloads:  # a hit like a get's: second_hit counts it as a sighting
-                borrowed = [k for k, a in zip(keys, addresses) if a is not None]
-                for offload in self._offloads:
-                    offload.after_borrow(borrowed)
+            if self._sightings is not None:  # a hit like a get's: second_hit counts it as a sighting
+                self._sightings.see([k for k, a in zip(keys, addresses) if a is not None])
             yield addresses
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
