@@ -76,6 +76,8 @@ class DramTier(AddressableSlots):
         self._doomed: set[int] = set()  # removed while busy: freed when the last copy ends
         # Evicted, being handed down (key -> its slot, reserved for a new key): readable until the hand-down ends.
         self._leaving: dict[bytes, int] = {}
+        self._read_leaving: set[int] = set()  # slots acquired while leaving (rare): checked when their hand-down ends
+        self._removers = 0  # removes waiting for a hand-down (notified only then)
         self._pins = PinTable()
         self._on_evict: EvictListener | None = None
         self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
@@ -121,8 +123,10 @@ class DramTier(AddressableSlots):
         store's remove, which asks the tiers in order, finds and drops it in the tier it went to."""
         removed = []
         with self._cv:
-            if self._leaving:
+            if self._leaving and any(k in self._leaving for k in keys):
+                self._removers += 1
                 self._cv.wait_for(lambda: not any(k in self._leaving for k in keys))
+                self._removers -= 1
             for k in keys:
                 slot = self._slot_of.pop(k, None)
                 if slot is None:
@@ -178,7 +182,8 @@ class DramTier(AddressableSlots):
         n = len(keys)
         held = [True] * n
         res = Reservation(held)
-        victims: list[tuple[bytes, int]] = []  # (key, slot) evicted by this reserve, handed down after the lock
+        victims: list[bytes] = []  # evicted by this reserve (in slots ``vslots``), handed down after the lock
+        vslots: list[int] = []
         with self._lock:
             slot_of, pending = self._slot_of, self._pending
             new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
@@ -197,7 +202,7 @@ class DramTier(AddressableSlots):
             keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
                     if (len(new) < n or protect) and self._alloc.free_count < len(new) else [])
             np.add.at(self._busy, keep, 1)
-            slots = self._take_slots(len(new), victims)
+            slots = self._take_slots(len(new), victims, vslots)
             np.subtract.at(self._busy, keep, 1)
             # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool
             # map slots to the batch positions they were given, ascending.
@@ -211,7 +216,7 @@ class DramTier(AddressableSlots):
                 pending[k] = s
             self._busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
         if victims:
-            self._hand_down(victims, res)
+            self._hand_down(victims, vslots, res)
         res.addresses = self._base + np.asarray(res.slots, dtype=np.uint64) * np.uint64(self.block_bytes)
         return res
 
@@ -249,7 +254,10 @@ class DramTier(AddressableSlots):
             self._policy.access([k for k, s in zip(keys, slots) if s is not None])
             if self._leaving:  # being handed down: still readable, no longer the policy's
                 leaving = self._leaving.get
+                were = len(slots) - slots.count(None)
                 slots = [leaving(k) if s is None else s for k, s in zip(keys, slots)]
+                if len(slots) - slots.count(None) > were:
+                    self._read_leaving.update(s for k, s in zip(keys, slots) if k in self._leaving)
             hit_slots = [s for s in slots if s is not None]
             np.add.at(self._busy, hit_slots, 1)
             st = self._stats
@@ -300,9 +308,9 @@ class DramTier(AddressableSlots):
         self._declined += len(new) - len(chosen)
         return chosen
 
-    def _take_slots(self, n: int, victims: list[tuple[bytes, int]]) -> list[int]:
+    def _take_slots(self, n: int, victims: list[bytes], vslots: list[int]) -> list[int]:
         """Up to ``n`` slots, evicting where none is free; the evicted keys and their slots are appended to
-        ``victims`` and left in ``_leaving`` (the caller hands them down after releasing the lock: ``_hand_down``)."""
+        ``victims`` and ``vslots`` and left in ``_leaving`` (the caller hands them down after releasing the lock: ``_hand_down``)."""
         slots = self._alloc.alloc(n)
         short = n - len(slots)
         if short > 0:
@@ -310,38 +318,44 @@ class DramTier(AddressableSlots):
             protected = self._protected if len(self._pins) or self._busy.any() else _NOTHING
             evicted = self._policy.victims(short, protected)
             if evicted:
-                slot_of, leaving = self._slot_of, self._leaving
-                vslots = [slot_of[v] for v in evicted]
-                for v, s in zip(evicted, vslots):
+                slot_of, leaving, key_of = self._slot_of, self._leaving, self._key_of
+                taken = [slot_of[v] for v in evicted]
+                for v, s in zip(evicted, taken):
                     leaving[v] = s  # first: a lock-free contains() sees the key in one map or the other
                     del slot_of[v]
-                    self._key_of[s] = None
+                    key_of[s] = None
                 self._stats.evictions += len(evicted)
-                victims += zip(evicted, vslots)
-                slots += vslots
+                victims += evicted
+                vslots += taken
+                slots += taken
         return slots
 
-    def _hand_down(self, victims: list[tuple[bytes, int]], res: Reservation) -> None:
+    def _hand_down(self, victims: list[bytes], vslots: list[int], res: Reservation) -> None:
         """Call the eviction listener for ``victims`` (evicted by the reserve of ``res``, which holds their slots)
         with views of their bytes, with the lock released; then end their leaving state. A victim's slot that a
         reader still copies from (it acquired the block while it was leaving; a pool client's acquire lease can
         last seconds) is not waited for: it is freed when the reader is done, and its new key gets a free slot
         instead, or is refused (held False) when none is free."""
-        keys, vslots = [v for v, _ in victims], [s for _, s in victims]
         try:
             if self._on_evict is not None:
-                self._on_evict(keys, _RowViews(self._rows, vslots))
+                self._on_evict(victims, _RowViews(self._rows, vslots))
         except Exception:  # a failing demotion must not break the put that evicted
             log.exception("eviction listener failed for %d blocks; they are dropped", len(victims))
         finally:
-            with self._cv:
-                for v, s in victims:
-                    if self._leaving.get(v) == s:
-                        del self._leaving[v]
-                self._cv.notify_all()  # removes waiting for these keys
-                read = [s for s in vslots if self._busy[s] > 1]  # the reservation's own count is 1 per slot
-                if read:
-                    self._replace_read_slots(res, read)
+            with self._lock:
+                leaving = self._leaving
+                for v, s in zip(victims, vslots):
+                    if leaving.get(v) == s:
+                        del leaving[v]
+                if self._removers:
+                    self._cv.notify_all()  # removes waiting for these keys
+                if self._read_leaving:
+                    read = self._read_leaving.intersection(vslots)
+                    self._read_leaving.difference_update(read)
+                    busy = self._busy  # the reservation's own count is 1 per slot; readers add theirs
+                    read = [s for s in vslots if s in read and busy[s] > 1]
+                    if read:
+                        self._replace_read_slots(res, read)
 
     def _replace_read_slots(self, res: Reservation, read: list[int]) -> None:
         """Give the keys of ``res`` reserved in slots of ``read`` (still being read) a free slot each, or refuse
