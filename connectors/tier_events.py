@@ -27,8 +27,9 @@ Emit = Callable[[str, str, list[Any]], None]
 
 class TierEventNames:
     """Store events -> (kind, tier, engine hashes) for ``emit``. Thread-safe: the store calls
-    ``on_store_event`` from whichever thread changed a tier (DRAM's evictions under the DRAM lock); ``emit``
-    runs under this object's lock, so it must be short and must not call back into the store.
+    ``on_store_event`` from whichever thread changed a tier (DRAM's evictions: in the put that evicted, with the
+    DRAM lock released); ``emit`` runs under this object's lock, so it must be short and must not call back into
+    the store.
 
     ``holds`` (the store's ``contains``; it takes no tier lock) says whether the store still holds keys that
     the tiers which reported them have all lost: such a key keeps its hash, in a bounded table of

@@ -39,15 +39,18 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 
 
+Reclaimer = Callable[[], int]  # releases pins nobody needs any more (expired leases); returns how many holders
+
+
 class Pinnable(Protocol):
-    """What a LeaseTable needs from a store (TieredStore has both)."""
+    """What a LeaseTable needs from a store (TieredStore has all three): pins, and a hook to release expired
+    leases when the store finds no evictable space."""
 
     def pin(self, keys: Sequence[bytes]) -> list[bool]: ...
 
     def unpin(self, keys: Sequence[bytes]) -> None: ...
 
-
-Reclaimer = Callable[[], int]  # releases pins nobody needs any more (expired leases); returns how many holders
+    def add_reclaimer(self, reclaim: Reclaimer) -> None: ...
 
 
 def session_lease(session: str) -> str:
@@ -91,9 +94,7 @@ class LeaseTable:
         self._earliest = float("inf")
         self.released_by_budget = 0  # leases dropped to honour max_keys
         self.expired = 0
-        add_reclaimer: Callable[[Reclaimer], None] | None = getattr(store, "add_reclaimer", None)
-        if add_reclaimer is not None:  # a full store releases expired leases before it refuses a put
-            add_reclaimer(self.sweep)
+        store.add_reclaimer(self.sweep)  # a full store releases expired leases before it refuses a put
 
     def lease(self, name: str, keys: Sequence[bytes], ttl_s: float, priority: float = 0.0) -> list[bool]:
         """Pin the held ``keys`` under ``name`` until now + ``ttl_s``; True where the key is leased afterwards.

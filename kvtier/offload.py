@@ -18,7 +18,8 @@ On close (``write_down``) DRAM is about to vanish as if evicted whole: every blo
 eviction and the lower tier lacks is written, until a deadline; what is left when it passes is lost with the
 process (the count is logged).
 Promotion (``promote``): a block served by the lower tier is copied into DRAM as well, so the session's next
-turn finds it there; it stays on disk too, so evicting it again costs no write.
+turn finds it there; it stays on disk too, so evicting it again costs no write. The store does the copy, through
+its own put path (TieredStore._promote: one way into a tier); the offloader says whether and counts it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.blocks import BlockRows
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import AddressableSlots, RemoteTier, Tier, WriteBehindStaging
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +44,50 @@ OFFLOAD_POLICIES = ("write_through", "on_evict", "second_hit")
 Emit = Callable[[str, str, list[bytes]], None]  # (kind, tier name, keys): the store's event hook
 
 
+class Sightings:
+    """How often each recent key was put or hit: second_hit's memory. One per store, fed by the store once per
+    put, get and borrow and read by all its offloaders (so a sighting counts once, whatever the number of lower
+    tiers); the least recently seen keys beyond ``capacity`` are forgotten. Thread-safe."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def see(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            seen = self._seen
+            for k in keys:
+                seen[k] = seen.get(k, 0) + 1
+                seen.move_to_end(k)
+            while len(seen) > self._capacity:
+                seen.popitem(last=False)
+
+    def counts(self, keys: Sequence[bytes]) -> list[int]:
+        with self._lock:
+            get = self._seen.get
+            return [get(k, 0) for k in keys]
+
+
 class Offloader:
-    """Moves blocks between ``top`` and ``lower`` by ``policy``. Thread-safe. ``on_top_evict`` is called under
-    the top tier's lock and never waits; the other hooks run on the store caller's thread."""
+    """Moves blocks between ``top`` and ``lower`` by ``policy``. Thread-safe. Every hook runs on the store caller's
+    thread, outside the top tier's lock: ``on_top_evict`` inside the reserve that evicted (the victims stay readable
+    in the top tier, and their slots unwritten, until it returns), so it may write to a lower tier that stages
+    nothing, but only waits for staging memory where the policy says so (never on eviction)."""
 
     def __init__(self, top: Tier, lower: Tier, policy: str = "on_evict", *, promote: bool = True,
-                 emit: Emit | None = None, seen_capacity: int = 1 << 16, index: int = 1) -> None:
+                 emit: Emit | None = None, sightings: Sightings | None = None, index: int = 1) -> None:
         if policy not in OFFLOAD_POLICIES:
             raise ValueError(f"unknown offload policy {policy!r}; known: {', '.join(OFFLOAD_POLICIES)}")
         self.top, self.lower, self.policy, self.promote = top, lower, policy, promote
         self.index = index  # the lower tier's position in the store (the ``served`` value after_get sees)
+        # What the two tiers declare (kvtier.tiers.base), decided once here.
+        self._staging: WriteBehindStaging | None = lower if isinstance(lower, WriteBehindStaging) else None
+        self._remote: RemoteTier | None = lower if isinstance(lower, RemoteTier) else None
+        self._top_slots: AddressableSlots | None = top if isinstance(top, AddressableSlots) else None
         self._emit = emit or (lambda kind, tier, keys: None)
-        self._seen: OrderedDict[bytes, int] = OrderedDict()  # key -> sightings (second_hit), LRU-bounded
-        self._seen_capacity = seen_capacity
+        # second_hit's memory: the store's (it records each put, get and borrow there once), else an empty one.
+        self._sightings = sightings if sightings is not None else Sightings()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
@@ -64,10 +96,9 @@ class Offloader:
     def after_put(self, keys: Sequence[bytes], rows: BlockRows, refused: Sequence[bytes] = (),
                   refused_rows: BlockRows | None = None) -> None:
         """``keys`` were just stored in the top tier from ``rows``; ``refused`` (from ``refused_rows``) were
-        offered by the same put but the top tier had no room for them (rows valid during this call)."""
-        if self.policy == "second_hit":
-            self._see(keys)
-        elif self.policy == "write_through" and keys:
+        offered by the same put but the top tier had no room for them (rows valid during this call). The store
+        has recorded both as sightings already."""
+        if self.policy == "write_through" and keys:
             self._offload(list(keys), rows, wait=True)
         if refused and refused_rows is not None:
             self._refused_by_top(refused, refused_rows)
@@ -75,8 +106,6 @@ class Offloader:
     def _refused_by_top(self, keys: Sequence[bytes], rows: BlockRows) -> None:
         """Blocks the top tier could not take go down as its evictions would (write_through: all of them, waiting
         for staging memory as its puts do; the other policies: what they write on eviction, never waiting)."""
-        if self.policy == "second_hit":
-            self._see(keys)
         wanted = self._due_on_eviction(keys)
         if wanted:
             sub = rows if len(wanted) == len(keys) else BlockRows(rows.ptrs[wanted], rows.owners)
@@ -91,47 +120,30 @@ class Offloader:
     def _due_on_eviction(self, keys: Sequence[bytes]) -> list[int]:
         """Positions of ``keys`` the policy writes down when they leave the top tier: those the lower tier lacks
         (second_hit: and seen at least twice)."""
-        # This runs under the top tier's lock on eviction: a remote tier's contains is a network round trip, so
-        # it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool skips the
-        # rest if held.
+        # This runs on every eviction, inside the put that evicted: a remote tier's contains is a network round
+        # trip, so it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool
+        # skips the rest if held.
         held = self._lower_holds(keys)
         if self.policy != "second_hit":
             return [i for i, h in enumerate(held) if not h]
+        seen = self._sightings.counts(keys)
+        wanted = [i for i in range(len(keys)) if not held[i] and seen[i] >= 2]
         with self._lock:
-            wanted = [i for i, k in enumerate(keys) if not held[i] and self._seen.get(k, 0) >= 2]
             self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
         return wanted
 
-    def after_borrow(self, keys: Sequence[bytes]) -> None:
-        """``keys`` were hits read in place from the top tier (a connector's zero-copy borrow)."""
-        if self.policy == "second_hit":
-            self._see(keys)
-
-    def after_get(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
-        """``served[i]`` is the index of the tier that served key i (-1: a miss); ``rows`` hold the bytes.
-        Promotes what this offloader's lower tier served."""
-        if self.policy == "second_hit":
-            self._see([k for k, t in zip(keys, served) if t >= 0])
-        if not self.promote:
-            return
-        below = [i for i, t in enumerate(served) if t == self.index]
-        if not below:
-            return
-        up = [keys[i] for i in below]
-        held = self.top.put(up, BlockRows(rows.ptrs[below], rows.owners))
-        promoted = [k for k, h in zip(up, held) if h]
-        with self._lock:
-            self._counts["promoted"] += len(promoted)
-        self._emit("stored", self.top.name, promoted)
+    def promoted(self, n: int) -> None:
+        """The store copied ``n`` blocks this offloader's lower tier served into the top tier."""
+        if n:
+            with self._lock:
+                self._counts["promoted"] += n
 
     def write_down(self, deadline: float, chunk: int = 256) -> tuple[int, int]:
         """The store is closing: write the top tier's blocks that this policy would write on their eviction and
         the lower tier lacks (with write_through: the ones whose copy was dropped), until ``deadline``
         (time.monotonic()) has passed. Returns (written, wanted): blocks the lower tier took, of those due."""
-        from kvtier.tiers.dram import DramTier  # here, not at import: `import kvtier` must not import torch
-
-        top = self.top
-        if not isinstance(top, DramTier):
+        top = self._top_slots
+        if top is None:
             return 0, 0  # no slots to read in place (a node pool on top has no offloads anyway)
         keys = top.keys()
         want = [keys[i] for i in self._due_on_eviction(keys)] if keys else []
@@ -139,7 +151,7 @@ class Offloader:
             self._counts["close_wanted"] += len(want)
         futures: list[Future[list[bytes]]] = []
         written_now = 0
-        put_later = getattr(self.lower, "put_later", None)
+        staging = self._staging
         for i in range(0, len(want), chunk):
             if time.monotonic() >= deadline:
                 break
@@ -150,12 +162,12 @@ class Offloader:
                 part = [part[j] for j in there]
                 if not part:
                     continue
-                if put_later is None:  # no write-behind: written now
+                if staging is None:  # no write-behind: written now
                     stored = [k for k, h in zip(part, self.lower.put(part, rows)) if h]
                     self._written(stored)
                     written_now += len(stored)
                     continue
-                future = put_later(part, rows, wait=True)  # staged (copied) before it returns
+                future = staging.put_later(part, rows, wait=True)  # staged (copied) before it returns
             if future is None:
                 break  # the lower tier stopped admitting (disk full or failing): its stats say why
             future.add_done_callback(lambda f: self._written(f.result() if not f.exception() else []))
@@ -166,12 +178,11 @@ class Offloader:
 
     def _lower_holds(self, keys: Sequence[bytes]) -> list[bool]:
         # A remote tier answers from what it knows locally (sent or fetched recently), as on eviction.
-        return self.lower.held_locally(keys) if getattr(self.lower, "remote", False) else self.lower.contains(keys)
+        return self._remote.held_locally(keys) if self._remote is not None else self.lower.contains(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload queued so far is written (or failed); False on timeout."""
-        flush = getattr(self.lower, "flush", None)
-        return True if flush is None else bool(flush(timeout))
+        return True if self._staging is None else self._staging.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -182,12 +193,11 @@ class Offloader:
     def _offload(self, keys: list[bytes], blocks: Any, *, wait: bool) -> None:
         with self._lock:
             self._counts["offered"] += len(keys)
-        put_later = getattr(self.lower, "put_later", None)
-        if put_later is None:  # a lower tier without write-behind: write now (under the top tier's lock)
+        if self._staging is None:  # a lower tier without write-behind: write now (the top tier's lock is free)
             held = self.lower.put(keys, blocks)
             self._written([k for k, h in zip(keys, held) if h])
             return
-        future: Future[list[bytes]] | None = put_later(keys, blocks, wait=wait)
+        future: Future[list[bytes]] | None = self._staging.put_later(keys, blocks, wait=wait)
         if future is None:  # the lower tier does not admit (disk full or failing): its stats say why
             with self._lock:
                 self._counts["refused"] += len(keys)
@@ -199,14 +209,6 @@ class Offloader:
             self._counts["written"] += len(stored)
         self._emit("stored", self.lower.name, stored)
 
-    def _see(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            seen = self._seen
-            for k in keys:
-                seen[k] = seen.get(k, 0) + 1
-                seen.move_to_end(k)
-            while len(seen) > self._seen_capacity:
-                seen.popitem(last=False)
 
 
 

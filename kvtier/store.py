@@ -8,7 +8,7 @@ buffers alive and unchanged until then. ``put_in_place`` lends the caller top-ti
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
 thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
-tiers in order; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
+tiers in order, and what a lower tier served is promoted into the top tier through the same path; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
 expire (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners
 hear which keys each tier gained and lost (the engines' KV events and the master's directory feed on them).
 """
@@ -31,12 +31,12 @@ from kvtier.config import Config
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
-from kvtier.offload import Offloader, write_down
+from kvtier.offload import Offloader, Sightings, write_down
 from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
 from kvtier.store_types import Fill, Listener, PrefixLookup, PutResult, StoreEvent
-from kvtier.tiers.base import ObservingTier, Tier
+from kvtier.tiers.base import AddressableSlots, ObservingTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
+        # The top tier's slots, where it declares them (a DramTier; not a node pool at the top of a standalone
+        # store): what put_in_place fills and borrow lends.
+        self._slots: AddressableSlots | None = tiers[0] if isinstance(tiers[0], AddressableSlots) else None
         self.pins = PinTable()
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
@@ -68,19 +71,22 @@ class TieredStore:
         self._executor = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
         self._closed = False
         self.close_timeout_s = close_timeout_s
-        self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0}
+        self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0,
+                         "promoted": 0}
         # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py).
         # ``offload`` is one policy for every lower tier, or one per lower tier in order.
         policies = [offload] * (len(self.tiers) - 1) if isinstance(offload, str) else list(offload)
         if len(policies) != len(self.tiers) - 1:
             raise ValueError(f"{len(self.tiers) - 1} lower tiers but {len(policies)} offload policies")
-        seen = 4 * self.tiers[0].stats().capacity_bytes // self.block_bytes
         # ``promote``: one answer for every lower tier, or one per lower tier in order (a pool's, the SSD's).
         promotes = [promote] * len(policies) if isinstance(promote, bool) else list(promote)
         if len(promotes) != len(policies):
             raise ValueError(f"{len(policies)} lower tiers but {len(promotes)} promote switches")
+        # second_hit's memory of puts and hits, one for all lower tiers (recorded here, once per call).
+        self._sightings = (Sightings(4 * self.tiers[0].stats().capacity_bytes // self.block_bytes)
+                           if "second_hit" in policies else None)
         self._offloads = [Offloader(self.tiers[0], lower, policy, promote=up, emit=self._emit,
-                                    seen_capacity=seen, index=i)
+                                    sightings=self._sightings, index=i)
                           for i, (lower, policy, up) in enumerate(zip(self.tiers[1:], policies, promotes), 1)]
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
@@ -153,6 +159,8 @@ class TieredStore:
                     stored[i] = ok
         new_keys = [k for k, ok in zip(fresh_keys, stored) if ok]
         result = self._stored(keys, fresh_keys, new_keys)
+        if self._sightings is not None:
+            self._sightings.see(fresh_keys)  # stored or refused: either is a sighting
         if self._offloads and fresh:
             # What the top tier had no room for goes down as if evicted at once (write_through: the whole batch).
             stored_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if ok])
@@ -165,7 +173,7 @@ class TieredStore:
     def writes_in_place(self) -> bool:
         """Whether ``put_in_place`` works: the top tier has addressable slots (a DramTier; not the node pool
         at the top of a standalone store)."""
-        return hasattr(self.tiers[0], "reserve") and hasattr(self.tiers[0], "commit")
+        return self._slots is not None
 
     def put_in_place(self, keys: Sequence[bytes], fill: Fill) -> PutResult:
         """put() with one copy fewer: the caller writes the blocks straight into the top tier's slots.
@@ -179,16 +187,16 @@ class TieredStore:
         ``writes_in_place`` is False (use put).
         """
         check_keys(keys)
-        top = self.tiers[0]
-        if not self.writes_in_place:
-            raise TypeError(f"the top tier {top.name!r} has no addressable slots to fill in place; use put")
+        top = self._slots
+        if top is None:
+            raise TypeError(f"the top tier {self.tiers[0].name!r} has no addressable slots to fill in place; use put")
         reservations: list[tuple[Any, list[int]]] = []  # (a tier reservation, its slots' batch positions)
         with self._claim(keys) as fresh:
             fresh_keys = [keys[i] for i in fresh]
             try:
                 # The batch's blocks the top tier holds are protected: never evicted to make room for the new
                 # ones (a block evicted meanwhile is simply not protected: it is not reserved either).
-                own = [k for k, h in zip(keys, top.contains(keys)) if h] if fresh else []
+                own = [k for k, h in zip(keys, self.tiers[0].contains(keys)) if h] if fresh else []
                 todo = list(range(len(fresh)))
                 while todo:
                     res = top.reserve([fresh_keys[i] for i in todo], protect=own)
@@ -204,6 +212,8 @@ class TieredStore:
                     fill(index, slots)
                     # Offloaded before the commit, while the slots are reserved: once published, a concurrent
                     # remove or eviction could give a slot to another block while write-through reads it.
+                    if self._sightings is not None:
+                        self._sightings.see(new_keys)
                     for offload in self._offloads:
                         offload.after_put(new_keys, slots)
             except BaseException:
@@ -252,8 +262,10 @@ class TieredStore:
                 served[i] = t if f else -1
         hits = sum(hit)
         self._count(get_hits=hits, get_misses=len(keys) - hits)
-        for offload in self._offloads:
-            offload.after_get(keys, served, rows)
+        if self._sightings is not None:
+            self._sightings.see([k for k, t in zip(keys, served) if t >= 0])
+        if any(t > 0 for t in served):
+            self._promote(keys, served, rows)
         return hit
 
     @contextmanager
@@ -262,16 +274,13 @@ class TieredStore:
         the block exits; they cannot be evicted meanwhile. Zero-copy reads for callers that copy straight
         from the slots (a connector's scatter into engine KV); ``get`` the None ones as usual."""
         check_keys(keys)
-        acquire = getattr(self.tiers[0], "acquire", None)
-        if acquire is None:  # a top tier without addressable slots
+        if self._slots is None:  # a top tier without addressable slots
             yield [None] * len(keys)
             return
-        with acquire(keys) as addresses:
+        with self._slots.acquire(keys) as addresses:
             self._count(get_hits=sum(a is not None for a in addresses))
-            if self._offloads:  # a hit like a get's: second_hit counts it as a sighting
-                borrowed = [k for k, a in zip(keys, addresses) if a is not None]
-                for offload in self._offloads:
-                    offload.after_borrow(borrowed)
+            if self._sightings is not None:  # a hit like a get's: second_hit counts it as a sighting
+                self._sightings.see([k for k, a in zip(keys, addresses) if a is not None])
             yield addresses
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -413,10 +422,33 @@ class TieredStore:
 
         return on_evict
 
+    def _promote(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
+        """Copy into the top tier what a lower tier served (``served[i]``: the index of the tier that served key
+        i), where that tier's offloader promotes: the session's next turn finds it there, and it stays below
+        too, so evicting it again costs no write. Through put's claim, so a key another thread is putting or
+        promoting right now is written once; counted (``promoted``, per tier in the offload stats) and announced
+        as put's blocks are."""
+        up = [i for i, t in enumerate(served) if t > 0 and self._offloads[t - 1].promote]
+        if not up:
+            return
+        up_keys = [keys[i] for i in up]
+        with self._claim(up_keys, self.tiers[0].contains(up_keys)) as fresh:
+            fresh_keys = [up_keys[j] for j in fresh]
+            stored = self.tiers[0].put(fresh_keys, _subset(rows, [up[j] for j in fresh])) if fresh else []
+        promoted = [j for j, ok in zip(fresh, stored) if ok]
+        if not promoted:
+            return
+        self._count(promoted=len(promoted))
+        for offload in self._offloads:
+            offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
+        self._emit("stored", self.tiers[0].name, [up_keys[j] for j in promoted])
+
     @contextmanager
-    def _claim(self, keys: Sequence[bytes]) -> Iterator[list[int]]:
-        """Positions of the keys no tier holds and no other put is writing: in flight until the block exits."""
-        held = self.contains(keys)
+    def _claim(self, keys: Sequence[bytes], held: list[bool] | None = None) -> Iterator[list[int]]:
+        """Positions of the keys no tier holds (or, given ``held``, those it marks False) and no other put is
+        writing: in flight until the block exits."""
+        if held is None:
+            held = self.contains(keys)
         inflight = self._inflight
         with self._lock:
             fresh = []

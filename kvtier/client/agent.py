@@ -125,7 +125,9 @@ class NodeAgent:
         budget the store gets if it has none yet). Attaches to the store's events; call ``start()`` next.
         Remote tiers (a PoolTier: blocks in kvtier-pool daemons, which report them themselves) are not the
         node's own."""
-        local = [t for t in store.tiers if not getattr(t, "remote", False)]
+        from kvtier.tiers.base import RemoteTier  # here: a router importing kvtier.client needs no tier code
+
+        local = [t for t in store.tiers if not isinstance(t, RemoteTier)]
         by_name = {t.name: t for t in local}
         on_hints = kw.pop("on_hints", None)
         if on_hints is None:

@@ -2,9 +2,11 @@
 
 from typing import Any
 
-from kvtier.tiers.base import EvictListener, Tier, TierStats
+from kvtier.tiers.base import (AddressableSlots, EvictListener, RemoteTier, Reservation, Tier, TierStats,
+                               WriteBehindStaging)
 
-__all__ = ["DramTier", "EvictListener", "Tier", "TierStats"]
+__all__ = ["AddressableSlots", "DramTier", "EvictListener", "RemoteTier", "Reservation", "Tier", "TierStats",
+           "WriteBehindStaging"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,21 +1,33 @@
 """The Tier protocol: what TieredStore needs from each level below the engine's HBM.
 
-Tiers are an ordered list in the store (DRAM first, then SSD, then the remote pool), so a new tier slots in
+Tiers are an ordered list in the store (DRAM first, then the remote pool, then the SSD), so a new tier slots in
 without changing the store's callers. Every method is batch-first and thread-safe; ``put`` and ``get`` block
 the calling thread until the bytes are copied (the store runs them on its I/O threads for the async calls).
+
+What a tier can do beyond ``Tier`` is declared by the classes it derives from, never found by probing for a
+method: ``AddressableSlots`` (host-memory slots a caller fills or reads in place: DramTier),
+``WriteBehindStaging`` (stages blocks and writes them in the background: DiskTier, PoolTier) and ``RemoteTier``
+(its blocks live in other processes: PoolTier). The store and its offloaders check them once when built.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from kvtier.pins import PinTable
 from kvtier.policies.observations import Observations
 
 # Called with the keys a tier evicts and read-only views of their bytes, before the space is reused, so
-# the store can demote them to the next tier. The views are valid only during the call.
+# the store can demote them to the next tier. The views are valid only during the call. DramTier calls it with
+# its lock released (a demotion may write to a disk or a pool, a listener may ask a master); it must not call
+# the tier's remove for those keys (remove waits for their hand-down to end).
 EvictListener = Callable[[Sequence[bytes], Sequence[Any]], None]
 
 
@@ -77,3 +89,70 @@ class ObservingTier(Protocol):
 
     def observe(self, batch: Observations) -> None:
         """Pass a resolved batch (sessions and times filled in) to the policy, under the tier's lock."""
+
+
+@dataclass
+class Reservation:
+    """Slots reserved for keys by ``AddressableSlots.reserve``; hand it back to ``commit`` exactly once.
+
+    ``held[i]`` is True where key i is held after the put (already stored, in flight elsewhere, or reserved
+    here); ``index[j]`` is the position in the caller's batch of the j-th reserved slot, ``addresses[j]`` its
+    host address (the caller writes the block there between reserve and commit).
+    """
+
+    held: list[bool]
+    keys: list[bytes] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+    addresses: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
+
+
+class AddressableSlots(ABC):
+    """Declares a tier whose blocks sit in fixed-size slots of host memory a caller can address (DramTier).
+
+    Two-phase writes: ``reserve`` takes slots and returns their addresses, the caller fills them, ``commit``
+    publishes the keys (or gives the slots back). Zero-copy reads: ``acquire`` lends the addresses of held
+    blocks until its context exits (nothing evicts or reuses them meanwhile). The store's ``put_in_place`` and
+    ``borrow`` work only over a top tier that declares this; the pool daemon receives bytes straight into them.
+    """
+
+    @abstractmethod
+    def reserve(self, keys: Sequence[bytes], protect: Sequence[bytes] = ()) -> Reservation:
+        """Take a slot for each key not held or in flight (never evicting a block of ``keys`` or ``protect``)."""
+
+    @abstractmethod
+    def commit(self, res: Reservation, success: bool = True) -> None:
+        """Publish the reserved keys (or, with success=False, give their slots back)."""
+
+    @abstractmethod
+    def acquire(self, keys: Sequence[bytes]) -> AbstractContextManager[list[int | None]]:
+        """Addresses of held blocks (None for misses), readable until the context exits."""
+
+    @abstractmethod
+    def keys(self) -> list[bytes]:
+        """Every key held now (a snapshot)."""
+
+
+class WriteBehindStaging(ABC):
+    """Declares a tier that can take blocks without the caller waiting for its device or network: ``put_later``
+    copies them into the tier's own staging memory before it returns (the caller's buffer is free at once)
+    and writes them in the background (DiskTier, PoolTier). The store's offloaders use it instead of ``put``."""
+
+    @abstractmethod
+    def put_later(self, keys: Sequence[bytes], blocks: Any, *, wait: bool) -> Future[list[bytes]] | None:
+        """Stage the blocks now, write them later; the Future gives the keys the tier then holds. Without
+        ``wait`` blocks that find no staging memory are dropped; None when the tier does not admit at all."""
+
+    @abstractmethod
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block staged so far is written (or failed); False on timeout."""
+
+
+class RemoteTier(ABC):
+    """Declares a tier whose blocks live in other processes (the kvtier-pool daemons, PoolTier): its
+    ``contains`` may be a network round trip, so offloads ask ``held_locally`` instead, and a node's agent
+    does not report the tier's blocks as the node's own (the pools report them)."""
+
+    @abstractmethod
+    def held_locally(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys this process knows the tier holds without asking it (sent or fetched recently)."""

@@ -4,6 +4,11 @@ Runs in the engine process (embedded mode) or in the node pool daemon. Thread-sa
 lock, byte copies outside it, so two threads copy at once. A slot being copied is *busy*: eviction skips it
 and a remove() of its key frees it only when the copy is done, so a reader never sees its bytes reused.
 
+Evictions are handed down outside the lock: the eviction listener (the store's offloads, which may write to a
+disk or a pool synchronously when they stage nothing, and its event listeners, which may ask a master) runs
+after the lock is released, before ``reserve`` returns the victims' slots to their new owner. Meanwhile the
+victims are *leaving*: still held and readable here, so a block on its way down is never in neither place.
+
 Writes are two-phase, as in vLLM's offloading manager: ``reserve`` takes slots (evicting if needed) and
 returns their addresses, the caller fills them, ``commit`` publishes the keys. ``put`` is reserve + one
 batched copy + commit; the pool daemon uses reserve/commit to receive bytes straight into slots.
@@ -15,7 +20,6 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,28 +31,13 @@ from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations, make_policy
 from kvtier.policies.guard import GuardedPolicy
-from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.base import AddressableSlots, EvictListener, Reservation, TierStats
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Reservation:
-    """Slots reserved for keys by ``DramTier.reserve``; hand it back to ``commit`` exactly once.
-
-    ``held[i]`` is True where key i is held after the put (already stored, in flight elsewhere, or reserved
-    here); ``index[j]`` is the position in the caller's batch of the j-th reserved slot.
-    """
-
-    held: list[bool]
-    keys: list[bytes] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    index: list[int] = field(default_factory=list)
-    addresses: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
-
-
-class DramTier:
+class DramTier(AddressableSlots):
     """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here.
 
     ``policy`` (a name or import path, ``default`` by default) decides evictions and, with ``admission``, which
@@ -77,6 +66,7 @@ class DramTier:
         self._copy_threads = copy_threads
         self._alloc = SlotAllocator(num_slots)
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # removes wait here for keys being handed down
         self._slot_of: dict[bytes, int] = {}
         self._policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self._slot_of.keys, "DRAM tier")
         self._admission = admission
@@ -84,6 +74,10 @@ class DramTier:
         self._pending: dict[bytes, int] = {}  # key -> slot reserved, being written
         self._busy = np.zeros(num_slots, dtype=np.int32)  # in-flight copies per slot
         self._doomed: set[int] = set()  # removed while busy: freed when the last copy ends
+        # Evicted, being handed down (key -> its slot, reserved for a new key): readable until the hand-down ends.
+        self._leaving: dict[bytes, int] = {}
+        self._read_leaving: set[int] = set()  # slots acquired while leaving (rare): checked when their hand-down ends
+        self._removers = 0  # removes waiting for a hand-down (notified only then)
         self._pins = PinTable()
         self._on_evict: EvictListener | None = None
         self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
@@ -101,8 +95,10 @@ class DramTier:
             self._on_evict = on_evict
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        slot_of = self._slot_of
-        return [k in slot_of for k in keys]  # dict reads are atomic under the GIL
+        # Dict reads are atomic under the GIL. A victim enters _leaving before it leaves _slot_of, so a key
+        # being evicted is in one of the two throughout.
+        slot_of, leaving = self._slot_of, self._leaving
+        return [k in slot_of or k in leaving for k in keys]
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
@@ -123,8 +119,14 @@ class DramTier:
         return hit
 
     def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop keys; a key being handed down to a lower tier is waited for first (outside the lock), so that the
+        store's remove, which asks the tiers in order, finds and drops it in the tier it went to."""
         removed = []
-        with self._lock:
+        with self._cv:
+            if self._leaving and any(k in self._leaving for k in keys):
+                self._removers += 1
+                self._cv.wait_for(lambda: not any(k in self._leaving for k in keys))
+                self._removers -= 1
             for k in keys:
                 slot = self._slot_of.pop(k, None)
                 if slot is None:
@@ -180,6 +182,8 @@ class DramTier:
         n = len(keys)
         held = [True] * n
         res = Reservation(held)
+        victims: list[bytes] = []  # evicted by this reserve (in slots ``vslots``), handed down after the lock
+        vslots: list[int] = []
         with self._lock:
             slot_of, pending = self._slot_of, self._pending
             new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
@@ -198,7 +202,7 @@ class DramTier:
             keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
                     if (len(new) < n or protect) and self._alloc.free_count < len(new) else [])
             np.add.at(self._busy, keep, 1)
-            slots = self._take_slots(len(new))
+            slots = self._take_slots(len(new), victims, vslots)
             np.subtract.at(self._busy, keep, 1)
             # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool
             # map slots to the batch positions they were given, ascending.
@@ -211,7 +215,9 @@ class DramTier:
             for k, s in zip(res.keys, slots):
                 pending[k] = s
             self._busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
-        res.addresses = self._base + np.asarray(slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        if victims:
+            self._hand_down(victims, vslots, res)
+        res.addresses = self._base + np.asarray(res.slots, dtype=np.uint64) * np.uint64(self.block_bytes)
         return res
 
     def commit(self, res: Reservation, success: bool = True) -> None:
@@ -245,9 +251,15 @@ class DramTier:
         with self._lock:
             get = self._slot_of.get
             slots = [get(k) for k in keys]
+            self._policy.access([k for k, s in zip(keys, slots) if s is not None])
+            if self._leaving:  # being handed down: still readable, no longer the policy's
+                leaving = self._leaving.get
+                were = len(slots) - slots.count(None)
+                slots = [leaving(k) if s is None else s for k, s in zip(keys, slots)]
+                if len(slots) - slots.count(None) > were:
+                    self._read_leaving.update(s for k, s in zip(keys, slots) if k in self._leaving)
             hit_slots = [s for s in slots if s is not None]
             np.add.at(self._busy, hit_slots, 1)
-            self._policy.access([k for k, s in zip(keys, slots) if s is not None])
             st = self._stats
             st.hits += len(hit_slots)
             st.misses += len(slots) - len(hit_slots)
@@ -296,25 +308,78 @@ class DramTier:
         self._declined += len(new) - len(chosen)
         return chosen
 
-    def _take_slots(self, n: int) -> list[int]:
+    def _take_slots(self, n: int, victims: list[bytes], vslots: list[int]) -> list[int]:
+        """Up to ``n`` slots, evicting where none is free; the evicted keys and their slots are appended to
+        ``victims`` and ``vslots`` and left in ``_leaving`` (the caller hands them down after releasing the lock: ``_hand_down``)."""
         slots = self._alloc.alloc(n)
         short = n - len(slots)
         if short > 0:
             # With nothing pinned or being copied (the common case) skip the per-candidate check.
             protected = self._protected if len(self._pins) or self._busy.any() else _NOTHING
-            victims = self._policy.victims(short, protected)
-            if victims:
-                vslots = [self._slot_of.pop(v) for v in victims]
-                if self._on_evict is not None:
-                    try:
-                        self._on_evict(victims, _RowViews(self._rows, vslots))
-                    except Exception:  # a failing demotion must not break the put that evicted
-                        log.exception("eviction listener failed for %d blocks; they are dropped", len(victims))
-                for s in vslots:
-                    self._key_of[s] = None
-                self._stats.evictions += len(victims)
-                slots += vslots
+            evicted = self._policy.victims(short, protected)
+            if evicted:
+                slot_of, leaving, key_of = self._slot_of, self._leaving, self._key_of
+                taken = [slot_of[v] for v in evicted]
+                for v, s in zip(evicted, taken):
+                    leaving[v] = s  # first: a lock-free contains() sees the key in one map or the other
+                    del slot_of[v]
+                    key_of[s] = None
+                self._stats.evictions += len(evicted)
+                victims += evicted
+                vslots += taken
+                slots += taken
         return slots
+
+    def _hand_down(self, victims: list[bytes], vslots: list[int], res: Reservation) -> None:
+        """Call the eviction listener for ``victims`` (evicted by the reserve of ``res``, which holds their slots)
+        with views of their bytes, with the lock released; then end their leaving state. A victim's slot that a
+        reader still copies from (it acquired the block while it was leaving; a pool client's acquire lease can
+        last seconds) is not waited for: it is freed when the reader is done, and its new key gets a free slot
+        instead, or is refused (held False) when none is free."""
+        try:
+            if self._on_evict is not None:
+                self._on_evict(victims, _RowViews(self._rows, vslots))
+        except Exception:  # a failing demotion must not break the put that evicted
+            log.exception("eviction listener failed for %d blocks; they are dropped", len(victims))
+        finally:
+            with self._lock:
+                leaving = self._leaving
+                for v, s in zip(victims, vslots):
+                    if leaving.get(v) == s:
+                        del leaving[v]
+                if self._removers:
+                    self._cv.notify_all()  # removes waiting for these keys
+                if self._read_leaving:
+                    read = self._read_leaving.intersection(vslots)
+                    self._read_leaving.difference_update(read)
+                    busy = self._busy  # the reservation's own count is 1 per slot; readers add theirs
+                    read = [s for s in vslots if s in read and busy[s] > 1]
+                    if read:
+                        self._replace_read_slots(res, read)
+
+    def _replace_read_slots(self, res: Reservation, read: list[int]) -> None:
+        """Give the keys of ``res`` reserved in slots of ``read`` (still being read) a free slot each, or refuse
+        them; the read slots are freed when their readers finish (lock held)."""
+        drop = set()
+        for s in read:
+            j = res.slots.index(s)
+            k = res.keys[j]
+            self._busy[s] -= 1
+            self._doomed.add(s)
+            if self._pending.get(k) == s:  # else removed meanwhile (remove() doomed the slot): nothing to store
+                fresh = self._alloc.alloc(1)
+                if fresh:
+                    res.slots[j] = fresh[0]
+                    self._pending[k] = fresh[0]
+                    self._busy[fresh[0]] += 1
+                    continue
+                del self._pending[k]
+            res.held[res.index[j]] = False
+            drop.add(j)
+        if drop:
+            self._stats.rejected += len(drop)
+            keep = [j for j in range(len(res.slots)) if j not in drop]
+            res.keys, res.slots, res.index = ([xs[j] for j in keep] for xs in (res.keys, res.slots, res.index))
 
     def _free_idle_doomed(self) -> None:
         self._alloc.free_idle(self._doomed, self._busy)

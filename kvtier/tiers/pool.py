@@ -39,7 +39,7 @@ from kvtier.backoff import Backoff, Clock
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
-from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.base import EvictListener, RemoteTier, TierStats, WriteBehindStaging
 from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
 from kvtier.tiers.pool_writer import PoolWriter
@@ -68,13 +68,12 @@ class _Pool:
         return self.health.up()
 
 
-class PoolTier:
+class PoolTier(WriteBehindStaging, RemoteTier):
     """Blocks in one or more kvtier-pools. ``transport``: auto, stream, tcp, rdma or shm (see
     kvtier.transport.connection.connect); ``copy_threads``: the shm transport's threads per copy (0: by batch
     size)."""
 
     name = "pool"
-    remote = True  # a NodeAgent for the engine does not report this tier as the engine's own
 
     def __init__(self, block_bytes: int, route: PoolRoute, *, transport: str = "auto", timeout_s: float = 0.5,
                  connections: int = 4, staging_bytes: int = 256 << 20, dtypes: Sequence[str] = (),

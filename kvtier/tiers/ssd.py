@@ -46,7 +46,7 @@ from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations, make_policy
 from kvtier.policies.guard import GuardedPolicy
 from kvtier.private import private_dir
-from kvtier.tiers.base import EvictListener, TierStats
+from kvtier.tiers.base import EvictListener, TierStats, WriteBehindStaging
 from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 from kvtier.tiers.ssd_index import DiskIndex, IndexFault
 from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
@@ -58,7 +58,7 @@ from kvtier.tiers.ssd_write import WriteBehind, WritePath
 log = logging.getLogger(__name__)
 
 
-class DiskTier(WritePath):
+class DiskTier(WritePath, WriteBehindStaging):
     """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk.
 
     One DiskTier per directory (a lock file enforces it, across processes too). All methods are thread-safe
