@@ -155,7 +155,7 @@ class DiskWriter:
         files = self._dev.files
         try:
             self._index.write(delete=victims)  # before their slots are overwritten: no entry points at new bytes
-            sums = write_slots(self._dev, [keys[i] for i in index], slots, ptrs[index])  # type: ignore[arg-type]
+            sums = write_slots(self._dev, [keys[i] for i in index], slots, ptrs[index])
             if self._fsync:
                 files.sync(sorted({files.place(s)[0] for s in slots}))
             self._index.write(put=self._entries(keys, index, slots, sums))
