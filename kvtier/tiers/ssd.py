@@ -99,7 +99,7 @@ class DiskTier(WriteBehindStaging):
         self._fsync = fsync
         self._fingerprint = xxhash.xxh3_64_intdigest(f"{fingerprint}|{block_bytes}".encode())
         self._dtypes = tuple(dtypes)
-        self._slots = DiskSlots(self.name, num_slots, self.capacity_bytes, policy, clock, self.path)  # metadata, one lock
+        self._slots = DiskSlots(self.name, num_slots, self.capacity_bytes, policy, clock, self.path)
         self._closed = False
         try:
             self._index = self._open_index(map_size=max(64 << 20, num_slots * 256))
