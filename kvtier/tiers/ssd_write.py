@@ -78,8 +78,9 @@ def _write_run(dev: SlotDevice, keys: list[bytes], first_slot: int, ptrs: np.nda
 
 
 class DiskWriter:
-    """A DiskTier's write pipeline and the only code that changes its index. Thread-safe: it works on the
-    tier's DiskSlots under their lock, and does its I/O outside it.
+    """A DiskTier's write pipeline and, once the tier is open (ssd_restore.py prunes it before), the only code
+    that changes its index. Thread-safe: it works on the tier's DiskSlots under their lock, and does its I/O
+    outside it.
 
     One batch: reserve slots (evicting if needed) -> delete the victims' index entries -> write the blocks in
     parallel and checksum them -> fdatasync the segments -> commit the new entries -> publish them in memory.
