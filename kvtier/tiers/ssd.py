@@ -21,6 +21,10 @@ Buffer ownership: ``put`` writes from the caller's blocks (directly when they ar
 through an aligned bounce copy) and returns when they are durable; ``get`` reads into the caller's ``out``
 (directly when aligned, else through a bounce buffer); ``put_later`` copies the blocks into staging memory
 before it returns and writes them in the background (see ssd_write.py).
+
+Composition: DiskTier owns the slot bookkeeping (``DiskSlots``) and the files and I/O threads (``SlotDevice``),
+both in ssd_slots.py, and hands them to the ``DiskWriter`` (writes, index updates) and ``WriteBehind``
+(ssd_write.py) it composes and to ``read_slots`` (ssd_read.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ import errno
 import logging
 import os
 import shutil
-import threading
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -43,22 +45,22 @@ import xxhash
 from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
 from kvtier.pins import PinTable
-from kvtier.policies import Clock, Observations, make_policy
+from kvtier.policies import Clock, Observations
 from kvtier.policies.guard import GuardedPolicy
 from kvtier.private import private_dir
 from kvtier.tiers.base import EvictListener, TierStats, WriteBehindStaging
-from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
 from kvtier.tiers.ssd_index import DiskIndex, IndexFault
 from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
                                  probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
 from kvtier.tiers.ssd_restore import restore_index
-from kvtier.tiers.ssd_write import WriteBehind, WritePath
+from kvtier.tiers.ssd_slots import DiskSlots, SlotDevice
+from kvtier.tiers.ssd_write import DiskWriter, WriteBehind
 
 log = logging.getLogger(__name__)
 
 
-class DiskTier(WritePath, WriteBehindStaging):
+class DiskTier(WriteBehindStaging):
     """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk.
 
     One DiskTier per directory (a lock file enforces it, across processes too). All methods are thread-safe
@@ -97,24 +99,7 @@ class DiskTier(WritePath, WriteBehindStaging):
         self._fsync = fsync
         self._fingerprint = xxhash.xxh3_64_intdigest(f"{fingerprint}|{block_bytes}".encode())
         self._dtypes = tuple(dtypes)
-        self._lock = threading.Lock()
-        self._alloc = SlotAllocator(num_slots)
-        self._slot_of: dict[bytes, int] = {}  # committed blocks
-        # The policy reads time from ``clock`` and learns what the engine knows (``observe``); one that raises
-        # is logged once and replaced by LRU order (GuardedPolicy).
-        self._policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self._slot_of.keys, "SSD tier")
-        self._pending: dict[bytes, int] = {}  # key -> slot being written
-        self._staged: dict[bytes, int] = {}  # key -> staging address: queued for write-behind, readable
-        self._checksum = np.zeros(num_slots, dtype=np.uint64)
-        self._busy = np.zeros(num_slots, dtype=np.int32)  # in-flight reads/writes (and unindexed removals)
-        self._doomed: set[int] = set()  # slots to free when no longer busy
-        self._seq = 0
-        self._pins = PinTable()
-        self._on_evict: EvictListener | None = None
-        self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
-        self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
-        self._counts: Counter[str] = Counter()
-        self._stopped = ""  # why the tier stopped admitting; "" while it admits
+        self._slots = DiskSlots(self.name, num_slots, self.capacity_bytes, policy, clock, self.path)
         self._closed = False
         try:
             self._index = self._open_index(map_size=max(64 << 20, num_slots * 256))
@@ -123,33 +108,36 @@ class DiskTier(WritePath, WriteBehindStaging):
             os.close(self._dir_lock)
             raise
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-ssd-io")
+        self._dev = SlotDevice(self._files, self._io, block_bytes, self.slot_bytes, self.direct)
         # Bounce buffers for unaligned callers always exist; write-behind copies only when staging_bytes > 0.
         self._staging = StagingPool(self.slot_bytes, max(2, staging_bytes // self.slot_bytes))
-        self._writer = WriteBehind(self, max_batch=max(1, (64 << 20) // self.slot_bytes)) if staging_bytes else None
+        self._disk = DiskWriter(self._slots, self._dev, self._index, self._staging, fsync=fsync,
+                                fingerprint=self._fingerprint)
+        self._behind = (WriteBehind(self._slots, self._staging, self._write_batch, block_bytes,
+                                    max_batch=max(1, (64 << 20) // self.slot_bytes)) if staging_bytes else None)
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
 
     @property
     def observes(self) -> bool:
         """Whether this tier's policy learns from observations (TieredStore.observe sends them only then)."""
-        return self._policy.observes
+        return self._slots.policy.observes
 
     def observe(self, batch: Observations) -> None:
         """Hand the policy a batch of observations (sessions and times filled in: TieredStore.observe)."""
-        with self._lock:
-            self._policy.observe(batch)
+        with self._slots.lock:
+            self._slots.policy.observe(batch)
 
     def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
         """Pins keep blocks from eviction; ``on_evict(keys, [])`` hears evictions and blocks dropped as damaged
         (failed checksums or reads, ``check()``) (no views: nothing below this tier to demote them to)."""
-        with self._lock:
-            self._pins = pins
-            self._protected.pins = pins
-            self._on_evict = on_evict
+        with self._slots.lock:
+            self._slots.protected.pins = pins
+            self._slots.on_evict = on_evict
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Committed blocks and blocks queued for write-behind (readable from staging meanwhile)."""
-        slot_of, staged = self._slot_of, self._staged
+        slot_of, staged = self._slots.slot_of, self._slots.staged
         return [k in slot_of or k in staged for k in keys]  # dict reads are atomic under the GIL
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
@@ -158,7 +146,7 @@ class DiskTier(WritePath, WriteBehindStaging):
         True where the key is held afterwards; False where refused (no evictable slot, or admission stopped).
         """
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
-        return self.store_rows(keys, rows.ptrs)[0]
+        return self._disk.store_rows(keys, rows.ptrs)[0]
 
     def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
         """Read held blocks into ``out``, all of a batch's reads in flight together; verify every checksum.
@@ -169,28 +157,29 @@ class DiskTier(WritePath, WriteBehindStaging):
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
         hit = [False] * len(keys)
         reads: list[tuple[int, int, int]] = []  # (index in batch, slot, checksum)
-        with self._lock:
+        b = self._slots
+        with b.lock:
             for i, k in enumerate(keys):
-                s = self._slot_of.get(k)
+                s = b.slot_of.get(k)
                 if s is not None:
-                    reads.append((i, s, int(self._checksum[s])))
-                elif k in self._staged:  # still on its way to disk: serve the staged copy
-                    copy_rows(rows.ptrs[i : i + 1], np.array([self._staged[k]], np.uint64), self.block_bytes)
+                    reads.append((i, s, int(b.checksum[s])))
+                elif k in b.staged:  # still on its way to disk: serve the staged copy
+                    copy_rows(rows.ptrs[i : i + 1], np.array([b.staged[k]], np.uint64), self.block_bytes)
                     hit[i] = True
             slots = [s for _, s, _ in reads]
-            np.add.at(self._busy, slots, 1)
-            self._policy.access([keys[i] for i, _, _ in reads])
+            np.add.at(b.busy, slots, 1)
+            b.policy.access([keys[i] for i, _, _ in reads])
         failures: list[ReadFailure] = []
         try:
             if reads:
-                failures = read_slots(self, keys, rows.ptrs, reads)
+                failures = read_slots(self._dev, keys, rows.ptrs, reads)
         finally:
             failed = {f.index for f in failures}
             for i, _, _ in reads:
                 hit[i] = i not in failed
             self._after_reads(keys, slots, failures)
-        with self._lock:
-            st = self._stats
+        with b.lock:
+            st = b.stats
             st.hits += sum(hit)
             st.misses += len(keys) - sum(hit)
             st.get_bytes += sum(hit) * self.block_bytes
@@ -201,33 +190,35 @@ class DiskTier(WritePath, WriteBehindStaging):
         committed: list[bytes] = []
         freed: list[int] = []
         held = 0
-        with self._lock:
+        b = self._slots
+        with b.lock:
             for k in keys:
-                s = self._slot_of.pop(k, None)
+                s = b.slot_of.pop(k, None)
                 if s is not None:
                     committed.append(k)
                     freed.append(s)
-                    self._doomed.add(s)
-                    self._busy[s] += 1  # hold the slot until the index forgets the key (crash ordering)
+                    b.doomed.add(s)
+                    b.busy[s] += 1  # hold the slot until the index forgets the key (crash ordering)
                     held += 1
-                elif self._staged.pop(k, None) is not None:
+                elif b.staged.pop(k, None) is not None:
                     held += 1
-                s = self._pending.pop(k, None)
+                s = b.pending.pop(k, None)
                 if s is not None:
-                    self._doomed.add(s)  # the writer sees the key gone and frees the slot when done
-            self._policy.remove(committed)
-        self._unindex(committed, freed)
+                    b.doomed.add(s)  # the writer sees the key gone and frees the slot when done
+            b.policy.remove(committed)
+        self._disk.unindex(committed, freed)
         return held
 
     def stats(self) -> TierStats:
-        with self._lock:
-            s = self._stats
-            s.blocks = len(self._slot_of)
-            s.used_bytes = self._alloc.used_count * self.slot_bytes
-            s.extra = {"admitting": not self._stopped, "stopped_reason": self._stopped, "path": str(self.path),
+        b = self._slots
+        with b.lock:
+            s = b.stats
+            s.blocks = len(b.slot_of)
+            s.used_bytes = b.alloc.used_count * self.slot_bytes
+            s.extra = {"admitting": not b.stopped, "stopped_reason": b.stopped, "path": str(self.path),
                        "direct_io": self.direct, "fsync": self._fsync, "slot_bytes": self.slot_bytes,
-                       "segments": self._files.num_segments, "staged": len(self._staged),
-                       "pending": len(self._pending), "staging_in_use": self._staging.in_use, **self._counts}
+                       "segments": self._files.num_segments, "staged": len(b.staged),
+                       "pending": len(b.pending), "staging_in_use": self._staging.in_use, **b.counts}
             return s
 
     def close(self) -> None:
@@ -235,8 +226,8 @@ class DiskTier(WritePath, WriteBehindStaging):
         if self._closed:
             return
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()
+        if self._behind is not None:
+            self._behind.close()
         self._io.shutdown(wait=True)
         self._files.close()
         self._index.close()
@@ -246,8 +237,9 @@ class DiskTier(WritePath, WriteBehindStaging):
 
     def keys(self) -> list[bytes]:
         """Every key held now, committed or queued for write-behind (a snapshot, as DramTier.keys)."""
-        with self._lock:
-            return [*self._slot_of, *(k for k in self._staged if k not in self._slot_of)]
+        b = self._slots
+        with b.lock:
+            return [*b.slot_of, *(k for k in b.staged if k not in b.slot_of)]
 
     def put_later(self, keys: Sequence[bytes], blocks: Any, *, wait: bool) -> Future[list[bytes]] | None:
         """Copy blocks into staging memory now and write them in the background; the Future gives the keys
@@ -257,18 +249,18 @@ class DiskTier(WritePath, WriteBehindStaging):
 
         With write-behind off (``staging_bytes=0``) the blocks are written before this returns.
         """
-        if self._stopped or self._closed:
+        if self._slots.stopped or self._closed:
             return None
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
-        if self._writer is None:
+        if self._behind is None:
             done: Future[list[bytes]] = Future()
-            done.set_result(self.store_rows(keys, rows.ptrs)[1])
+            done.set_result(self._disk.store_rows(keys, rows.ptrs)[1])
             return done
-        return self._writer.submit(keys, rows.ptrs, wait=wait)
+        return self._behind.submit(keys, rows.ptrs, wait=wait)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write-behind block is on disk (or failed); False on timeout."""
-        return True if self._writer is None else self._writer.flush(timeout)
+        return True if self._behind is None else self._behind.flush(timeout)
 
     def check(self) -> int:
         """Drop blocks whose segment file was deleted, replaced or truncated under us; return how many.
@@ -283,42 +275,47 @@ class DiskTier(WritePath, WriteBehindStaging):
                 doomed_segments.add(seg)
                 self._files.forget(seg)
         place = self._files.place
-        with self._lock:
-            failures = [ReadFailure(-1, s, "segment_file_gone", None, k) for k, s in self._slot_of.items()
+        with self._slots.lock:
+            failures = [ReadFailure(-1, s, "segment_file_gone", None, k) for k, s in self._slots.slot_of.items()
                         if place(s)[0] in doomed_segments or sizes.get(place(s)[0], 0) < place(s)[1] + self.slot_bytes]
         self._after_reads([], [], failures)
         return len(failures)
 
-    # ---- shared internals ------------------------------------------------------------------------------
+    # ---- internals ----------------------------------------------------------------------------------------
 
-    def stop_admitting(self, err: OSError, what: str) -> None:
-        """Refuse new blocks from now on (the disk is full or failing); logged once, reason in stats."""
-        with self._lock:
-            first = not self._stopped
-            if first:
-                self._stopped = f"{errno.errorcode.get(err.errno or 0, err.errno)} on {what}: {err.strerror}"
-        if first:
-            log.error("SSD tier at %s stopped admitting blocks after %s; it keeps serving the blocks it holds "
-                      "and the store keeps serving from DRAM. Cause: %s", self.path, what, err)
+    # Read-only views into DiskSlots, named as DramTier's (tests locate a block's bytes and inspect the policy).
+    @property
+    def _slot_of(self) -> dict[bytes, int]:
+        return self._slots.slot_of
+
+    @property
+    def _policy(self) -> GuardedPolicy:
+        return self._slots.policy
+
+    def _write_batch(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool
+                     ) -> tuple[list[bool], list[bytes]]:
+        """Where write-behind's batches reach the disk (DiskWriter.write_batch); a subclass may hold them here."""
+        return self._disk.write_batch(keys, ptrs, staged=staged)
 
     def _after_reads(self, keys: Sequence[bytes], slots: Sequence[int], failures: Sequence[ReadFailure]) -> None:
         """Release read slots; drop blocks that failed (a miss, counted, never data)."""
         dropped: list[bytes] = []
         freed: list[int] = []
-        with self._lock:
-            np.subtract.at(self._busy, list(slots), 1)
+        b = self._slots
+        with b.lock:
+            np.subtract.at(b.busy, list(slots), 1)
             for f in failures:
                 k = f.key if f.key is not None else keys[f.index]
-                self._counts[f.reason] += 1
-                if self._slot_of.get(k) == f.slot:
-                    del self._slot_of[k]
+                b.counts[f.reason] += 1
+                if b.slot_of.get(k) == f.slot:
+                    del b.slot_of[k]
                     dropped.append(k)
                     freed.append(f.slot)
-                    self._doomed.add(f.slot)
-                    self._busy[f.slot] += 1  # held until unindexed
-            self._policy.remove(dropped)
-            self._free_idle_doomed()
-        self._report_gone(dropped)
+                    b.doomed.add(f.slot)
+                    b.busy[f.slot] += 1  # held until unindexed
+            b.policy.remove(dropped)
+            b.free_idle_doomed()
+        b.report_gone(dropped)
         if failures:
             f = failures[0]
             log.warning("SSD tier: %d blocks failed (%s), served as misses and dropped; first: key %s slot %d%s",
@@ -326,26 +323,8 @@ class DiskTier(WritePath, WriteBehindStaging):
                         (f.key or keys[f.index]).hex(), f.slot, f": {f.error}" if f.error else "")
             eio = next((x.error for x in failures if x.error is not None and x.error.errno == errno.EIO), None)
             if eio is not None:
-                self.stop_admitting(eio, "read")
-        self._unindex(dropped, freed)
-
-    def _unindex(self, keys: list[bytes], held_slots: Sequence[int] = ()) -> None:
-        """Delete keys from the index, then release ``held_slots`` (slots kept busy so that they are not
-        reused while an entry on disk still points at them)."""
-        if keys:
-            try:
-                self._index.write(delete=keys)
-            except OSError as e:  # the entries stay on disk; their keyed checksums fail if the slot is reused
-                with self._lock:
-                    self._counts["index_errors"] += 1
-                self.stop_admitting(e, "index update")
-        if len(held_slots):
-            with self._lock:
-                np.subtract.at(self._busy, list(held_slots), 1)
-                self._free_idle_doomed()
-
-    def _free_idle_doomed(self) -> None:
-        self._alloc.free_idle(self._doomed, self._busy)
+                b.stop_admitting(eio, "read")
+        self._disk.unindex(dropped, freed)
 
     # ---- opening -----------------------------------------------------------------------------------------
 
@@ -373,17 +352,18 @@ class DiskTier(WritePath, WriteBehindStaging):
     def _restore(self, index: DiskIndex) -> None:
         """Load the index, keeping only entries the segment files can back (warm restart)."""
         found = restore_index(index, self._files, self.block_bytes, self._fingerprint)
+        b = self._slots  # nothing else sees the tier yet: no lock needed
         for slot, key, checksum in found.blocks:
-            self._slot_of[key] = slot
-            self._checksum[slot] = checksum
-        self._policy.insert([key for _, key, _ in found.blocks])  # oldest write first: eviction order survives
+            b.slot_of[key] = slot
+            b.checksum[slot] = checksum
+        b.policy.insert([key for _, key, _ in found.blocks])  # oldest write first: eviction order survives
         if found.blocks:  # take the used slots out of the allocator; the lowest free slot stays on top
             used = np.array([slot for slot, _, _ in found.blocks], dtype=np.int64)
-            self._alloc.alloc(self._files.num_slots)
-            self._alloc.free(np.setdiff1d(np.arange(self._files.num_slots), used).tolist())
-        self._seq = found.next_seq
-        self._counts["restored"] = len(found.blocks)
-        self._counts.update({f"dropped_at_open_{r}": n for r, n in found.dropped.items()})
+            b.alloc.alloc(self._files.num_slots)
+            b.alloc.free(np.setdiff1d(np.arange(self._files.num_slots), used).tolist())
+        b.seq = found.next_seq
+        b.counts["restored"] = len(found.blocks)
+        b.counts.update({f"dropped_at_open_{r}": n for r, n in found.dropped.items()})
 
     def _choose_direct_io(self, mode: str) -> bool:
         if mode == "false":

@@ -3,7 +3,8 @@
 Consecutive slots of one segment become one preadv (vectored into the caller's rows when they are aligned for
 O_DIRECT), spread over the tier's I/O threads, so a prefix's reads are all in flight together. A row that
 is not aligned goes through a per-thread aligned bounce buffer and is copied out only after it verified.
-Called by DiskTier.get with the slots marked busy (they cannot be reused during the reads).
+Called by DiskTier.get with the slots marked busy (they cannot be reused during the reads); it needs only the
+tier's SlotDevice (files, I/O threads, sizes), none of its bookkeeping.
 """
 
 from __future__ import annotations
@@ -13,15 +14,12 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.tiers.ssd_index import block_checksum
-from kvtier.tiers.ssd_io import ALIGN, aligned_empty, raw_view
-
-if TYPE_CHECKING:
-    from kvtier.tiers.ssd import DiskTier
+from kvtier.tiers.ssd_io import aligned_empty, raw_view
+from kvtier.tiers.ssd_slots import SlotDevice
 
 RUN_BYTES = 8 << 20  # one I/O call moves at most this much: enough to stream, small enough to spread
 
@@ -49,21 +47,21 @@ class _Run:
     reads: list[tuple[int, int, int]]  # (batch index, slot, checksum)
 
 
-def read_slots(tier: DiskTier, keys: Sequence[bytes], ptrs: np.ndarray, reads: Sequence[tuple[int, int, int]]
+def read_slots(dev: SlotDevice, keys: Sequence[bytes], ptrs: np.ndarray, reads: Sequence[tuple[int, int, int]]
                ) -> list[ReadFailure]:
     """Read ``reads`` = (batch index, slot, checksum) into the rows at ``ptrs``; return the failures."""
-    max_run = max(1, RUN_BYTES // tier.slot_bytes)
-    place = tier._files.place
+    max_run = max(1, RUN_BYTES // dev.slot_bytes)
+    place = dev.files.place
     runs: list[_Run] = []
     for r in sorted(reads, key=lambda r: r[1]):
-        direct = _lands_direct(tier, int(ptrs[r[0]]))
+        direct = dev.lands_direct(int(ptrs[r[0]]))
         last = runs[-1] if runs else None
         if (last is not None and direct and last.direct and r[1] == last.reads[-1][1] + 1
                 and len(last.reads) < max_run and place(r[1])[0] == place(last.reads[0][1])[0]):
             last.reads.append(r)
         else:
             runs.append(_Run(direct, [r]))
-    futures = [tier._io.submit(_read_run, tier, keys, ptrs, run) for run in runs]
+    futures = [dev.io.submit(_read_run, dev, keys, ptrs, run) for run in runs]
     wait(futures)  # every read has finished with the caller's rows before we return (or raise)
     failures: list[ReadFailure] = []
     for f in futures:
@@ -71,21 +69,17 @@ def read_slots(tier: DiskTier, keys: Sequence[bytes], ptrs: np.ndarray, reads: S
     return failures
 
 
-def _lands_direct(tier: DiskTier, address: int) -> bool:
-    return tier.slot_bytes == tier.block_bytes and (not tier.direct or address % ALIGN == 0)
-
-
-def _read_run(tier: DiskTier, keys: Sequence[bytes], ptrs: np.ndarray, run: _Run) -> list[ReadFailure]:
-    bb, sb = tier.block_bytes, tier.slot_bytes
+def _read_run(dev: SlotDevice, keys: Sequence[bytes], ptrs: np.ndarray, run: _Run) -> list[ReadFailure]:
+    bb, sb = dev.block_bytes, dev.slot_bytes
     if not run.direct:
         i, slot, checksum = run.reads[0]
-        return _read_bounced(tier, keys[i], i, slot, checksum, int(ptrs[i]))
+        return _read_bounced(dev, keys[i], i, slot, checksum, int(ptrs[i]))
     views = [raw_view(int(ptrs[i]), sb) for i, _, _ in run.reads]
     try:
-        got = tier._files.read(run.reads[0][1], views)
+        got = dev.files.read(run.reads[0][1], views)
     except OSError as e:
         if len(run.reads) > 1:  # find which blocks are bad: the others are still good data
-            return [f for r in run.reads for f in _read_run(tier, keys, ptrs, _Run(True, [r]))]
+            return [f for r in run.reads for f in _read_run(dev, keys, ptrs, _Run(True, [r]))]
         i, slot, _ = run.reads[0]
         ctypes.memset(int(ptrs[i]), 0, bb)
         return [ReadFailure(i, slot, "read_errors", e)]
@@ -102,21 +96,21 @@ def _read_run(tier: DiskTier, keys: Sequence[bytes], ptrs: np.ndarray, run: _Run
     return failures
 
 
-def _read_bounced(tier: DiskTier, key: bytes, i: int, slot: int, checksum: int, dst: int) -> list[ReadFailure]:
+def _read_bounced(dev: SlotDevice, key: bytes, i: int, slot: int, checksum: int, dst: int) -> list[ReadFailure]:
     bufs = getattr(_bounce, "bufs", None)
     if bufs is None:
         bufs = _bounce.bufs = {}
-    buf = bufs.get(tier.slot_bytes)
+    buf = bufs.get(dev.slot_bytes)
     if buf is None:
-        buf = bufs[tier.slot_bytes] = aligned_empty(tier.slot_bytes)
-    view = raw_view(int(buf.ctypes.data), tier.slot_bytes)
+        buf = bufs[dev.slot_bytes] = aligned_empty(dev.slot_bytes)
+    view = raw_view(int(buf.ctypes.data), dev.slot_bytes)
     try:
-        got = tier._files.read(slot, [view])
+        got = dev.files.read(slot, [view])
     except OSError as e:
         return [ReadFailure(i, slot, "read_errors", e)]
-    if got < tier.slot_bytes:
+    if got < dev.slot_bytes:
         return [ReadFailure(i, slot, "short_reads")]
-    if block_checksum(view[: tier.block_bytes], key) != checksum:
+    if block_checksum(view[: dev.block_bytes], key) != checksum:
         return [ReadFailure(i, slot, "checksum_failures")]
-    ctypes.memmove(dst, int(buf.ctypes.data), tier.block_bytes)
+    ctypes.memmove(dst, int(buf.ctypes.data), dev.block_bytes)
     return []
