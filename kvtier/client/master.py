@@ -129,6 +129,39 @@ def _all_failed(op: str, errors: list[MasterError]) -> MasterError:
     return cls("timeout" if cls is MasterTimeout else wire.ERR_UNAVAILABLE, f"{op}: no master served it: {text}")
 
 
+class _Attempts:
+    """One call's walk over the masters, without I/O: MasterClient and AsyncMasterClient ask the masters in
+    ``order`` and report each outcome here, which decides whether the call ends (an answer, or an error another
+    master would give too) or goes on to the next master, and keeps ``failover`` told."""
+
+    def __init__(self, failover: Failover, op: str) -> None:
+        self.failover = failover
+        self.op = op
+        self.order = failover.order()
+        self.errors: list[MasterError] = []
+
+    def replied(self, i: int, ok: bool, body: Mapping[str, Any]) -> bool:
+        """Master i replied: True for an answer to return; an error reply raises, or is False where the next
+        master may serve the call."""
+        if ok:
+            self.failover.answered(i, self.order[0])
+            return True
+        self.failed(i, _error(body))
+        return False
+
+    def failed(self, i: int, e: MasterError) -> None:
+        """Master i failed the call with ``e``: raised where another master would not serve it either."""
+        if not _retryable(e):
+            self.failover.answered(i, self.order[0])
+            raise e
+        self.failover.failed(i)
+        self.errors.append(e)
+
+    def exhausted(self) -> MasterError:
+        """The error to raise once every master in ``order`` failed the call."""
+        return _all_failed(self.op, self.errors)
+
+
 def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zmq.Socket[Any]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -170,23 +203,16 @@ class MasterClient:
 
     def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        errors: list[MasterError] = []
-        order = self.failover.order()
-        for i in order:
+        attempts = _Attempts(self.failover, c.op)
+        for i in attempts.order:
             try:
                 ok, body = self._call_one(i, c, timeout)
-                if not ok:
-                    raise _error(body)
             except MasterError as e:
-                if not _retryable(e):
-                    self.failover.answered(i, order[0])
-                    raise
-                self.failover.failed(i)
-                errors.append(e)
+                attempts.failed(i, e)
                 continue
-            self.failover.answered(i, order[0])
-            return c.parse(body)
-        raise _all_failed(c.op, errors)
+            if attempts.replied(i, ok, body):
+                return c.parse(body)
+        raise attempts.exhausted()
 
     def _call_one(self, i: int, c: Call[T], timeout: float) -> tuple[bool, dict[str, Any]]:
         endpoint = self.endpoints[i]
@@ -302,23 +328,16 @@ class AsyncMasterClient:
 
     async def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        errors: list[MasterError] = []
-        order = self.failover.order()
-        for i in order:
+        attempts = _Attempts(self.failover, c.op)
+        for i in attempts.order:
             try:
                 ok, body = await self._call_one(i, c, timeout)
-                if not ok:
-                    raise _error(body)
             except MasterError as e:
-                if not _retryable(e):
-                    self.failover.answered(i, order[0])
-                    raise
-                self.failover.failed(i)
-                errors.append(e)
+                attempts.failed(i, e)
                 continue
-            self.failover.answered(i, order[0])
-            return c.parse(body)
-        raise _all_failed(c.op, errors)
+            if attempts.replied(i, ok, body):
+                return c.parse(body)
+        raise attempts.exhausted()
 
     async def _call_one(self, i: int, c: Call[T], timeout: float) -> tuple[bool, dict[str, Any]]:
         sock = self._socks[i]
