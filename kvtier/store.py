@@ -7,10 +7,12 @@ buffers alive and unchanged until then. ``put_in_place`` lends the caller top-ti
 ``fill`` returns (a caller that produces the blocks itself, an engine connector's gather, skips its staging).
 
 What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
-thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once); a get falls through the
-tiers in order, and what a lower tier served is promoted into the top tier through the same path; pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that
-expire (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners
-hear which keys each tier gained and lost (the engines' KV events and the master's directory feed on them).
+thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once: inflight.py); a get falls
+through the tiers in order, and what a lower tier served is promoted into the top tier through the same path;
+pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that expire
+(``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners hear
+which keys each tier gained and lost (the engines' KV events and the master's directory feed on them). Which
+tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -28,13 +30,15 @@ import numpy as np
 
 from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
+from kvtier.inflight import InflightPuts
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
-from kvtier.offload import Offloader, Sightings, write_down
+from kvtier.offload import write_down
 from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
+from kvtier.store_build import offloads_between, tiers_from_config
 from kvtier.store_types import Fill, Listener, PrefixLookup, PutResult, StoreEvent
 from kvtier.tiers.base import AddressableSlots, ObservingTier, Tier
 
@@ -63,7 +67,7 @@ class TieredStore:
         self.pins = PinTable()
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
-        self._inflight: dict[bytes, int] = {}  # key -> number of puts writing it (normally 1)
+        self._inflight = InflightPuts()  # what put skips: keys another thread is writing now
         self._listeners: list[Listener] = []
         self._reclaimers: list[Callable[[], int]] = []  # release stale pins (expired leases) when full
         # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
@@ -73,21 +77,9 @@ class TieredStore:
         self.close_timeout_s = close_timeout_s
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0,
                          "promoted": 0}
-        # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py).
-        # ``offload`` is one policy for every lower tier, or one per lower tier in order.
-        policies = [offload] * (len(self.tiers) - 1) if isinstance(offload, str) else list(offload)
-        if len(policies) != len(self.tiers) - 1:
-            raise ValueError(f"{len(self.tiers) - 1} lower tiers but {len(policies)} offload policies")
-        # ``promote``: one answer for every lower tier, or one per lower tier in order (a pool's, the SSD's).
-        promotes = [promote] * len(policies) if isinstance(promote, bool) else list(promote)
-        if len(promotes) != len(policies):
-            raise ValueError(f"{len(policies)} lower tiers but {len(promotes)} promote switches")
-        # second_hit's memory of puts and hits, one for all lower tiers (recorded here, once per call).
-        self._sightings = (Sightings(4 * self.tiers[0].stats().capacity_bytes // self.block_bytes)
-                           if "second_hit" in policies else None)
-        self._offloads = [Offloader(self.tiers[0], lower, policy, promote=up, emit=self._emit,
-                                    sightings=self._sightings, index=i)
-                          for i, (lower, policy, up) in enumerate(zip(self.tiers[1:], policies, promotes), 1)]
+        # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py);
+        # second_hit's memory of puts and hits is one for all lower tiers (recorded here, once per call).
+        self._offloads, self._sightings = offloads_between(self.tiers, offload, promote, self._emit)
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
         # What the engine knows about requests and agents, for the tiers whose policies learn from it.
@@ -104,44 +96,9 @@ class TieredStore:
         small private DRAM); distributed: DRAM, then remote pools, then the SSD if any. ``clock``: where the
         store and its policies read time (``time.monotonic``; a replay passes its virtual clock)."""
         cfg = Config.load(config)
-        block_bytes = layout if isinstance(layout, int) else layout.nbytes
-        cfg.check_block_bytes(block_bytes)  # every size that holds no block fails before any tier is built
-        dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
-        tiers: list[Tier] = []
-        offload: list[str] = []
-        promote: list[bool] = []  # per lower tier, as offload
-        dram_capacity = cfg.standalone_dram_capacity if cfg.mode == "standalone" else cfg.dram_capacity
-        if dram_capacity:
-            from kvtier.tiers.dram import DramTier
-
-            # Admission (a full DRAM declining a put's blocks) only where DRAM is the last tier: a block it
-            # declined would reach no tier below it (offloads take what DRAM stored or evicts).
-            last = cfg.mode == "embedded" and not cfg.ssd_path
-            tiers.append(DramTier(dram_capacity, block_bytes, policy=cfg.eviction,
-                                  shm_path=cfg.dram_shm_path or None, pin_memory=cfg.dram_pin_memory,
-                                  prefault=cfg.dram_prefault, copy_threads=cfg.copy_threads, dtypes=dtypes,
-                                  clock=clock, admission=last))
-        if cfg.mode != "embedded":
-            from kvtier.tiers.pool import PoolTier
-
-            tiers.append(PoolTier.from_config(cfg, block_bytes, dtypes))
-            offload.append(cfg.pool_offload)
-            promote.append(cfg.pool_promotes)
-        if cfg.ssd_path:
-            from kvtier.tiers.ssd import DiskTier
-
-            fingerprint = "" if isinstance(layout, int) else layout.fingerprint
-            tiers.append(DiskTier(cfg.ssd_path, cfg.ssd_capacity, block_bytes, segment_bytes=cfg.ssd_segment_bytes,
-                                  policy=cfg.ssd_eviction, direct_io=cfg.ssd_direct_io, fsync=cfg.ssd_fsync,
-                                  io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
-                                  fingerprint=fingerprint, dtypes=dtypes, clock=clock))
-            offload.append(cfg.ssd_offload)
-            promote.append(cfg.ssd_promote)
-        if not dram_capacity:
-            # the pool is the top tier: nothing above it offloads into it (or promotes out of it)
-            offload, promote = offload[1:], promote[1:]
-        return cls(tiers, io_threads=cfg.io_threads, dtypes=dtypes, offload=offload, promote=promote,
-                   close_timeout_s=cfg.close_timeout_s, clock=clock)
+        parts = tiers_from_config(cfg, layout, clock)
+        return cls(parts.tiers, io_threads=cfg.io_threads, dtypes=parts.dtypes, offload=parts.offload,
+                   promote=parts.promote, close_timeout_s=cfg.close_timeout_s, clock=clock)
 
     # ---- writes ----------------------------------------------------------------------------------------
 
@@ -443,28 +400,10 @@ class TieredStore:
             offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
         self._emit("stored", self.tiers[0].name, [up_keys[j] for j in promoted])
 
-    @contextmanager
-    def _claim(self, keys: Sequence[bytes], held: list[bool] | None = None) -> Iterator[list[int]]:
+    def _claim(self, keys: Sequence[bytes], held: list[bool] | None = None) -> AbstractContextManager[list[int]]:
         """Positions of the keys no tier holds (or, given ``held``, those it marks False) and no other put is
         writing: in flight until the block exits."""
-        if held is None:
-            held = self.contains(keys)
-        inflight = self._inflight
-        with self._lock:
-            fresh = []
-            for i, k in enumerate(keys):
-                if not held[i] and k not in inflight:
-                    inflight[k] = 1
-                    fresh.append(i)
-        try:
-            yield fresh
-        finally:
-            with self._lock:
-                for i in fresh:
-                    if inflight[keys[i]] == 1:
-                        del inflight[keys[i]]
-                    else:
-                        inflight[keys[i]] -= 1
+        return self._inflight.claim(keys, self.contains(keys) if held is None else held)
 
     def _stored(self, keys: Sequence[bytes], fresh_keys: list[bytes], new_keys: list[bytes]) -> PutResult:
         """Count, log and announce what a put stored in the top tier."""

@@ -1,0 +1,36 @@
+"""InflightPuts: the keys a put (or a promotion) is writing into a TieredStore's top tier right now."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+
+class InflightPuts:
+    """Which keys some thread is writing now, so that a concurrent put of the same key (sessions sharing a prefix)
+    is skipped instead of written twice. One per TieredStore; thread-safe (its own lock, held only to update the
+    set, never across a write)."""
+
+    def __init__(self) -> None:
+        self._keys: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @contextmanager
+    def claim(self, keys: Sequence[bytes], held: Sequence[bool]) -> Iterator[list[int]]:
+        """Positions of the keys ``held`` marks False that no other claim holds (a key repeated in ``keys``: its
+        first position), in flight until the block exits."""
+        fresh: list[int] = []
+        with self._lock:
+            for i, k in enumerate(keys):
+                if not held[i] and k not in self._keys:
+                    self._keys.add(k)
+                    fresh.append(i)
+        try:
+            yield fresh
+        finally:
+            with self._lock:
+                self._keys.difference_update(keys[i] for i in fresh)
