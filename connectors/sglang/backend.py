@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -50,6 +51,7 @@ from .pagestore import PageStore
 from .settings import BackendSettings, split_extra_config
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GB = 1e9
 METRICS_KEPT = 4096  # samples of each StorageMetrics list kept between two get_stats calls
@@ -141,51 +143,29 @@ class KVTierHiCacheStorage(HiCacheStorage):
     # ---- the v1 zero-copy calls -------------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        try:
-            store = self._ready()
-            if not page_keys_ok(keys):
-                raise ValueError("page keys must be non-empty strings")
-            return store.exists(keys)
-        except Exception:
-            self._log("exists", logging.ERROR, "kvtier: batch_exists of %d pages failed; reported as 0 hits",
-                      len(keys), exc_info=True)
-            return 0
-        finally:
-            self._publish()
+        return self._guarded("exists", "batch_exists", keys, "reported as 0 hits", 0, lambda store: store.exists(keys))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         start = time.perf_counter()
-        try:
-            store = self._ready()
-            if not page_keys_ok(keys):
-                raise ValueError("page keys must be non-empty strings")
+
+        def load(store: PageStore) -> list[bool]:
             hit = store.get_pages(keys, host_indices)
             self._sample(self._prefetch_pgs, self._prefetch_bw, sum(hit), start)
             return hit
-        except Exception:
-            self._log("get", logging.ERROR, "kvtier: batch_get_v1 of %d pages failed; reported as misses", len(keys),
-                      exc_info=True)
-            return [False] * len(keys)
-        finally:
-            self._publish()
+
+        return self._guarded("get", "batch_get_v1", keys, "reported as misses", [False] * len(keys), load)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         start = time.perf_counter()
-        try:
-            store = self._ready()
-            if not page_keys_ok(keys):
-                raise ValueError("page keys must be non-empty strings")
+
+        def save(store: PageStore) -> list[bool]:
             ok = store.set_pages(keys, host_indices, self._hints(extra_info))
             self._sample(self._backup_pgs, self._backup_bw, sum(ok), start)
             return ok
-        except Exception:
-            self._log("set", logging.ERROR, "kvtier: batch_set_v1 of %d pages failed; none stored", len(keys),
-                      exc_info=True)
-            return [False] * len(keys)
-        finally:
-            self._publish()
+
+        return self._guarded("set", "batch_set_v1", keys, "none stored", [False] * len(keys), save)
 
     # ---- the flat-tensor calls (interface_v1 off) ---------------------------------------------------------
 
@@ -195,19 +175,15 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
                   ) -> list[torch.Tensor | None]:
         start = time.perf_counter()
-        try:
-            store = self._ready()
-            if target_locations is None or len(target_locations) != len(keys) or not page_keys_ok(keys):
+
+        def load(store: PageStore) -> list[torch.Tensor | None]:
+            if target_locations is None or len(target_locations) != len(keys):
                 raise ValueError(f"{len(keys)} page keys need as many target tensors")
             hit = store.get_flat(keys, target_locations)
             self._sample(self._prefetch_pgs, self._prefetch_bw, sum(hit), start)
             return [t if h else None for t, h in zip(target_locations, hit)]
-        except Exception:
-            self._log("get", logging.ERROR, "kvtier: batch_get of %d pages failed; reported as misses", len(keys),
-                      exc_info=True)
-            return [None] * len(keys)
-        finally:
-            self._publish()
+
+        return self._guarded("get", "batch_get", keys, "reported as misses", [None] * len(keys), load)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
@@ -215,19 +191,15 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         start = time.perf_counter()
-        try:
-            store = self._ready()
-            if values is None or len(values) != len(keys) or not page_keys_ok(keys):
+
+        def save(store: PageStore) -> bool:
+            if values is None or len(values) != len(keys):
                 raise ValueError(f"{len(keys)} page keys need as many page tensors")
             ok = store.set_flat(keys, values)
             self._sample(self._backup_pgs, self._backup_bw, sum(ok), start)
             return all(ok)
-        except Exception:
-            self._log("set", logging.ERROR, "kvtier: batch_set of %d pages failed; none stored", len(keys),
-                      exc_info=True)
-            return False
-        finally:
-            self._publish()
+
+        return self._guarded("set", "batch_set", keys, "none stored", False, save)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -298,6 +270,23 @@ class KVTierHiCacheStorage(HiCacheStorage):
             raise RuntimeError("kvtier: the backend has no host pool yet (SGLang calls register_mem_pool_host and "
                                "on_host_pools_registered first) or is closed")
         return self.page_store
+
+    def _guarded(self, kind: str, call: str, keys: list[str], failed: str, fallback: T,
+                 run: Callable[[PageStore], T]) -> T:
+        """``run`` on the page store, for one of SGLang's data calls: with checked page keys, any failure logged
+        (as ``kind``, rate-limited) and answered by ``fallback``, never raised into SGLang; the KV events the
+        call produced published either way."""
+        try:
+            store = self._ready()
+            if not page_keys_ok(keys):
+                raise ValueError("page keys must be non-empty strings")
+            return run(store)
+        except Exception:
+            self._log(kind, logging.ERROR, "kvtier: %s of %d pages failed; %s", call, len(keys), failed,
+                      exc_info=True)
+            return fallback
+        finally:
+            self._publish()
 
     def _hints(self, extra_info: HiCacheStorageExtraInfo | None) -> Hints | None:
         if extra_info is None or not extra_info.extra_info or self.settings.hint_max_fraction <= 0:
