@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.blocks import BlockRows
+from kvtier.blocks import BlockRows, block_rows
 from kvtier.hostmem import HostBuffer
 from kvtier.keys import Namespace
 from kvtier.leases import session_lease
@@ -209,8 +209,8 @@ class PageStore:
         with self._save_staging.lend() as rows:
             for lo in range(0, len(todo), len(rows)):
                 part = todo[lo : lo + len(rows)]
-                staging = rows[: len(part)]
-                self.pages.to_blocks(segments[part], _row_ptrs(staging))
+                staging = block_rows(rows[: len(part)], len(part), self.pages.block_bytes)
+                self.pages.to_blocks(segments[part], staging.ptrs)
                 result = self.store.put([keys[i] for i in part], staging)
                 stored += result.stored
                 skipped += result.skipped
@@ -228,11 +228,11 @@ class PageStore:
         with self._load_staging.lend() as rows:
             for lo in range(0, len(keys), len(rows)):
                 part = keys[lo : lo + len(rows)]
-                staging = rows[: len(part)]
+                staging = block_rows(rows[: len(part)], len(part), self.pages.block_bytes, writable=True)
                 got = self.store.get(part, staging)
                 index = [j for j, h in enumerate(got) if h]
                 if index:
-                    self.pages.from_blocks(_row_ptrs(staging)[index], segments[lo:lo + len(part)][index])
+                    self.pages.from_blocks(staging.ptrs[index], segments[lo:lo + len(part)][index])
                 hit += got
         return hit
 
@@ -247,8 +247,3 @@ class PageStore:
         with self._lock:
             for k, v in deltas.items():
                 self.counts[k] += v
-
-
-def _row_ptrs(rows: torch.Tensor) -> np.ndarray:
-    base = rows.data_ptr()
-    return np.uint64(base) + np.arange(len(rows), dtype=np.uint64) * np.uint64(rows.shape[1])
