@@ -12,10 +12,10 @@ call fails only when every master failed it, after at most one timeout per maste
 be retried this way: the node ops carry sequence numbers and incarnations, hints and forget are idempotent.
 
 Every call has a timeout (``timeout_s`` per master asked); a call that times out raises MasterTimeout, and the
-sync client rebuilds that socket so the next call starts clean. zmq reconnects by itself when the master restarts on the
-same endpoint. A reply to an earlier, timed-out request is recognised by its req_id and dropped. An error
-reply raises MasterError with the daemon's code and message (MasterUnknownNode for ERR_UNKNOWN_NODE; an op
-the client's key has no role for is ERR_FORBIDDEN, its message naming the role it needs).
+sync client rebuilds that socket so the next call starts clean. zmq reconnects by itself when the master
+restarts on the same endpoint. A reply to an earlier, timed-out request is recognised by its req_id and
+dropped. An error reply raises MasterError with the daemon's code and message (MasterUnknownNode for
+ERR_UNKNOWN_NODE; an op the client's key has no role for is ERR_FORBIDDEN, its message naming the role it needs).
 
 With ``auth`` (kvtier.auth.ClientKeys, for a master started with --auth-dir) the socket is a CurveZMQ
 client. A master that refuses the keys, or wants keys the client lacks, stays silent: a timeout before any
@@ -90,9 +90,8 @@ class Failover:
     def __init__(self, endpoints: list[str], backoff_s: tuple[float, float] = FAILOVER_BACKOFF_S,
                  clock: Clock = time.monotonic) -> None:
         self.endpoints = endpoints
-        self.first_s, self.max_s = backoff_s
         self.preferred = 0
-        self._health = [Backoff(self.first_s, self.max_s, clock=clock) for _ in endpoints]
+        self._health = [Backoff(*backoff_s, clock=clock) for _ in endpoints]
         self._lock = threading.Lock()
         self.failovers = 0  # calls answered by another master than the one asked first
 
@@ -116,19 +115,6 @@ class Failover:
             self._health[i].failed()
 
 
-def _retryable(e: MasterError) -> bool:
-    """Another master may serve what this one did not: it did not answer, or cannot record writes now."""
-    return isinstance(e, MasterTimeout) or e.code == wire.ERR_UNAVAILABLE
-
-
-def _all_failed(op: str, errors: list[MasterError]) -> MasterError:
-    if len(errors) == 1:
-        return errors[0]
-    text = "; ".join(str(e) for e in errors)
-    cls = MasterTimeout if all(isinstance(e, MasterTimeout) for e in errors) else MasterError
-    return cls("timeout" if cls is MasterTimeout else wire.ERR_UNAVAILABLE, f"{op}: no master served it: {text}")
-
-
 class _Attempts:
     """One call's walk over the masters, without I/O: MasterClient and AsyncMasterClient ask the masters in
     ``order`` and report each outcome here, which decides whether the call ends (an answer, or an error another
@@ -150,16 +136,22 @@ class _Attempts:
         return False
 
     def failed(self, i: int, e: MasterError) -> None:
-        """Master i failed the call with ``e``: raised where another master would not serve it either."""
-        if not _retryable(e):
+        """Master i failed the call with ``e``: raised where another master would not serve it either (only
+        one that did not answer, or cannot record writes now, is worth asking the next)."""
+        if not (isinstance(e, MasterTimeout) or e.code == wire.ERR_UNAVAILABLE):
             self.failover.answered(i, self.order[0])
             raise e
         self.failover.failed(i)
         self.errors.append(e)
 
     def exhausted(self) -> MasterError:
-        """The error to raise once every master in ``order`` failed the call."""
-        return _all_failed(self.op, self.errors)
+        """The error to raise once every master in ``order`` failed the call: its own where one was asked."""
+        if len(self.errors) == 1:
+            return self.errors[0]
+        text = "; ".join(str(e) for e in self.errors)
+        if all(isinstance(e, MasterTimeout) for e in self.errors):
+            return MasterTimeout("timeout", f"{self.op}: no master served it: {text}")
+        return MasterError(wire.ERR_UNAVAILABLE, f"{self.op}: no master served it: {text}")
 
 
 def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zmq.Socket[Any]:
