@@ -181,9 +181,18 @@ class NodeRegistry:
     def mark_retired(self, locations: list[int]) -> None:
         """Locations whose bits may still be in the directory but that no node owns (before a sweep)."""
         for loc in locations:
-            while loc >= len(self._owner):
-                self._owner.append(None)
-            self._owner[loc] = None
+            self._set_owner(loc, None)
+
+    def _set_owner(self, loc: int, owner: tuple[str, str] | None) -> None:
+        """Number ``loc`` as held by ``owner`` (None: unowned), numbering every location below it too."""
+        if loc >= len(self._owner):
+            self._owner.extend([None] * (loc + 1 - len(self._owner)))
+        self._owner[loc] = owner
+
+    def _claim(self, node: Node) -> None:
+        """Mark the locations a restored node already holds (``node.locations``) as its own."""
+        for tier, loc in node.locations.items():
+            self._set_owner(loc, (node.node_id, tier))
 
     # ---- node lifecycle --------------------------------------------------------------------------------
 
@@ -395,10 +404,7 @@ class NodeRegistry:
                     set(snap["locations"]) == set(tiers):
                 node.applied_seq = snap["seq"]
                 node.locations = dict(snap["locations"])
-                for tier, loc in node.locations.items():
-                    while loc >= len(self._owner):
-                        self._owner.append(None)
-                    self._owner[loc] = (node.node_id, tier)
+                self._claim(node)
             self.nodes[node.node_id] = node
         self._changed()
 
@@ -420,10 +426,7 @@ class NodeRegistry:
                         locations=dict(r["locations"]), applied_seq=r["applied_seq"], next_part=r["next_part"],
                         last_seen=now, path_bw=dict(r["path_bw"]), rpc_latency_s=r["rpc_latency_s"],
                         registered_at=r["registered_at"], owner=r["owner"], dead_at=r["dead_at"], beats=r["beats"])
-            for tier, loc in node.locations.items():
-                while loc >= len(self._owner):
-                    self._owner.append(None)
-                self._owner[loc] = (node.node_id, tier)
+            self._claim(node)
             self.nodes[node.node_id] = node
         self._changed()
 

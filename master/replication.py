@@ -51,6 +51,11 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _several(masks: np.ndarray) -> np.ndarray:
+    """Per row of location masks (one key's placements), whether more than one bit is set: several holders."""
+    return ((masks != 0).sum(axis=1) > 1) | ((masks & (masks - np.uint64(1))) != 0).any(axis=1)
+
+
 def choose_holders(st: MasterState, keys: np.ndarray, masks: np.ndarray) -> np.ndarray:
     """Per key, the location ``locate`` names (-1: none), from its live placements ``masks`` (see the doc)."""
     nonzero = masks != 0
@@ -59,8 +64,7 @@ def choose_holders(st: MasterState, keys: np.ndarray, masks: np.ndarray) -> np.n
     bits = masks[np.arange(len(masks)), word]
     lowest = bits & (~bits + np.uint64(1))
     locs = np.where(held, word * WORD_BITS + np.log2(np.maximum(lowest, 1).astype(np.float64)).astype(np.int64), -1)
-    several = (nonzero.sum(axis=1) > 1) | ((masks & (masks - np.uint64(1))) != 0).any(axis=1)
-    rows = np.flatnonzero(several)
+    rows = np.flatnonzero(_several(masks))
     if rows.size == 0:
         return locs
     used = mask_locations(np.bitwise_or.reduce(masks[rows], axis=0))
@@ -121,8 +125,7 @@ class Replicator:
         if not len(keys):
             return
         _, masks = st.directory.masks(keys, pool_mask)
-        single = ((masks != 0).sum(axis=1) == 1) & ~((masks & (masks - np.uint64(1))) != 0).any(axis=1)
-        rows = np.flatnonzero(single)
+        rows = np.flatnonzero((masks != 0).any(axis=1) & ~_several(masks))  # exactly one holder
         if not rows.size:
             return
         names = [n.node_id for n in pools]
@@ -161,7 +164,7 @@ class Replicator:
         if not slots.size:
             return
         m = d.table.column("mask")[slots] & pool_mask
-        several = ((m != 0).sum(axis=1) > 1) | ((m & (m - np.uint64(1))) != 0).any(axis=1)
+        several = _several(m)
         slots, m = slots[several], m[several]
         if not slots.size:
             return

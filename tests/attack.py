@@ -79,14 +79,23 @@ class TrickleProxy:
     ``interval_s`` (a pool on a dying link, or a hostile one). One thread per direction per connection."""
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int], interval_s: float = 0.3) -> None:
-        self.target, self.interval_s = target, interval_s
+        listener = socket.create_server(listen, backlog=64)
+        self._start(listener, listener.getsockname()[:2], target, interval_s)
+
+    def _start(self, listener: socket.socket, address: Any, target: Any, interval_s: float) -> None:
+        self.target, self.interval_s, self.address = target, interval_s, address
         self.trickle = threading.Event()
         self._stop = threading.Event()
-        self._listener = socket.create_server(listen, backlog=64)
+        self._listener = listener
         self._listener.settimeout(0.1)
-        self.address = self._listener.getsockname()[:2]
         self._socks: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def _connect(self) -> socket.socket:
+        """A blocking connection to the target (OSError if it does not answer)."""
+        server = socket.create_connection(self.target, timeout=5.0)
+        server.settimeout(None)
+        return server
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -95,11 +104,10 @@ class TrickleProxy:
             except (socket.timeout, OSError):
                 continue
             try:
-                server = socket.create_connection(self.target, timeout=5.0)
+                server = self._connect()
             except OSError:
                 client.close()
                 continue
-            server.settimeout(None)
             self._socks += [client, server]
             threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
@@ -143,34 +151,21 @@ class UnixTrickleProxy(TrickleProxy):
     """The same for a unix socket (a pool's ipc:// endpoint): listens on ``path``, forwards to ``target_path``."""
 
     def __init__(self, path: str, target_path: str, interval_s: float = 0.3) -> None:  # noqa: D107
-        self.target, self.interval_s = target_path, interval_s
-        self.trickle = threading.Event()
-        self._stop = threading.Event()
         if os.path.exists(path):
             os.unlink(path)
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(path)
-        self._listener.listen(64)
-        self._listener.settimeout(0.1)
-        self.address = path
-        self._socks = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(64)
+        self._start(listener, path, target_path, interval_s)
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except (socket.timeout, OSError):
-                continue
-            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                server.connect(self.target)
-            except OSError:
-                client.close()
-                continue
-            self._socks += [client, server]
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+    def _connect(self) -> socket.socket:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            server.connect(self.target)
+        except OSError:
+            server.close()
+            raise
+        return server
 
 
 def idle_connections(host: str, port: int, n: int) -> list[socket.socket]:

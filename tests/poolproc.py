@@ -103,6 +103,19 @@ def until(fn, timeout: float = 15.0, interval: float = 0.2):
         time.sleep(interval)
 
 
+def wait_for(fn, timeout: float = 20.0, what: str = "condition", interval: float = 0.02):
+    """fn()'s first truthy value; AssertionError naming ``what`` if the timeout passes first (``until`` returns
+    the last value instead, for a test that asserts on it itself). Waits on a condition, never on a wall time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
 def finishes(fn, timeout: float = 60.0):
     """fn()'s result (or its exception), run on a thread; AssertionError if it has not returned within the
     timeout. A guard against a hang, not a speed check: the timeout is far beyond any answer's."""

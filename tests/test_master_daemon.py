@@ -19,7 +19,7 @@ from kvtier.client import api
 from kvtier.hashers import VllmBlockHasher
 from kvtier.keys import Namespace
 from masterproc import MasterProcess
-from poolproc import until
+from poolproc import until, wait_for
 
 BB = 4096
 NS = Namespace("daemon-test")
@@ -27,16 +27,6 @@ NS = Namespace("daemon-test")
 
 def store(blocks=64):
     return TieredStore.from_config({"dram_capacity": blocks * BB}, BB)
-
-
-def wait_for(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def held(m: MasterClient, keys, node="w1", tier="dram"):

@@ -4,8 +4,6 @@ NodeAgent."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from conftest import blocks_for
@@ -14,6 +12,7 @@ from kvtier.client import Hints, MasterClient, NodeAgent, StoreHints
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable, session_lease
 from masterproc import MasterProcess
+from poolproc import wait_for
 
 BB = 4096
 KEYS = Namespace("hints-test").keys(range(64))
@@ -145,15 +144,6 @@ def test_a_session_pin_applies_to_the_lease_the_connector_creates_later(node):
 
 
 # ---- end to end: a real kvtier-master, a node's store through its NodeAgent -------------------------------
-
-def wait_for(pred, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 @pytest.fixture
 def master(tmp_path):

@@ -6,11 +6,13 @@ correctly before it accepts requests; a dead node vanishes from every master wit
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,21 +20,11 @@ from conftest import blocks_for
 from kvtier import TieredStore, wire
 from kvtier.client import AsyncMasterClient, MasterClient, MasterError, NodeAgent, api
 from masterproc import MasterProcess
+from poolproc import wait_for
 from redisproc import RedisProcess, needs_redis
 
 pytestmark = needs_redis
 BB = 4096
-
-
-def until(fn, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def metric(master: MasterProcess, name: str, labels: str = "") -> float:
@@ -41,13 +33,21 @@ def metric(master: MasterProcess, name: str, labels: str = "") -> float:
                if line.startswith(name) and labels in line and not line.startswith("#"))
 
 
-def masters(tmp_path, redis: RedisProcess, n: int, lease_s: float = 5.0, args: tuple = ()) -> list[MasterProcess]:
-    out = []
-    for i in range(n):
-        d = tmp_path / f"m{i}"
-        d.mkdir(exist_ok=True)
-        out.append(MasterProcess(d, lease_s=lease_s, args=("--directory", redis.url, *args)).start())
-    return out
+@contextlib.contextmanager
+def masters(tmp_path, redis: RedisProcess, n: int, lease_s: float = 5.0,
+            args: tuple = ()) -> Iterator[list[MasterProcess]]:
+    """``n`` masters sharing ``redis``, each in its own directory; on leaving, every one in the list (a test may
+    kill, restart or add one in between) is killed -9, also when one of them failed to start."""
+    out: list[MasterProcess] = []
+    try:
+        for i in range(n):
+            d = tmp_path / f"m{i}"
+            d.mkdir(exist_ok=True)
+            out.append(MasterProcess(d, lease_s=lease_s, args=("--directory", redis.url, *args)).start())
+        yield out
+    finally:
+        for m in out:
+            m.kill()
 
 
 def endpoints(ms: list[MasterProcess]) -> str:
@@ -70,22 +70,21 @@ def redis(tmp_path):
 
 
 def test_what_one_master_accepts_every_master_answers(tmp_path, redis, make_keys):
-    ms = masters(tmp_path, redis, 3)
-    try:
+    with masters(tmp_path, redis, 3) as ms:
         keys = make_keys(40)
         s, agent = node_store(ms[0].endpoint, "w1", keys)
         clients = [MasterClient(m.endpoint) for m in ms]
         # The node's events went to master 0; every master holds the same directory once it applied them.
         for c in clients:
-            assert until(lambda c=c: c.lookup(keys, touch=False).for_node("w1").get("dram") == 40)
+            assert wait_for(lambda c=c: c.lookup(keys, touch=False).for_node("w1").get("dram") == 40)
         assert clients[1].pin(session="agent-1", ttl_s=60) == 1  # a hint set on master 1 ...
-        versions = {until(lambda c=c: c.hints().session_pins and c.hints().version) for c in clients}
+        versions = {wait_for(lambda c=c: c.hints().session_pins and c.hints().version) for c in clients}
         assert len(versions) == 1  # ... is the same hint table, same version, on all of them
         assert {tuple(sorted(c.hints().session_pins)) for c in clients} == {("agent-1",)}
         # Heat counted by lookups on master 2 reaches the others (logged as sums once a second).
         for _ in range(5):
             clients[2].lookup(keys[:10])
-        assert until(lambda: min(clients[0].heat(keys[:10]).count) == 5, 10.0)
+        assert wait_for(lambda: min(clients[0].heat(keys[:10]).count) == 5, 10.0)
         assert clients[1].heat(keys[10:]).count == [0] * 30
         # A write refused by the log's apply is refused the same way through any master.
         for c in clients:
@@ -98,9 +97,6 @@ def test_what_one_master_accepts_every_master_answers(tmp_path, redis, make_keys
         s.close()
         for c in clients:
             c.close()
-    finally:
-        for m in ms:
-            m.kill()
 
 
 def test_kill9_of_any_master_mid_traffic_no_wrong_answer_no_long_failure(tmp_path, redis, make_keys):
@@ -108,81 +104,78 @@ def test_kill9_of_any_master_mid_traffic_no_wrong_answer_no_long_failure(tmp_pat
     master is killed in turn (and restarted). A lookup may trail the writer (bounded staleness) but never names
     a block the node has not stored, and no lookup fails: a call to a dead master fails over to the next
     within the client's timeout."""
-    ms = masters(tmp_path, redis, 3)
-    timeout_s = 0.5
-    keys = make_keys(600)
-    stored = [0]  # leading keys the node has stored and the master acknowledged (the agent synced)
-    issued = [10]  # leading keys the node was asked to store (the master may know them before the ack)
-    stop = threading.Event()
-    results: list[tuple[float, float, int, int]] = []  # (start, latency, any, stored when it began)
-    failures: list[tuple[float, str]] = []
-    s, agent = node_store(endpoints(ms), "writer", keys[:10], timeout_s=timeout_s)
-    stored[0] = 10
+    with masters(tmp_path, redis, 3) as ms:
+        timeout_s = 0.5
+        keys = make_keys(600)
+        stored = [0]  # leading keys the node has stored and the master acknowledged (the agent synced)
+        issued = [10]  # leading keys the node was asked to store (the master may know them before the ack)
+        stop = threading.Event()
+        results: list[tuple[float, float, int, int]] = []  # (start, latency, any, stored when it began)
+        failures: list[tuple[float, str]] = []
+        s, agent = node_store(endpoints(ms), "writer", keys[:10], timeout_s=timeout_s)
+        stored[0] = 10
 
-    def write() -> None:
-        n = 10
-        while not stop.is_set() and n < len(keys):
-            issued[0] = n + 10
-            s.put(keys[n : n + 10], blocks_for(keys[n : n + 10], BB))
-            if agent.wait_synced(10.0):
-                n += 10
-                stored[0] = n
+        def write() -> None:
+            n = 10
+            while not stop.is_set() and n < len(keys):
+                issued[0] = n + 10
+                s.put(keys[n : n + 10], blocks_for(keys[n : n + 10], BB))
+                if agent.wait_synced(10.0):
+                    n += 10
+                    stored[0] = n
 
-    def read() -> None:
-        with MasterClient(endpoints(ms), timeout_s=timeout_s) as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                before = stored[0]
-                try:
-                    got = c.lookup(keys, touch=False)
-                except MasterError as e:
-                    failures.append((t0, str(e)))
-                    continue
-                results.append((t0, time.monotonic() - t0, got.any, before))
-                # Never a block the node was not asked to store (read after the answer came).
-                assert got.any <= issued[0], (got.any, issued[0])
-                assert {h.node for h in got.hits} <= {"writer"}
+        def read() -> None:
+            with MasterClient(endpoints(ms), timeout_s=timeout_s) as c:
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    before = stored[0]
+                    try:
+                        got = c.lookup(keys, touch=False)
+                    except MasterError as e:
+                        failures.append((t0, str(e)))
+                        continue
+                    results.append((t0, time.monotonic() - t0, got.any, before))
+                    # Never a block the node was not asked to store (read after the answer came).
+                    assert got.any <= issued[0], (got.any, issued[0])
+                    assert {h.node for h in got.hits} <= {"writer"}
 
-    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
-    for t in threads:
-        t.start()
-    try:
-        for victim in range(3):
-            until(lambda: stored[0] >= 100 + 150 * victim, 60.0, "the writer to make progress")
-            ms[victim].kill()
-            time.sleep(1.5)  # traffic goes on against the other two
-            ms[victim].start()  # back on its endpoint: it loaded the snapshot and the log before binding
-            with MasterClient(ms[victim].endpoint, timeout_s=5.0) as fresh:
-                # Its first answer is already current: it trails the node by at most what is in flight.
-                acked = stored[0]
-                first = fresh.lookup(keys, touch=False).any
-                assert acked - 20 <= first <= issued[0], (acked, first, issued[0])
-        until(lambda: stored[0] >= 550, 60.0, "the writer to finish")
-    finally:
-        stop.set()
+        threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
         for t in threads:
-            t.join(30)
-    assert not failures, failures[:5]
-    assert len(results) > 100
-    worst = max(lat for _, lat, _, _ in results)
-    # A lookup caught by a kill waits out one timeout on the dead master, then the next answers.
-    assert worst < timeout_s + 1.5, worst
-    # The reader saw the prefix grow (no master was stuck at an old view after it came back).
-    assert max(a for _, _, a, _ in results) >= 500
-    with MasterClient(endpoints(ms)) as c:
-        final = {m.endpoint: MasterClient(m.endpoint).lookup(keys, touch=False).any for m in ms}
-        assert set(final.values()) == {stored[0]}, final
-        assert c.failover.failovers >= 0
-    agent.close()
-    s.close()
-    for m in ms:
-        m.kill()
+            t.start()
+        try:
+            for victim in range(3):
+                wait_for(lambda: stored[0] >= 100 + 150 * victim, 60.0, "the writer to make progress")
+                ms[victim].kill()
+                time.sleep(1.5)  # traffic goes on against the other two
+                ms[victim].start()  # back on its endpoint: it loaded the snapshot and the log before binding
+                with MasterClient(ms[victim].endpoint, timeout_s=5.0) as fresh:
+                    # Its first answer is already current: it trails the node by at most what is in flight.
+                    acked = stored[0]
+                    first = fresh.lookup(keys, touch=False).any
+                    assert acked - 20 <= first <= issued[0], (acked, first, issued[0])
+            wait_for(lambda: stored[0] >= 550, 60.0, "the writer to finish")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert not failures, failures[:5]
+        assert len(results) > 100
+        worst = max(lat for _, lat, _, _ in results)
+        # A lookup caught by a kill waits out one timeout on the dead master, then the next answers.
+        assert worst < timeout_s + 1.5, worst
+        # The reader saw the prefix grow (no master was stuck at an old view after it came back).
+        assert max(a for _, _, a, _ in results) >= 500
+        with MasterClient(endpoints(ms)) as c:
+            final = {m.endpoint: MasterClient(m.endpoint).lookup(keys, touch=False).any for m in ms}
+            assert set(final.values()) == {stored[0]}, final
+            assert c.failover.failovers >= 0
+        agent.close()
+        s.close()
 
 
 def test_a_dead_node_vanishes_from_every_master_within_one_lease(tmp_path, redis, make_keys):
     lease = 2.0
-    ms = masters(tmp_path, redis, 3, lease_s=lease)
-    try:
+    with masters(tmp_path, redis, 3, lease_s=lease) as ms:
         keys = make_keys(8)
         with MasterClient(ms[0].endpoint) as m0:
             m0.call(api.register("gone", "inc", 0, [("dram", 1 << 30)]))
@@ -190,24 +183,20 @@ def test_a_dead_node_vanishes_from_every_master_within_one_lease(tmp_path, redis
             last_heard = time.monotonic()
         clients = [MasterClient(m.endpoint) for m in ms]
         for c in clients:
-            assert until(lambda c=c: c.lookup(keys, touch=False).any == 8)
+            assert wait_for(lambda c=c: c.lookup(keys, touch=False).any == 8)
         dead_at = []
         for c in clients:
-            until(lambda c=c: c.lookup(keys, touch=False).any == 0, lease + 5.0, "the node's death")
+            wait_for(lambda c=c: c.lookup(keys, touch=False).any == 0, lease + 5.0, "the node's death")
             dead_at.append(time.monotonic() - last_heard)
         # Within a lease (plus the timer's tick and the log's delivery), on every master.
         assert max(dead_at) < lease + 1.0, dead_at
         assert all(n["state"] == "dead" for c in clients for n in c.nodes())
         for c in clients:
             c.close()
-    finally:
-        for m in ms:
-            m.kill()
 
 
 def test_masters_with_other_settings_refuse_to_join(tmp_path, redis):
-    ms = masters(tmp_path, redis, 1, args=("--max-nodes", "50"))
-    try:
+    with masters(tmp_path, redis, 1, args=("--max-nodes", "50")) as ms:
         r = subprocess.run([sys.executable, "-m", "kvtier.master", "--bind", "tcp://127.0.0.1:*", "--metrics-port",
                             "-1", "--directory", redis.url, "--max-nodes", "60"], capture_output=True, text=True,
                            timeout=60)
@@ -215,16 +204,13 @@ def test_masters_with_other_settings_refuse_to_join(tmp_path, redis):
         r = subprocess.run([sys.executable, "-m", "kvtier.master", "--directory", "http://x", "--metrics-port", "-1"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "redis://" in r.stderr
-    finally:
-        ms[0].kill()
 
 
 def test_a_new_master_loads_the_snapshot_replays_the_log_and_the_log_is_trimmed(tmp_path, redis, make_keys):
     import redis as redis_py
 
-    ms = masters(tmp_path, redis, 1, lease_s=30.0, args=("--snapshot-interval-s", "0.5"))
     keys = make_keys(300)
-    try:
+    with masters(tmp_path, redis, 1, lease_s=30.0, args=("--snapshot-interval-s", "0.5")) as ms:
         with MasterClient(ms[0].endpoint) as m:
             m.call(api.register("n", "inc", 0, [("dram", 1 << 30)]))
             m.call(api.inventory("n", "inc", 0, 0, True, {"dram": keys[:100]}, {"dram": BB}))
@@ -234,7 +220,7 @@ def test_a_new_master_loads_the_snapshot_replays_the_log_and_the_log_is_trimmed(
                 m.call(api.events("n", "inc", seq, [(wire.ADD, "dram", keys[i : i + 5], BB)]))
                 m.call(api.heartbeat("n", "inc", seq, {}, {}, {}, 0.0))
             r = redis_py.Redis.from_url(redis.url)
-            until(lambda: int(r.get("kvtier:n")) > 80 and r.xlen("kvtier:log") < 20, 20.0, "a snapshot and a trim")
+            wait_for(lambda: int(r.get("kvtier:n")) > 80 and r.xlen("kvtier:log") < 20, 20.0, "a snapshot and a trim")
             assert "shared snapshot at entry" in ms[0].log()
             more = tmp_path / "late"
             more.mkdir()
@@ -245,19 +231,15 @@ def test_a_new_master_loads_the_snapshot_replays_the_log_and_the_log_is_trimmed(
                 assert c.lookup(keys, touch=False).any == 300  # snapshot + the entries after it, before serving
                 assert [n["applied_seq"] for n in c.nodes()] == [seq]
             r.close()
-    finally:
-        for m in ms:
-            m.kill()
 
 
 def test_redis_killed_masters_serve_read_only_then_recover(tmp_path, redis, make_keys):
-    ms = masters(tmp_path, redis, 2, lease_s=3.0)
-    try:
+    with masters(tmp_path, redis, 2, lease_s=3.0) as ms:
         keys = make_keys(30)
         s, agent = node_store(endpoints(ms), "w1", keys[:20])
         clients = [MasterClient(m.endpoint, timeout_s=3.0) for m in ms]
         for c in clients:
-            until(lambda c=c: c.lookup(keys, touch=False).any == 20)
+            wait_for(lambda c=c: c.lookup(keys, touch=False).any == 20)
         redis.kill()
         for m, c in zip(ms, clients):
             # Reads: the masters' views, as they were.
@@ -265,70 +247,62 @@ def test_redis_killed_masters_serve_read_only_then_recover(tmp_path, redis, make
             with pytest.raises(MasterError) as e:
                 c.pin(session="during", ttl_s=60)
             assert e.value.code == wire.ERR_UNAVAILABLE and "nothing was recorded" in e.value.message
-            until(lambda m=m: metric(m, "kvtier_master_backend_state", 'state="read_only"') == 1.0, 10.0)
+            wait_for(lambda m=m: metric(m, "kvtier_master_backend_state", 'state="read_only"') == 1.0, 10.0)
             assert "directory READ-ONLY" in m.log()
         s.put(keys[20:], blocks_for(keys[20:], BB))  # the node's events are refused meanwhile ...
         time.sleep(4.0)  # ... longer than a lease: nobody can log a death, so the node is not declared dead
         assert clients[0].lookup(keys, touch=False).any == 20
         redis.start()  # with its data (append-only file)
         for m, c in zip(ms, clients):
-            until(lambda c=c: c.ping()["backend"]["state"] == "ok", 20.0, "the master writable again")
+            wait_for(lambda c=c: c.ping()["backend"]["state"] == "ok", 20.0, "the master writable again")
             assert "directory writable again" in m.log()
         # ... and it resyncs (its sequence numbers told), so both masters have all 30 blocks.
         assert agent.wait_synced(20.0)
         for c in clients:
-            until(lambda c=c: c.lookup(keys, touch=False).any == 30, 20.0)
+            wait_for(lambda c=c: c.lookup(keys, touch=False).any == 30, 20.0)
         assert clients[1].pin(session="after", ttl_s=60) == 1
-        until(lambda: "after" in clients[0].hints().session_pins)
+        wait_for(lambda: "after" in clients[0].hints().session_pins)
         assert agent.counters["inventories"] >= 2
         agent.close()
         s.close()
         for c in clients:
             c.close()
-    finally:
-        for m in ms:
-            m.kill()
 
 
 def test_redis_restarted_without_its_data_is_reseeded_by_a_master(tmp_path, make_keys):
     with RedisProcess(tmp_path, persist=False) as redis:
-        ms = masters(tmp_path, redis, 2, lease_s=5.0)
-        try:
+        with masters(tmp_path, redis, 2, lease_s=5.0) as ms:
             keys = make_keys(25)
             s, agent = node_store(endpoints(ms), "w1", keys)
             with MasterClient(ms[1].endpoint) as c:
-                until(lambda: c.lookup(keys, touch=False).any == 25)
+                wait_for(lambda: c.lookup(keys, touch=False).any == 25)
                 c.pin(session="kept", ttl_s=600)
             redis.kill()
             redis.start()  # empty: no epoch, no log
             with MasterClient(endpoints(ms), timeout_s=3.0) as c:
-                until(lambda: all(MasterClient(m.endpoint).ping()["backend"]["state"] == "ok" for m in ms), 20.0)
+                wait_for(lambda: all(MasterClient(m.endpoint).ping()["backend"]["state"] == "ok" for m in ms), 20.0)
                 logs = ms[0].log() + ms[1].log()
                 assert logs.count("kvtier-master: seeded redis") == 2  # the first start, and the re-seed by one master
                 # The re-seeding master's view is the cluster's now: blocks and hints survived Redis's loss.
                 for m in ms:
                     with MasterClient(m.endpoint) as one:
-                        until(lambda one=one: one.lookup(keys, touch=False).any == 25)
+                        wait_for(lambda one=one: one.lookup(keys, touch=False).any == 25)
                         assert "kept" in one.hints().session_pins
                 s.put(make_keys(5, start=1000), blocks_for(make_keys(5, start=1000), BB))
                 assert agent.wait_synced(20.0)
-                until(lambda: c.lookup(make_keys(5, start=1000), touch=False).any == 5)
+                wait_for(lambda: c.lookup(make_keys(5, start=1000), touch=False).any == 5)
             agent.close()
             s.close()
-        finally:
-            for m in ms:
-                m.kill()
 
 
 def test_clients_fail_over_from_a_master_that_does_not_answer(tmp_path, redis):
     import asyncio
     import socket
 
-    ms = masters(tmp_path, redis, 1)
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         dead = f"tcp://127.0.0.1:{sk.getsockname()[1]}"  # nothing listens there
-    try:
+    with masters(tmp_path, redis, 1) as ms:
         with MasterClient([dead, ms[0].endpoint], timeout_s=0.3) as c:
             t0 = time.monotonic()
             assert c.ping()["version"] == wire.VERSION
@@ -349,8 +323,6 @@ def test_clients_fail_over_from_a_master_that_does_not_answer(tmp_path, redis):
         with MasterClient(dead, timeout_s=0.2) as alone:
             with pytest.raises(MasterError):
                 alone.ping()
-    finally:
-        ms[0].kill()
 
 
 def test_a_pool_and_a_distributed_store_take_the_master_list_and_survive_a_masters_death(tmp_path, redis, make_keys):
@@ -360,21 +332,20 @@ def test_a_pool_and_a_distributed_store_take_the_master_list_and_survive_a_maste
     from poolproc import PoolProcess
     import torch
 
-    ms = masters(tmp_path, redis, 2, lease_s=3.0)
-    both = endpoints(ms)
     pool_bb = 16 << 10
-    try:
+    with masters(tmp_path, redis, 2, lease_s=3.0) as ms:
+        both = endpoints(ms)
         with PoolProcess(tmp_path, name="pl", capacity="4MiB", block_bytes=pool_bb, master=both,
                          args=("--heartbeat-s", "0.2")) as pool:
             with MasterClient(both) as m:
-                until(lambda: [n["state"] for n in m.nodes()] == ["live"], 15.0, "the pool live")
+                wait_for(lambda: [n["state"] for n in m.nodes()] == ["live"], 15.0, "the pool live")
             cfg = {"mode": "distributed", "master": both, "dram_capacity": 4 * pool_bb, "pool_timeout_ms": 500}
             keys = make_keys(20, start=7000)
             with TieredStore.from_config({**cfg, "node_id": "e1"}, pool_bb) as w:
                 w.put(keys, blocks_for(keys, pool_bb))
                 assert w.flush(10.0)
             with MasterClient(ms[1].endpoint) as m1:
-                until(lambda: m1.lookup(keys, touch=False).any == 20)
+                wait_for(lambda: m1.lookup(keys, touch=False).any == 20)
             ms[0].kill()  # the first in both lists: the one the pool's agent and the stores used
             time.sleep(4.0)  # longer than a lease: the pool's heartbeats went to the other master
             with MasterClient(ms[1].endpoint) as m1:
@@ -384,6 +355,3 @@ def test_a_pool_and_a_distributed_store_take_the_master_list_and_survive_a_maste
                 assert r.get(keys, out) == [True] * 20
                 assert torch.equal(out, blocks_for(keys, pool_bb))
             assert pool.alive()
-    finally:
-        for m in ms:
-            m.kill()

@@ -6,7 +6,6 @@ each other of connections, a restarted pool is re-mapped and re-sized, and a poo
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -45,17 +44,6 @@ def session(ch: Channel) -> dict:
     return {"session": ch.call(P.HELLO, {"block_bytes": BB}).body["session"]}
 
 
-def stall_replies(conn, op: str, seconds: float) -> None:
-    """Make this client process stall ``seconds`` before handling replies to ``op`` (a descheduled engine)."""
-    handle = conn.channel._handle
-
-    def slow(req, ok, body, data):
-        if req.op == op:
-            time.sleep(seconds)
-        return handle(req, ok, body, data)
-    conn.channel._handle = slow
-
-
 def hold_replies(conn, op: str, release: threading.Event, timeout: float = 30.0) -> None:
     """Make this client process hold replies to ``op`` until ``release`` is set (a descheduled engine that
     wakes once the test has done what it needed meanwhile); at most ``timeout``."""
@@ -66,6 +54,11 @@ def hold_replies(conn, op: str, release: threading.Event, timeout: float = 30.0)
             release.wait(timeout)
         return handle(req, ok, body, data)
     conn.channel._handle = held
+
+
+def stall_replies(conn, op: str, seconds: float) -> None:
+    """Make this client process stall ``seconds`` before handling replies to ``op`` (a descheduled engine)."""
+    hold_replies(conn, op, threading.Event(), seconds)  # never released: each reply waits out the timeout
 
 
 def expired_meanwhile(conn, n: int = 1) -> bool:

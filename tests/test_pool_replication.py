@@ -18,20 +18,9 @@ from kvtier.store import TieredStore
 from kvtier.transport.channel import Channel
 from kvtier.transport.connection import shared_context
 from masterproc import MasterProcess
-from poolproc import PoolProcess
+from poolproc import PoolProcess, wait_for
 
 BB = 16 << 10
-
-
-def until(fn, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def holders(m: MasterClient, keys) -> dict[str, int]:
@@ -55,7 +44,7 @@ def cluster(tmp_path):
         opts = {"capacity": "8MiB", "block_bytes": BB, "master": mp.endpoint, "args": ("--heartbeat-s", "0.1")}
         with PoolProcess(tmp_path, name="pa", **opts) as a, PoolProcess(tmp_path, name="pb", **opts) as b:
             with MasterClient(mp.endpoint) as m:
-                until(lambda: sum(n["state"] == "live" for n in m.nodes()) == 2, what="two live pools")
+                wait_for(lambda: sum(n["state"] == "live" for n in m.nodes()) == 2, what="two live pools")
                 yield mp, m, a, b
 
 
@@ -65,13 +54,13 @@ def test_a_hot_prefix_survives_the_death_of_the_pool_holding_its_first_copy(clus
     with store_for(mp.endpoint, "writer") as w:
         w.put(hot + cold, blocks_for(hot + cold, BB))
         assert w.flush(10.0)
-    until(lambda: m.lookup(hot + cold, touch=False).any == 24, what="the blocks in the directory")
+    wait_for(lambda: m.lookup(hot + cold, touch=False).any == 24, what="the blocks in the directory")
     # Every block lives in one pool: where route_put put it.
     first = {k: m.locate([k], touch=False).holder(0)[0] for k in hot + cold}
     # Engines read the hot prefix again and again (each read is a locate: an access).
     for _ in range(6):
         m.locate(hot)
-    both = until(lambda: all(v >= 12 for v in holders(m, hot).values()) and len(holders(m, hot)) == 2 and
+    both = wait_for(lambda: all(v >= 12 for v in holders(m, hot).values()) and len(holders(m, hot)) == 2 and
                  holders(m, hot), what="a second copy of every hot block")
     assert both == {n: 12 for n in both}
     assert all(sum(1 for _ in holders(m, [k])) == 1 for k in cold)  # the cold prefix was not copied
@@ -79,7 +68,7 @@ def test_a_hot_prefix_survives_the_death_of_the_pool_holding_its_first_copy(clus
     victim_name = max(set(first[k] for k in hot), key=lambda n: sum(first[k] == n for k in hot))
     victim = next(p for p in (a, b) if p.info["node"] == victim_name)
     victim.kill()
-    until(lambda: [n["state"] for n in m.nodes() if n["node"] == victim_name] == ["dead"], 10.0, "its death")
+    wait_for(lambda: [n["state"] for n in m.nodes() if n["node"] == victim_name] == ["dead"], 10.0, "its death")
     with store_for(mp.endpoint, "reader") as r:
         out = torch.zeros(12, BB, dtype=torch.uint8)
         assert r.get(hot, out) == [True] * 12  # every hot block, from the replica
@@ -96,12 +85,12 @@ def test_a_replica_is_dropped_when_its_prefix_cools(cluster, make_keys):
     with store_for(mp.endpoint, "writer") as w:
         w.put(keys, blocks_for(keys, BB))
         assert w.flush(10.0)
-    until(lambda: m.lookup(keys, touch=False).any == 6)
+    wait_for(lambda: m.lookup(keys, touch=False).any == 6)
     for _ in range(6):
         m.locate(keys)
-    until(lambda: len(holders(m, keys)) == 2, what="replicas")
+    wait_for(lambda: len(holders(m, keys)) == 2, what="replicas")
     # Heat halves every second: a few seconds later it is below half the threshold, and one copy goes.
-    until(lambda: sum(holders(m, keys).values()) == 6, 20.0, "the replicas dropped")
+    wait_for(lambda: sum(holders(m, keys).values()) == 6, 20.0, "the replicas dropped")
 
 
 def test_an_operator_asks_a_pool_to_copy_blocks_from_another(tmp_path, make_keys):

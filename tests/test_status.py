@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import blocks_for
 from masterproc import MasterProcess
-from poolproc import PoolProcess
+from poolproc import PoolProcess, wait_for
 
 from kvtier import TieredStore
 from kvtier.client import MasterClient, NodeAgent
@@ -30,14 +30,6 @@ def status(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "COLUMNS": "120"})
 
 
-def until(fn, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not (v := fn()):
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-    return v
-
-
 @pytest.fixture
 def cluster(tmp_path):
     with MasterProcess(tmp_path, lease_s=2.0) as master, \
@@ -51,7 +43,7 @@ def cluster(tmp_path):
             agent.record_transfer(64 << 20, 0.01, tier="dram")  # 6.7 GB/s measured on the data path
             assert agent.wait_synced(10)
             with MasterClient(master.endpoint) as m:
-                until(lambda: len(m.nodes()) == 2 and all(n["state"] == "live" for n in m.nodes()))
+                wait_for(lambda: len(m.nodes()) == 2 and all(n["state"] == "live" for n in m.nodes()))
                 assert m.lookup(KEYS[:40]).any == 32  # 40 asked, 32 leading held: 32 hits, 8 misses
                 for _ in range(3):
                     m.lookup(KEYS[:4])  # the hottest: 4 accesses each; 52 keys asked, 44 hits, 8 misses in all
@@ -105,7 +97,7 @@ def test_status_flags_a_dead_node(cluster):
     master, pool, _ = cluster
     pool.kill()  # silent: dead after the master's 2 s lease
     with MasterClient(master.endpoint) as m:
-        until(lambda: any(n["state"] == "dead" for n in m.nodes()), 30)
+        wait_for(lambda: any(n["state"] == "dead" for n in m.nodes()), 30)
     r = status("--master", master.endpoint)
     assert r.returncode == 0, r.stderr
     assert "1 live, 0 syncing, 0 pending, 1 dead" in r.stdout

@@ -28,7 +28,6 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.auth.roles import ADMIN, DATA, READ
-from kvtier.hostcopy import copy_rows
 from kvtier.pool import protocol as P
 from kvtier.pool.clients import Client
 from kvtier.pool.state import MIN_BLOCK_BYTES, PoolState, block_size_problem
@@ -105,15 +104,7 @@ def put(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
         src = F.rows_in(data, bb)
     except ValueError as e:
         raise WireError(ERR_BAD_REQUEST, str(e)) from None
-    res = st.reserve(tier, keys)
-    try:
-        if res.slots:
-            copy_rows(res.addresses, src[res.index], bb, st.settings.copy_threads)
-    except BaseException:
-        tier.commit(res, success=False)
-        raise
-    tier.commit(res)
-    st.emit("stored", res.keys)
+    res = st.store(tier, keys, src)
     st.count(put_blocks=len(res.keys), put_bytes=len(res.keys) * bb, bytes_in_zmq=got)
     return Reply({"held": P.bitmap(res.held)})
 

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtier.hostcopy import copy_rows
 from kvtier.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
@@ -109,12 +108,13 @@ class Copier:
             return copied, missing
         bb = tier.block_bytes
         per = max(1, STAGE_BYTES // bb)
+        stage_rows = min(per, len(wanted))
         with self._lock:
-            if not st.memory.take(ACCOUNT, min(per, len(wanted)) * bb):
+            if not st.memory.take(ACCOUNT, stage_rows * bb):
                 st.count(replicate_refused_memory=1)
                 return copied, len(wanted)
             try:
-                stage = np.empty((min(per, len(wanted)), bb), np.uint8)
+                stage = np.empty((stage_rows, bb), np.uint8)
                 conn = self._connection(source, bb)
                 for i in range(0, len(wanted), per):
                     chunk = wanted[i : i + per]
@@ -127,30 +127,12 @@ class Copier:
                         raise
                     got = [k for k, h in zip(chunk, hits) if h]
                     missing += len(chunk) - len(got)
-                    copied += self._store(got, rows[np.flatnonzero(hits)])
+                    if got:  # a put's reserve/copy/commit and "stored" event, as ops.put runs it
+                        copied += sum(st.store(tier, got, rows[np.flatnonzero(hits)]).held)
             finally:
-                st.memory.give(ACCOUNT, min(per, len(wanted)) * bb)
+                st.memory.give(ACCOUNT, stage_rows * bb)
         st.count(replicate_copied=copied, replicate_missing=missing)
         return copied, missing
-
-    def _store(self, keys: list[bytes], rows: np.ndarray) -> int:
-        """A put of the blocks at addresses ``rows`` (one per key) into this pool's tier, as ops.put does: the
-        number now held."""
-        if not keys:
-            return 0
-        st = self.state
-        tier = st.tier
-        assert tier is not None
-        res = st.reserve(tier, keys)
-        try:
-            if res.slots:
-                copy_rows(res.addresses, rows[np.asarray(res.index)], tier.block_bytes, st.settings.copy_threads)
-        except BaseException:
-            tier.commit(res, success=False)
-            raise
-        tier.commit(res)
-        st.emit("stored", res.keys)
-        return sum(res.held)
 
     def _connection(self, source: str, block_bytes: int) -> Any:
         conn = self._conns.get(source)

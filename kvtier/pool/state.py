@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtier import wire
 from kvtier.auth import ClientKeys, DataTokens
+from kvtier.hostcopy import copy_rows
 from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
 from kvtier.pool.budget import Budget
@@ -231,6 +234,20 @@ class PoolState:
         res = tier.reserve(keys)
         if res.slots and self.generations is not None:
             self.generations.bump(res.slots)
+        return res
+
+    def store(self, tier: DramTier, keys: list[bytes], rows: np.ndarray) -> Reservation:
+        """A put into ``tier``: the blocks at host addresses ``rows`` (one per key) copied into the slots reserved
+        for ``keys``, committed (given back if the copy fails), and a "stored" event for them."""
+        res = self.reserve(tier, keys)
+        try:
+            if res.slots:
+                copy_rows(res.addresses, rows[res.index], tier.block_bytes, self.settings.copy_threads)
+        except BaseException:
+            tier.commit(res, success=False)
+            raise
+        tier.commit(res)
+        self.emit("stored", res.keys)
         return res
 
     def client(self, client: Client, body: dict[str, Any]) -> Client:

@@ -13,8 +13,8 @@ from .enginekit import TESTS
 
 pytestmark = pytest.mark.slow
 
-CLASS_TESTS = ["test_vllm_connector.py", "test_vllm_connector_modes.py", "test_vllm_connector_parts.py",
-               "test_vllm_connector_saves.py", "test_vllm_compat.py"]
+CLASS_TESTS = ["test_vllm_connector.py", "test_vllm_connector_events.py", "test_vllm_connector_modes.py",
+               "test_vllm_connector_parts.py", "test_vllm_connector_saves.py", "test_vllm_compat.py"]
 
 
 def test_class_level_connector_tests_pass_on_vllm_032(engine_py):
