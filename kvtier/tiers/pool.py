@@ -12,9 +12,10 @@ version mismatch: 60 s, logged as an error) instead of being waited on again. Th
 Calls to several pools run in parallel.
 
 Write-behind: ``put_later`` (what the store's offloader calls on a DRAM eviction or a write-through) stages
-blocks and sends them from a background thread (kvtier/tiers/pool_writer.py); staged blocks are readable
-until sent. Pins of the store are not enforced in remote pools (they evict by their own policy); the pool's
-evictions are not reported back to the store (the master hears them from the pool).
+blocks and sends them from a background thread (kvtier/tiers/writebehind.py, the same WriteBehind the SSD
+tier composes; here it owns its staged map and lock); staged blocks are readable until sent. Pins of the store
+are not enforced in remote pools (they evict by their own policy); the pool's evictions are not reported back to
+the store (the master hears them from the pool).
 
 Thread-safe; buffers as in the Tier protocol (copied before put returns, ``out`` written before get returns).
 """
@@ -42,7 +43,7 @@ from kvtier.ratelog import RateLimitedLog
 from kvtier.tiers.base import EvictListener, RemoteTier, TierStats, WriteBehindStaging
 from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
-from kvtier.tiers.pool_writer import PoolWriter
+from kvtier.tiers.writebehind import WriteBehind, staging_of
 from kvtier.transport.base import PoolConnection, PoolError, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import connect
 
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 BACKOFF_S = (0.5, 10.0)  # first and longest back-off after a pool fails
 PROTOCOL_BACKOFF_S = 60.0
+MAX_SEND_BYTES = 256 << 20  # one write-behind send: at most this much
 
 
 class _Pool:
@@ -94,7 +96,9 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self._clock = clock  # the pools' back-offs read it (a test moves it instead of sleeping)
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
-        self._writer = PoolWriter(self._put, block_bytes, staging_bytes) if staging_bytes else None
+        self._writer = (WriteBehind(self._send_staged, staging_of(block_bytes, staging_bytes), block_bytes=block_bytes,
+                                    max_batch=max(1, MAX_SEND_BYTES // block_bytes), name="pool", what="pool")
+                        if staging_bytes else None)  # owns its staged map and lock; counts as write_behind
         self._stats = TierStats(self.name, 0, 0, 0)
         self._recent = RecentlyHeld()
         self._bad = RateLimitedLog(log, 10.0)
@@ -132,7 +136,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         pass  # remote pools evict by their own policy; the master hears their evictions from them
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        held = self._writer.held(keys) if self._writer is not None else [False] * len(keys)
+        held = self._writer.is_staged(keys) if self._writer is not None else [False] * len(keys)
         todo = [i for i, h in enumerate(held) if not h]
         if not todo:
             return held
@@ -149,7 +153,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
     def held_locally(self, keys: Sequence[bytes]) -> list[bool]:
         """Which keys this process knows a pool holds without asking one (staged for sending, or recently
         stored or fetched): what the store's offloader checks before sending an evicted block again."""
-        staged = self._writer.held(keys) if self._writer is not None else [False] * len(keys)
+        staged = self._writer.is_staged(keys) if self._writer is not None else [False] * len(keys)
         return [a or b for a, b in zip(staged, self._recent.has(keys))]
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
@@ -229,6 +233,10 @@ class PoolTier(WriteBehindStaging, RemoteTier):
 
     def flush(self, timeout: float | None = None) -> bool:
         return True if self._writer is None else self._writer.flush(timeout)
+
+    def _send_staged(self, keys: list[bytes], rows: np.ndarray) -> set[bytes]:
+        """Write-behind's batch (writer thread): the keys the pools now hold."""
+        return {k for k, h in zip(keys, self._put(keys, rows)) if h}
 
     # ---- internals -------------------------------------------------------------------------------------
 

@@ -20,11 +20,11 @@ Faults: ENOSPC or EIO on a write (or EIO on a read) stops admission, logs once a
 Buffer ownership: ``put`` writes from the caller's blocks (directly when they are aligned for O_DIRECT, else
 through an aligned bounce copy) and returns when they are durable; ``get`` reads into the caller's ``out``
 (directly when aligned, else through a bounce buffer); ``put_later`` copies the blocks into staging memory
-before it returns and writes them in the background (see ssd_write.py).
+before it returns and writes them in the background (writebehind.py's WriteBehind, with this tier's hooks).
 
 Composition: DiskTier owns the slot bookkeeping (``DiskSlots``) and the files and I/O threads (``SlotDevice``),
-both in ssd_slots.py, and hands them to the ``DiskWriter`` (writes, index updates) and ``WriteBehind``
-(ssd_write.py) it composes and to ``read_slots`` (ssd_read.py).
+both in ssd_slots.py, and hands them to the ``DiskWriter`` (writes, index updates, ssd_write.py) and
+``WriteBehind`` (writebehind.py) it composes and to ``read_slots`` (ssd_read.py).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPoo
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
 from kvtier.tiers.ssd_restore import restore_index
 from kvtier.tiers.ssd_slots import DiskSlots, SlotDevice
-from kvtier.tiers.ssd_write import DiskWriter, WriteBehind
+from kvtier.tiers.ssd_write import DiskWriter
+from kvtier.tiers.writebehind import Event, WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,13 @@ class DiskTier(WriteBehindStaging):
         self._staging = StagingPool(self.slot_bytes, max(2, staging_bytes // self.slot_bytes))
         self._disk = DiskWriter(self._slots, self._dev, self._index, self._staging, fsync=fsync,
                                 fingerprint=self._fingerprint)
-        self._behind = (WriteBehind(self._slots, self._staging, self._write_batch, block_bytes,
-                                    max_batch=max(1, (64 << 20) // self.slot_bytes)) if staging_bytes else None)
+        # Write-behind stages into the same pool; its staged map is DiskSlots.staged under DiskSlots.lock, which
+        # reads, remove and slot reservation consult (writebehind.py's module doc: the SSD's hooks).
+        self._behind = (WriteBehind(self._write_staged, self._staging, block_bytes=block_bytes,
+                                    max_batch=max(1, (64 << 20) // self.slot_bytes), name="ssd", what="SSD",
+                                    lock=self._slots.lock, staged=self._slots.staged, held=self._slots.held_or_pending,
+                                    count=self._count_write_behind)
+                        if staging_bytes else None)
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
 
@@ -296,6 +302,14 @@ class DiskTier(WriteBehindStaging):
                      ) -> tuple[list[bool], list[bytes]]:
         """Where write-behind's batches reach the disk (DiskWriter.write_batch); a subclass may hold them here."""
         return self._disk.write_batch(keys, ptrs, staged=staged)
+
+    def _write_staged(self, keys: list[bytes], ptrs: np.ndarray) -> set[bytes]:
+        """Write-behind's batch (writer thread): the keys newly on disk and indexed."""
+        return set(self._write_batch(keys, ptrs, staged=True)[1])
+
+    def _count_write_behind(self, event: Event, n: int) -> None:
+        if event == "dropped" and n:  # DiskSlots.lock held
+            self._slots.counts["offload_dropped"] += n
 
     def _after_reads(self, keys: Sequence[bytes], slots: Sequence[int], failures: Sequence[ReadFailure]) -> None:
         """Release read slots; drop blocks that failed (a miss, counted, never data)."""

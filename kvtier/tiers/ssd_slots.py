@@ -1,8 +1,9 @@
 """The SSD tier's shared state: the slot bookkeeping (``DiskSlots``) and what moves a block (``SlotDevice``).
 
 DiskTier owns one of each and hands them to the parts it composes: ``DiskWriter`` (ssd_write.py) writes
-batches and updates the index, ``WriteBehind`` stages blocks, ``read_slots`` (ssd_read.py) reads them. So the
-state that reads, writes and removals share is declared once, here, and each part names what it uses.
+batches and updates the index, ``WriteBehind`` (writebehind.py) stages blocks, ``read_slots`` (ssd_read.py)
+reads them. So the state that reads, writes and removals share is declared once, here, and each part names
+what it uses.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class DiskSlots:
         self.counts: Counter[str] = Counter()
         self.stopped = ""  # why the tier stopped admitting; "" while it admits
         self._where = where
+
+    def held_or_pending(self, key: bytes) -> bool:
+        """Committed, or being written now (lock held): what write-behind does not stage again."""
+        return key in self.slot_of or key in self.pending
 
     def free_idle_doomed(self) -> None:
         """Return doomed slots that nothing uses any more to the allocator (lock held)."""

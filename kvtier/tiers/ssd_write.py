@@ -3,11 +3,10 @@
 ``DiskWriter`` is DiskTier's pipeline for one batch, from slot reservation to the published index entries
 (it works on the tier's shared ``DiskSlots``, ssd_slots.py).
 ``write_slots`` writes a batch's blocks (already given slots) with one pwritev per run of consecutive slots,
-the runs spread over the tier's I/O threads, and returns each block's checksum. ``WriteBehind`` lets a caller
-hand blocks over without waiting for the disk: ``put_later`` copies them into aligned staging memory (so they
-no longer depend on the caller's buffer: a DRAM slot may be reused the moment the call returns), and one
-thread (kvtier/writebehind.py's WriteQueue) drains the queue in batches, so many small offloads cost one
-fsync and one index transaction.
+the runs spread over the tier's I/O threads, and returns each block's checksum. Write-behind (``put_later``:
+blocks copied into aligned staging memory, drained by one thread in batches, so many small offloads cost one
+fsync and one index transaction) is kvtier/tiers/writebehind.py's WriteBehind, shared with the pool tier; its
+batches come back here through ``DiskWriter.write_batch(..., staged=True)``.
 
 Why fixed slots reused per block and not log-structured segments with reinsertion (CacheLib Navy's regions):
 a tier holds blocks of one size, so freed slots never fragment; every block is written once (segment FIFO
@@ -21,12 +20,8 @@ while writing 1.3-3.1x the blocks.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -35,16 +30,8 @@ from kvtier.tiers.ssd_index import DiskIndex, IndexEntry, block_checksum
 from kvtier.tiers.ssd_io import ALIGN, STAGE_TIMEOUT_S, StagingPool, raw_view
 from kvtier.tiers.ssd_read import RUN_BYTES
 from kvtier.tiers.ssd_slots import DiskSlots, SlotDevice
-from kvtier.writebehind import WriteQueue
 
 log = logging.getLogger(__name__)
-
-class WriteBatch(Protocol):
-    """How a batch reaches the disk (DiskWriter.write_batch, through DiskTier): the held mask, the keys stored."""
-
-    def __call__(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool
-                 ) -> tuple[list[bool], list[bytes]]: ...
-
 
 def write_slots(dev: SlotDevice, keys: Sequence[bytes], slots: Sequence[int], ptrs: np.ndarray) -> list[int]:
     """Write block j (``dev.slot_bytes`` at ``ptrs[j]``) to ``slots[j]``; return the checksums.
@@ -258,113 +245,3 @@ class DiskWriter:
     def _needs_bounce(self, ptrs: np.ndarray) -> bool:
         d = self._dev
         return d.direct and (d.slot_bytes != d.block_bytes or bool((ptrs % np.uint64(ALIGN)).any()))
-
-
-@dataclass
-class _Group:
-    """The jobs of one put_later call: its Future completes when the last of them is written."""
-
-    future: Future[list[bytes]]
-    remaining: int
-    stored: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class _Job:
-    keys: list[bytes]
-    chunks: list[int]
-    addresses: np.ndarray
-    group: _Group
-
-
-class WriteBehind:
-    """Staging and a WriteQueue (one writer thread) in front of a DiskTier's ``write_batch``. Thread-safe.
-    Staged blocks stay readable through the tier (``DiskSlots.staged``) until they are on disk and indexed,
-    so a block is never in neither place. Owns the staging chunks it takes until the batch is written."""
-
-    def __init__(self, slots: DiskSlots, staging: StagingPool, write_batch: WriteBatch, block_bytes: int,
-                 max_batch: int) -> None:
-        self._slots = slots
-        self._staging = staging
-        self._write_batch = write_batch
-        self._block_bytes = block_bytes
-        self._lock = threading.Lock()  # the groups' counts
-        self._queue = WriteQueue(self._write, self._finish_all, max_batch=max_batch, name="ssd", what="SSD")
-
-    def submit(self, keys: Sequence[bytes], ptrs: np.ndarray, *, wait: bool) -> Future[list[bytes]]:
-        b = self._slots
-        group = _Group(Future(), remaining=1)  # the submitter holds one count until every job is queued
-        with b.lock:
-            todo, seen = [], set()
-            for i, k in enumerate(keys):
-                if k not in b.slot_of and k not in b.pending and k not in b.staged and k not in seen:
-                    seen.add(k)
-                    todo.append(i)
-        while todo:
-            chunks = self._staging.alloc(len(todo), wait=wait, timeout=STAGE_TIMEOUT_S)
-            if not chunks:
-                with b.lock:
-                    b.counts["offload_dropped"] += len(todo)
-                break
-            part, todo = todo[: len(chunks)], todo[len(chunks):]
-            self._queue_job(keys, ptrs, part, chunks, group)  # queued at once: the writer frees chunks for us
-        self._done(group, [])
-        return group.future
-
-    def _queue_job(self, keys: Sequence[bytes], ptrs: np.ndarray, part: list[int], chunks: list[int],
-                   group: _Group) -> None:
-        b, staging = self._slots, self._staging
-        addresses = staging.addresses(chunks)
-        copy_rows(addresses, ptrs[part], self._block_bytes)  # from here on the caller's memory is free
-        job = _Job([], [], np.empty(0, np.uint64), group)
-        unused = []
-        with b.lock:
-            for i, c, a in zip(part, chunks, addresses.tolist()):
-                k = keys[i]
-                if k in b.slot_of or k in b.pending or k in b.staged:
-                    unused.append(c)  # another thread got it there first
-                    continue
-                b.staged[k] = a
-                job.keys.append(k)
-                job.chunks.append(c)
-        staging.free(unused)
-        if not job.keys:
-            return
-        job.addresses = staging.addresses(job.chunks)
-        with self._lock:
-            group.remaining += 1
-        if not self._queue.put(job):  # raced with close(): nothing will write it
-            self._finish(job, set())
-
-    def flush(self, timeout: float | None) -> bool:
-        return self._queue.flush(timeout)
-
-    def close(self) -> None:
-        """Write what is queued, then stop the thread."""
-        self._queue.close()
-
-    def _write(self, jobs: list[_Job]) -> set[bytes]:
-        keys = [k for j in jobs for k in j.keys]
-        _, new = self._write_batch(keys, np.concatenate([j.addresses for j in jobs]), staged=True)
-        return set(new)
-
-    def _finish_all(self, jobs: Sequence[_Job], stored: set[bytes]) -> None:
-        for job in jobs:
-            self._finish(job, stored)
-
-    def _finish(self, job: _Job, stored: set[bytes]) -> None:
-        b = self._slots
-        with b.lock:  # after publish: the key moved from staged to committed with no gap in between
-            for k, a in zip(job.keys, job.addresses.tolist()):
-                if b.staged.get(k) == a:
-                    del b.staged[k]
-        self._staging.free(job.chunks)
-        self._done(job.group, [k for k in job.keys if k in stored])
-
-    def _done(self, group: _Group, stored: list[bytes]) -> None:
-        with self._lock:
-            group.stored += stored
-            group.remaining -= 1
-            last = group.remaining == 0
-        if last:
-            group.future.set_result(group.stored)
