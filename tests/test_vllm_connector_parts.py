@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvtier import wire
 from kvtier.config import Config, ConfigError
-from kvtier.connectors.vllm.hints import Hints, hints_of
+from kvtier.connectors.vllm.hints import AgentHints, hints_of
 from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, PrefixReply, endpoint
 from kvtier.connectors.vllm.paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
 from kvtier.connectors.vllm.settings import CONNECTOR_KEYS, split_extra_config
@@ -195,9 +195,9 @@ def _req(params, session_id=None):
 
 
 def test_hints_from_kv_transfer_params():
-    assert hints_of(_req({"kvtier": {"ttl_s": 600, "session": "s", "priority": 2}})) == Hints("s", 600.0, 2.0)
-    assert hints_of(_req({"kvtier": {"ttl_s": 5}}, session_id="vllm-session")) == Hints("vllm-session", 5.0, 0.0)
-    assert hints_of(_req({"kvtier": {"ttl_s": 5}})) == Hints("r1", 5.0, 0.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 600, "session": "s", "priority": 2}})) == AgentHints("s", 600.0, 2.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 5}}, session_id="vllm-session")) == AgentHints("vllm-session", 5.0, 0.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 5}})) == AgentHints("r1", 5.0, 0.0)
     assert hints_of(_req(None)) is None and hints_of(_req({"do_remote_prefill": True})) is None
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .lookup import LookupResult
-from .hints import Hints, hints_of
+from .hints import AgentHints, hints_of
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
 from .observe import Notebook
 from .settings import ConnectorSettings
@@ -70,7 +70,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # blocks [0, stored) are in the store, or queued to be
     saves_sent: bool = False
-    hints: Hints | None = None
+    hints: AgentHints | None = None
     arrival_blocks: int = 0  # full blocks the request had when admitted (its output's come after)
 
 
