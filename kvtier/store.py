@@ -1,4 +1,4 @@
-"""TieredStore: one logical block store over an ordered list of tiers (DRAM, then SSD, then the remote pool).
+"""TieredStore: one logical block store over an ordered list of tiers (DRAM, then the remote pool, then SSD).
 
 Runs in the caller's process (embedded mode). Batch-first and thread-safe: any thread may call any method.
 Buffer ownership: ``put`` copies the caller's blocks before it returns (``put_async``: before its future

@@ -7,8 +7,8 @@ locked until the call returns); nothing keeps a host address after it.
 
 Copies per page and direction (the host pool's page <-> a kvtier tier):
 
-* one segment (MLA ``page_first*``): the store reads and writes the host page itself; every tier (DRAM, SSD,
-  the node pool's shared memory, a remote pool's socket) copies straight to or from it: no copy of ours.
+* one segment (MLA ``page_first*``): the store reads and writes the host page itself; every tier (DRAM,
+  the node pool's shared memory, a remote pool's socket, SSD) copies straight to or from it: no copy of ours.
 * several segments (MHA: K and V, or every layer's K and V; MLA ``layer_first``): saves gather the segments
   straight into the DRAM slots the store reserved (``put_in_place``): one copy, the one the tier needs
   anyway. Loads of pages in DRAM scatter straight from their slots (``borrow``): one copy. Pages found only

@@ -1,7 +1,7 @@
 """Replayer: a Workload through an HBM prefix cache and a real TieredStore, on a virtual clock.
 
 Per request, at its arrival: the longest prefix held in HBM is free; the store's ``lookup_prefix`` continues
-that prefix below HBM (DRAM, and SSD or the remote pool once the store has them), and those blocks are read
+that prefix below HBM (DRAM, and the remote pool or SSD once the store has them), and those blocks are read
 with ``get``; the rest is computed and stored through the offload mode (``write-through``: the computed blocks
 go to the store at once, as vLLM's offloading connector and LMCache do; ``write-back``: blocks go to the
 store when HBM evicts them). Keys are handed to the store tail first, as to the HBM model, so policies evict
