@@ -59,7 +59,8 @@ class RankLookupReply:
         return total
 
 
-PrefixHandler = Callable[[int, list[bytes], float], RankLookupReply]
+# A rank's answer to (lease, hashes, ttl_s): what LookupServer calls for each lookup.
+RankLookupHandler = Callable[[int, list[bytes], float], RankLookupReply]
 
 
 IPC_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
@@ -85,7 +86,7 @@ class LookupServer:
     server keeps serving; a failing handler is logged and answered with ERR_INTERNAL.
     """
 
-    def __init__(self, address: str, handler: PrefixHandler, *, on_idle: Callable[[], None] | None = None,
+    def __init__(self, address: str, handler: RankLookupHandler, *, on_idle: Callable[[], None] | None = None,
                  idle_s: float = 0.2) -> None:
         self.address = address
         self._handler = handler
