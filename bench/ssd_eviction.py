@@ -26,17 +26,17 @@ from typing import Any
 import numpy as np
 
 from kvtier.policies import make_policy
-from kvtier.replay.traces import Request, Step, TraceError, expand_paths, read_trace
+from kvtier.replay.traces import Step, TraceError, TraceRequest, expand_paths, read_trace
 
 API_TIME_S = 1.0  # a request's service time in the lane schedule (the parsed trace keeps think times only)
 MAX_THINK_S = 60.0  # longer pauses only reorder lanes; capped as in the first study
 Conversation = list[tuple[np.ndarray, float]]  # (block ids, delay before the request) per request
 
 
-def _inline(steps: Sequence[Step]) -> Iterator[Request]:
+def _inline(steps: Sequence[Step]) -> Iterator[TraceRequest]:
     """A conversation's requests in order, each subagent's requests where it was spawned."""
     for step in steps:
-        if isinstance(step, Request):
+        if isinstance(step, TraceRequest):
             yield step
         else:
             for agent in step.agents:

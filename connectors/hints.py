@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Hints:
+class AgentHints:
     """An agent's hint for a request's blocks: keep them pinned for ``ttl_s`` seconds under lease ``session``
     (one lease per session, extended by each turn); ``priority`` decides which sessions keep their pins when
     hints pin too much."""
@@ -31,7 +31,7 @@ class Hints:
     priority: float = 0.0
 
 
-def parse_hints(params: Any, default_session: str | None, owner: str) -> Hints | None:
+def parse_hints(params: Any, default_session: str | None, owner: str) -> AgentHints | None:
     """The hints in ``params["kvtier"]``: ``ttl_s`` (> 0, required for a hint), ``session`` (default
     ``default_session``), ``priority`` (default 0). None when there are none; bad values are logged (naming
     ``owner``, e.g. the request) and ignored: a hint never fails a request."""
@@ -47,4 +47,4 @@ def parse_hints(params: Any, default_session: str | None, owner: str) -> Hints |
     except (TypeError, ValueError) as e:
         log.warning("kvtier: ignoring hints of %s: %s", owner, e)
         return None
-    return Hints(session, ttl_s, priority)
+    return AgentHints(session, ttl_s, priority)

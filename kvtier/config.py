@@ -101,7 +101,7 @@ class Config:
     # Modes: where the store's DRAM lives (README "Modes"). The remote/node pool is kvtier-pool.
     mode: str = _field("embedded", "embedded: private DRAM (+SSD) in this process; standalone: the node pool "
                                    "(kvtier-pool on this host, shared by its engine processes) is the store's "
-                                   "DRAM; distributed: private DRAM (+SSD) with remote pools below",
+                                   "DRAM; distributed: private DRAM, remote pools below it (+SSD below them)",
                        ("embedded", "standalone", "distributed"))
     pool: str = _field("", "pool endpoint(s), comma-separated: standalone: the node pool's ipc:///path; "
                            "distributed without a master: each pool's tcp://host:port")

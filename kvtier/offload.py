@@ -1,4 +1,4 @@
-"""Offload and promotion between a store's top tier (host DRAM) and each tier under it (the SSD, the remote pool).
+"""Offload and promotion between a store's top tier (host DRAM) and each tier under it (the remote pool, the SSD).
 
 Runs inside TieredStore, in the caller's process, on the threads of the store calls that trigger it; it holds
 no bytes itself: the lower tier's ``put_later`` copies what is offloaded into its own staging memory before it

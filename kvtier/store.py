@@ -1,4 +1,4 @@
-"""TieredStore: one logical block store over an ordered list of tiers (DRAM, then SSD, then the remote pool).
+"""TieredStore: one logical block store over an ordered list of tiers (DRAM, then the remote pool, then SSD).
 
 Runs in the caller's process (embedded mode). Batch-first and thread-safe: any thread may call any method.
 Buffer ownership: ``put`` copies the caller's blocks before it returns (``put_async``: before its future
@@ -39,7 +39,7 @@ from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
 from kvtier.store_build import offloads_between, tiers_from_config
-from kvtier.store_types import Fill, Listener, PrefixLookup, PutResult, StoreEvent
+from kvtier.store_types import Fill, Listener, PutResult, StoreEvent, StoreLookup
 from kvtier.tiers.base import AddressableSlots, ObservingTier, Tier
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class TieredStore:
                 held[i] = h
         return held
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixLookup:
+    def lookup_prefix(self, keys: Sequence[bytes]) -> StoreLookup:
         """How many leading keys are held, and by which tier each (the highest tier that holds it)."""
         # Every tier is asked about all the keys the tiers above it lack: where the prefix ends is known only
         # after the last tier answered (a batch call per tier beats asking key by key).
@@ -264,7 +264,7 @@ class TieredStore:
                 if h:
                     names[i] = tier.name
         length = next((i for i, n in enumerate(names) if n is None), len(keys))
-        return PrefixLookup(length, names[:length])  # type: ignore[arg-type]
+        return StoreLookup(length, names[:length])  # type: ignore[arg-type]
 
     # ---- what the engine knows ---------------------------------------------------------------------------
 
@@ -312,7 +312,7 @@ class TieredStore:
         """get() on an I/O thread; ``out`` is written by the time the future completes."""
         return self._submit(self.get, keys, out)
 
-    def lookup_prefix_async(self, keys: Sequence[bytes]) -> Future[PrefixLookup]:
+    def lookup_prefix_async(self, keys: Sequence[bytes]) -> Future[StoreLookup]:
         return self._submit(self.lookup_prefix, keys)
 
     # ---- events, stats, lifetime ----------------------------------------------------------------------
@@ -444,4 +444,4 @@ def _subset(rows: BlockRows, index: Sequence[int]) -> BlockRows:
     return rows if len(index) == len(rows.ptrs) else BlockRows(rows.ptrs[list(index)], rows.owners)
 
 
-__all__ = ["Fill", "Listener", "PrefixLookup", "PutResult", "StoreEvent", "TieredStore"]
+__all__ = ["Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup", "TieredStore"]

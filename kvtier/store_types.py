@@ -1,4 +1,4 @@
-"""What TieredStore's calls return and announce: PutResult, PrefixLookup, StoreEvent (and the callable types a
+"""What TieredStore's calls return and announce: PutResult, StoreLookup, StoreEvent (and the callable types a
 caller hands it). Plain data; kvtier.store re-exports them."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class PutResult:
 
 
 @dataclass
-class PrefixLookup:
-    """``length`` leading keys are held; ``tiers[i]`` names the (highest) tier holding key i."""
+class StoreLookup:
+    """TieredStore.lookup_prefix's answer: ``length`` leading keys are held; ``tiers[i]`` names the (highest) tier holding key i."""
 
     length: int
     tiers: list[str]
@@ -48,4 +48,4 @@ Listener = Callable[[StoreEvent], None]
 Fill = Callable[[list[int], BlockRows], None]
 
 
-__all__ = ["Fill", "Listener", "PrefixLookup", "PutResult", "StoreEvent"]
+__all__ = ["Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup"]

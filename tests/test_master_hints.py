@@ -8,7 +8,8 @@ import pytest
 
 from conftest import blocks_for
 from kvtier import TieredStore
-from kvtier.client import Hints, MasterClient, NodeAgent, StoreHints
+import kvtier.client
+from kvtier.client import MasterClient, MasterHints, NodeAgent, StoreHints
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable, session_lease
 from masterproc import MasterProcess
@@ -17,6 +18,16 @@ from poolproc import wait_for
 BB = 4096
 KEYS = Namespace("hints-test").keys(range(64))
 AGENT_7 = session_lease("agent-7")
+
+
+def test_the_old_sdk_names_still_import_with_a_deprecation_warning() -> None:
+    new = {"Hints": "MasterHints", "LookupResult": "MasterLookup", "PrefixHit": "NodeTierHit"}
+    for old, name in new.items():
+        with pytest.warns(DeprecationWarning, match=f"kvtier.client.{old} is deprecated: use kvtier.client.{name}"):
+            assert getattr(kvtier.client, old) is getattr(kvtier.client, name)
+    assert not set(new) & set(kvtier.client.__all__)
+    with pytest.raises(AttributeError):
+        kvtier.client.NoSuchName  # noqa: B018
 
 
 class Clock:
@@ -72,7 +83,7 @@ def test_the_store_gets_a_budget_unless_it_has_one():
 
 def test_key_pins_end_at_their_expiry_without_new_hints(node):
     s, hints, clock = node
-    hints.apply(Hints(1, key_pins={KEYS[0]: 1100.0, KEYS[1]: 1100.0, KEYS[2]: 1200.0}))
+    hints.apply(MasterHints(1, key_pins={KEYS[0]: 1100.0, KEYS[1]: 1100.0, KEYS[2]: 1200.0}))
     assert pins(s, KEYS[:4]) == [1, 1, 1, 0] and len(s.leases) == 2  # one lease per pin call
     pressure(s, 8)
     assert s.contains(KEYS[:3]) == [True] * 3
@@ -84,17 +95,17 @@ def test_key_pins_end_at_their_expiry_without_new_hints(node):
 def test_key_pins_respect_the_budget_and_priorities(node):
     s, hints, clock = node
     soon, late = {k: 1100.0 for k in KEYS[:3]}, {k: 1200.0 for k in KEYS[3:6]}
-    hints.apply(Hints(1, key_pins={**soon, **late}))
+    hints.apply(MasterHints(1, key_pins={**soon, **late}))
     assert pins(s, KEYS[:6]) == [0, 0, 0, 1, 1, 1]  # 6 keys > the budget of 4: the lease ending sooner went
-    hints.apply(Hints(2, key_pins={**soon, **late}, key_priority={k: (5, float("inf")) for k in KEYS[:3]}))
+    hints.apply(MasterHints(2, key_pins={**soon, **late}, key_priority={k: (5, float("inf")) for k in KEYS[:3]}))
     assert pins(s, KEYS[:6]) == [1, 1, 1, 0, 0, 0]  # the first pin ranks higher now
-    hints.apply(Hints(3, key_pins=late))  # the master unpins the first: the budget-dropped one is not retried
+    hints.apply(MasterHints(3, key_pins=late))  # the master unpins the first: the budget-dropped one is not retried
     assert len(s.pins) == 0 and len(s.leases) == 0
 
 
 def test_a_repinned_key_moves_to_its_new_lease_without_being_unpinned(node):
     s, hints, clock = node
-    hints.apply(Hints(1, key_pins={KEYS[0]: 1500.0, KEYS[1]: 1500.0}))
+    hints.apply(MasterHints(1, key_pins={KEYS[0]: 1500.0, KEYS[1]: 1500.0}))
     unpin = s.unpin
 
     def checked_unpin(keys):
@@ -102,7 +113,7 @@ def test_a_repinned_key_moves_to_its_new_lease_without_being_unpinned(node):
         unpin(keys)
 
     s.unpin = checked_unpin
-    hints.apply(Hints(2, key_pins={KEYS[0]: 1100.0, KEYS[1]: 1500.0}))  # KEYS[0] re-pinned, shorter
+    hints.apply(MasterHints(2, key_pins={KEYS[0]: 1100.0, KEYS[1]: 1500.0}))  # KEYS[0] re-pinned, shorter
     s.unpin = unpin
     assert pins(s, KEYS[:2]) == [1, 1] and len(s.leases) == 2
     clock.now = 1100
@@ -112,34 +123,34 @@ def test_a_repinned_key_moves_to_its_new_lease_without_being_unpinned(node):
 def test_keys_the_store_lacks_are_pinned_when_the_hints_change_after_they_arrive(node):
     s, hints, clock = node
     new = KEYS[40]
-    hints.apply(Hints(1, key_pins={new: 1500.0}))
+    hints.apply(MasterHints(1, key_pins={new: 1500.0}))
     assert s.pins.count(new) == 0 and len(s.leases) == 0  # no empty lease for a key not held
     s.put([new], blocks_for([new], BB))
-    hints.apply(Hints(2, key_pins={new: 1500.0, KEYS[7]: 1500.0}))
+    hints.apply(MasterHints(2, key_pins={new: 1500.0, KEYS[7]: 1500.0}))
     assert pins(s, [new, KEYS[7]]) == [1, 1]
 
 
 def test_a_session_pin_holds_the_sessions_lease_and_unpin_gives_it_back(node):
     s, hints, clock = node
     s.leases.lease(AGENT_7, KEYS[:4], ttl_s=10)  # the connector's own hint: 10 s
-    hints.apply(Hints(1, session_pins={"agent-7": 1300.0}))  # the router: agent-7 is back within 5 minutes
+    hints.apply(MasterHints(1, session_pins={"agent-7": 1300.0}))  # the router: agent-7 is back within 5 minutes
     clock.now = 1100
     pressure(s, 8)
     assert s.contains(KEYS[:4]) == [True] * 4 and s.leases.expires_in(AGENT_7) == 200
-    hints.apply(Hints(2))  # the router unpins it: the lease's own 10 s are long over
+    hints.apply(MasterHints(2))  # the router unpins it: the lease's own 10 s are long over
     assert AGENT_7 not in s.leases and len(s.pins) == 0
 
 
 def test_a_session_pin_applies_to_the_lease_the_connector_creates_later(node):
     s, hints, clock = node
-    hints.apply(Hints(1, session_pins={"agent-7": float("inf")}, session_priority={"agent-7": (3, 1500.0)}))
+    hints.apply(MasterHints(1, session_pins={"agent-7": float("inf")}, session_priority={"agent-7": (3, 1500.0)}))
     s.leases.lease(AGENT_7, KEYS[:2], ttl_s=10)
     s.leases.lease("session:other", KEYS[2:4], ttl_s=600, priority=1)
     s.leases.lease("session:third", KEYS[4:6], ttl_s=600, priority=1)  # over the budget of 4
     assert AGENT_7 in s.leases and "session:other" not in s.leases  # agent-7 ranks 3 through the master
     clock.now = 100_000
     assert AGENT_7 in s.leases  # pinned until unpinned
-    hints.apply(Hints(2, session_priority={"agent-7": (3, float("inf"))}))  # priority only now
+    hints.apply(MasterHints(2, session_priority={"agent-7": (3, float("inf"))}))  # priority only now
     assert AGENT_7 not in s.leases and len(s.leases) == 0
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvtier.replay.traces import Request, Subagents, TraceError, read_agentic, read_mooncake, read_trace
+from kvtier.replay.traces import Subagents, TraceError, TraceRequest, read_agentic, read_mooncake, read_trace
 from kvtier.replay.workload import Workload, load_workload
 from replaykit import req, sub
 
@@ -56,7 +56,7 @@ def test_mooncake_reader(tmp_path):
     t = read_trace(p)
     assert t.timed and t.block_tokens == 512 and t.requests == 2
     first, second = t.steps  # issued in time order
-    assert isinstance(first, Request) and first.delay == 1.0 and second.delay == 2.0
+    assert isinstance(first, TraceRequest) and first.delay == 1.0 and second.delay == 2.0
     assert len(first.blocks) == 1 and len(second.blocks) == 2  # 600 // 512 and 1100 // 512 full blocks
     assert first.blocks[0] == second.blocks[0]  # id 0 is global across the file
 

@@ -1,6 +1,6 @@
 """KVTierHiCacheStorage built by SGLang's own StorageBackendFactory ("dynamic") on SGLang's real host pools
 (MHATokenToKVPoolHost in 4 layouts, MLATokenToKVPoolHost in 3): the v1 calls bit-exact, partial hits, pages
-missing mid-batch, failing tiers, every tier's path (DRAM slots, SSD, the node pool), the flat interface,
+missing mid-batch, failing tiers, every tier's path (DRAM slots, the node pool, SSD), the flat interface,
 threads, the config's rules, KV events in SGLang's own format, metrics. Page bytes are checked against the
 pool's own segment table (tests/sglang_harness.py).
 """

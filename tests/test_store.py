@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from conftest import block_for, blocks_for
-from kvtier import Namespace, StoreEvent, TieredStore
+import kvtier
+from kvtier import Namespace, StoreEvent, StoreLookup, TieredStore
 from kvtier.hostcopy import copy_rows
 from kvtier.tiers.dram import DramTier
 
@@ -236,6 +237,17 @@ def test_put_in_flight_is_skipped_and_costs_nothing():
     third = store.put(keys, blocks_for(keys, BB))
     assert (third.stored, third.skipped) == (0, 4) and tier.calls == 1
     store.close()
+
+
+def test_lookup_prefix_answers_a_store_lookup_whose_old_name_still_imports_deprecated():
+    store = TieredStore.from_config({"dram_capacity": 2 * BB}, BB)
+    store.put(KEYS[:1], blocks_for(KEYS[:1], BB))
+    assert store.lookup_prefix(KEYS[:2]) == StoreLookup(1, ["dram"])
+    with pytest.warns(DeprecationWarning, match="kvtier.PrefixLookup is deprecated: use kvtier.StoreLookup"):
+        assert kvtier.PrefixLookup is StoreLookup
+    assert "PrefixLookup" not in kvtier.__all__
+    with pytest.raises(AttributeError):
+        kvtier.NoSuchName  # noqa: B018
 
 
 def test_async_variants_and_events():

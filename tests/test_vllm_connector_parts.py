@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from kvtier import wire
 from kvtier.config import Config, ConfigError
-from kvtier.connectors.vllm.hints import Hints, hints_of
-from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, PrefixReply, endpoint
+from kvtier.connectors.vllm.hints import AgentHints, hints_of
+from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, RankLookupReply, endpoint
 from kvtier.connectors.vllm.paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
 from kvtier.connectors.vllm.settings import CONNECTOR_KEYS, split_extra_config
 
@@ -35,10 +35,10 @@ def held_prefix(n: int):
     """A handler holding the first ``n`` blocks of any lookup, all in DRAM; records what it was asked."""
     calls: list[tuple[int, int, float]] = []
 
-    def handler(lease: int, hashes: list[bytes], ttl_s: float) -> PrefixReply:
+    def handler(lease: int, hashes: list[bytes], ttl_s: float) -> RankLookupReply:
         calls.append((lease, len(hashes), ttl_s))
         length = min(n, len(hashes))
-        return PrefixReply(length, (("dram", length),) if length else ())
+        return RankLookupReply(length, (("dram", length),) if length else ())
 
     handler.calls = calls  # type: ignore[attr-defined]
     return handler
@@ -90,7 +90,7 @@ def test_bad_requests_get_error_replies_and_the_server_keeps_serving(ipc_dir):
     def broken(lease, hashes, ttl_s):
         if lease == 13:
             raise RuntimeError("bug in the handler")
-        return PrefixReply(len(hashes))
+        return RankLookupReply(len(hashes))
 
     server = LookupServer(endpoint(ipc_dir, "e", 0, 0), broken)
     ctx = zmq.Context()
@@ -158,7 +158,7 @@ def test_endpoint_refuses_paths_a_unix_socket_cannot_hold():
 
 
 def test_reply_counts_by_tier():
-    reply = PrefixReply(6, (("dram", 2), ("ssd", 3), ("dram", 1)))
+    reply = RankLookupReply(6, (("dram", 2), ("ssd", 3), ("dram", 1)))
     assert reply.count("dram") == 3 and reply.count("ssd") == 3 and reply.count("ssd", upto=4) == 2
 
 
@@ -195,9 +195,9 @@ def _req(params, session_id=None):
 
 
 def test_hints_from_kv_transfer_params():
-    assert hints_of(_req({"kvtier": {"ttl_s": 600, "session": "s", "priority": 2}})) == Hints("s", 600.0, 2.0)
-    assert hints_of(_req({"kvtier": {"ttl_s": 5}}, session_id="vllm-session")) == Hints("vllm-session", 5.0, 0.0)
-    assert hints_of(_req({"kvtier": {"ttl_s": 5}})) == Hints("r1", 5.0, 0.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 600, "session": "s", "priority": 2}})) == AgentHints("s", 600.0, 2.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 5}}, session_id="vllm-session")) == AgentHints("vllm-session", 5.0, 0.0)
+    assert hints_of(_req({"kvtier": {"ttl_s": 5}})) == AgentHints("r1", 5.0, 0.0)
     assert hints_of(_req(None)) is None and hints_of(_req({"do_remote_prefill": True})) is None
 
 

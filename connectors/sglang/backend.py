@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier.config import Config, ConfigError
-from kvtier.connectors.hints import Hints, parse_hints
+from kvtier.connectors.hints import AgentHints, parse_hints
 from kvtier.connectors.paths import PER_WORKER_KEYS, model_dir, per_worker
 from kvtier.ratelog import RateLimitedLog
 from kvtier.store import TieredStore
@@ -288,7 +288,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         finally:
             self._publish()
 
-    def _hints(self, extra_info: HiCacheStorageExtraInfo | None) -> Hints | None:
+    def _hints(self, extra_info: HiCacheStorageExtraInfo | None) -> AgentHints | None:
         if extra_info is None or not extra_info.extra_info or self.settings.hint_max_fraction <= 0:
             return None
         return parse_hints(extra_info.extra_info, None, "an SGLang storage call")

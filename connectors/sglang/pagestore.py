@@ -7,8 +7,8 @@ locked until the call returns); nothing keeps a host address after it.
 
 Copies per page and direction (the host pool's page <-> a kvtier tier):
 
-* one segment (MLA ``page_first*``): the store reads and writes the host page itself; every tier (DRAM, SSD,
-  the node pool's shared memory, a remote pool's socket) copies straight to or from it: no copy of ours.
+* one segment (MLA ``page_first*``): the store reads and writes the host page itself; every tier (DRAM,
+  the node pool's shared memory, a remote pool's socket, SSD) copies straight to or from it: no copy of ours.
 * several segments (MHA: K and V, or every layer's K and V; MLA ``layer_first``): saves gather the segments
   straight into the DRAM slots the store reserved (``put_in_place``): one copy, the one the tier needs
   anyway. Loads of pages in DRAM scatter straight from their slots (``borrow``): one copy. Pages found only
@@ -37,7 +37,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.dram import DramTier
 from kvtier.tiers.ssd import DiskTier
 
-from kvtier.connectors.hints import Hints
+from kvtier.connectors.hints import AgentHints
 
 from .pages import HostPages
 
@@ -109,7 +109,7 @@ class PageStore:
         """How many leading pages some tier holds: one store lookup (one call per tier) for the whole span."""
         return self.store.lookup_prefix(self.keys(page_keys)).length if page_keys else 0
 
-    def set_pages(self, page_keys: Sequence[str], host_indices: torch.Tensor, hints: Hints | None = None
+    def set_pages(self, page_keys: Sequence[str], host_indices: torch.Tensor, hints: AgentHints | None = None
                   ) -> list[bool]:
         """Store the host pages at ``host_indices`` under ``page_keys``; True where the store holds the page
         afterwards (stored now, held already, or being written by another call)."""
@@ -200,7 +200,7 @@ class PageStore:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _set_staged(self, keys: list[bytes], page_keys: Sequence[str], segments: np.ndarray,
-                    hints: Hints | None) -> list[bool]:
+                    hints: AgentHints | None) -> list[bool]:
         """Saves where the top tier has no slots to fill: only pages the store lacks are gathered."""
         held = self.store.contains(keys)
         todo = [i for i, h in enumerate(held) if not h]
@@ -236,7 +236,7 @@ class PageStore:
                 hit += got
         return hit
 
-    def _lease(self, keys: list[bytes], hints: Hints | None) -> None:
+    def _lease(self, keys: list[bytes], hints: AgentHints | None) -> None:
         if hints is not None:
             self.store.leases.lease(session_lease(hints.session), keys, hints.ttl_s, hints.priority)
 

@@ -59,8 +59,8 @@ TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "pool": 
 
 
 class KVTierConnector(KVConnectorBase_V1):
-    """Keeps prefixes alive below HBM (host DRAM, SSD) across requests. A best-effort cache: a block that
-    cannot be loaded is recomputed (set ``kv_load_failure_policy: recompute``).
+    """Keeps prefixes alive below HBM (host DRAM, a remote pool, SSD) across requests. A best-effort cache: a
+    block that cannot be loaded is recomputed (set ``kv_load_failure_policy: recompute``).
 
     Per engine, one SCHEDULER instance in the engine-core process (called on the scheduler's thread only)
     and one WORKER instance per TP/PP rank in that rank's process (called on the model runner's thread; it

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.connectors.hints import Hints, parse_hints
+from kvtier.connectors.hints import AgentHints, parse_hints
 
-__all__ = ["Hints", "hints_of"]
+__all__ = ["AgentHints", "hints_of"]
 
 
-def hints_of(request: Any) -> Hints | None:
+def hints_of(request: Any) -> AgentHints | None:
     """The agent hints in ``request.kv_transfer_params["kvtier"]`` (kvtier.connectors.hints.parse_hints);
     ``session`` defaults to vLLM's session id, else the request id."""
     params = getattr(request, "kv_transfer_params", None) or {}

@@ -38,9 +38,9 @@ MAX_HASH_BYTES = 64
 
 
 @dataclass(frozen=True)
-class PrefixReply:
-    """``length`` leading blocks are held (and pinned under the lease); ``tiers`` says where, as runs of
-    (tier name, count) in block order."""
+class RankLookupReply:
+    """One worker rank's answer to a prefix lookup: ``length`` leading blocks are held (and pinned under the
+    lease); ``tiers`` says where, as runs of (tier name, count) in block order."""
 
     length: int
     tiers: tuple[tuple[str, int], ...] = ()
@@ -59,7 +59,8 @@ class PrefixReply:
         return total
 
 
-PrefixHandler = Callable[[int, list[bytes], float], PrefixReply]
+# A rank's answer to (lease, hashes, ttl_s): what LookupServer calls for each lookup.
+RankLookupHandler = Callable[[int, list[bytes], float], RankLookupReply]
 
 
 IPC_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
@@ -85,7 +86,7 @@ class LookupServer:
     server keeps serving; a failing handler is logged and answered with ERR_INTERNAL.
     """
 
-    def __init__(self, address: str, handler: PrefixHandler, *, on_idle: Callable[[], None] | None = None,
+    def __init__(self, address: str, handler: RankLookupHandler, *, on_idle: Callable[[], None] | None = None,
                  idle_s: float = 0.2) -> None:
         self.address = address
         self._handler = handler
@@ -173,15 +174,15 @@ def _hashes_field(body: dict[str, Any]) -> list[bytes]:
 @dataclass
 class _Pending:
     started: float
-    replies: dict[int, PrefixReply] = field(default_factory=dict)
+    replies: dict[int, RankLookupReply] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class LookupResult:
-    """The shortest prefix every rank holds, where the first rank holding exactly that many keeps it, and
-    how long the answer took."""
+class ConnectorLookup:
+    """The connector's answer to one lookup over every rank: the shortest prefix every rank holds, where the
+    first rank holding exactly that many keeps it, and how long the answer took."""
 
-    reply: PrefixReply
+    reply: RankLookupReply
     seconds: float
 
     @property
@@ -228,7 +229,7 @@ class LookupClient:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:  # the rank's queue is full: it is not reading; count it as holding nothing
                 log.warning("kvtier lookup: rank %d at %s is not accepting lookups", rank, self.endpoints[rank])
-                pending.replies[rank] = PrefixReply(0)
+                pending.replies[rank] = RankLookupReply(0)
 
     def poll(self) -> None:
         """Read every reply that has arrived."""
@@ -240,13 +241,13 @@ class LookupClient:
                     break
                 self._take(rank, frame)
 
-    def result(self, lease: int) -> LookupResult | None:
+    def result(self, lease: int) -> ConnectorLookup | None:
         """The answer once every rank replied, else None (see ``expired``)."""
         pending = self._pending.get(lease)
         if pending is None or len(pending.replies) < len(self._socks):
             return None
         shortest = min(pending.replies.values(), key=lambda r: r.length)
-        return LookupResult(shortest, self._clock() - pending.started)
+        return ConnectorLookup(shortest, self._clock() - pending.started)
 
     def expired(self, lease: int) -> bool:
         pending = self._pending.get(lease)
@@ -272,7 +273,7 @@ class LookupClient:
         if not ok:
             log.warning("kvtier lookup %d: rank %d answered %s: %s", req_id, rank, body.get("code"),
                         body.get("message"))
-            pending.replies[rank] = PrefixReply(0)
+            pending.replies[rank] = RankLookupReply(0)
             return
         try:
             length = wire.int_field(body, "length", 0, MAX_HASHES)
@@ -280,4 +281,4 @@ class LookupClient:
         except (wire.WireError, TypeError, ValueError) as e:
             log.warning("kvtier lookup %d: malformed reply from rank %d: %s", req_id, rank, e)
             length, tiers = 0, ()
-        pending.replies[rank] = PrefixReply(length, tiers)
+        pending.replies[rank] = RankLookupReply(length, tiers)

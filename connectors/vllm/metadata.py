@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .hints import Hints
+from .hints import AgentHints
 from .observe import RequestNotes
 
 
@@ -37,7 +37,7 @@ class SavePlan:
     req_id: str
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
-    hints: Hints | None = None
+    hints: AgentHints | None = None
 
 
 @dataclass

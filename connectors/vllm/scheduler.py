@@ -28,8 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .lookup import LookupResult
-from .hints import Hints, hints_of
+from .lookup import ConnectorLookup
+from .hints import AgentHints, hints_of
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
 from .observe import Notebook
 from .settings import ConnectorSettings
@@ -44,7 +44,7 @@ class Lookups(Protocol):
 
     def poll(self) -> None: ...
 
-    def result(self, lease: int) -> LookupResult | None: ...
+    def result(self, lease: int) -> ConnectorLookup | None: ...
 
     def expired(self, lease: int) -> bool: ...
 
@@ -58,7 +58,7 @@ class _Lookup:
     lease: int
     start: int  # first block looked up (the local prefix-cache hit ends there)
     stop: int  # one past the last block looked up
-    result: LookupResult | None = None
+    result: ConnectorLookup | None = None
     answered: float = 0.0  # when the result came (its pins last lease_ttl_s from the lookup)
 
 
@@ -70,7 +70,7 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # blocks [0, stored) are in the store, or queued to be
     saves_sent: bool = False
-    hints: Hints | None = None
+    hints: AgentHints | None = None
     arrival_blocks: int = 0  # full blocks the request had when admitted (its output's come after)
 
 
@@ -95,7 +95,7 @@ class SchedulerSide:
         self._loads: dict[str, LoadPlan] = {}  # planned, not sent yet
         self._loading: set[str] = set()  # asynchronous loads sent, not reported done
         self._releases: list[int] = []
-        self._hit_tiers: dict[str, LookupResult] = {}
+        self._hit_tiers: dict[str, ConnectorLookup] = {}
         self.notes = Notebook()  # what the workers' stores are told at the next step
         self.counters: dict[str, float] = {"lookups": 0, "lookup_hit_blocks": 0, "lookup_seconds": 0.0,
                                            "lookup_timeouts": 0}

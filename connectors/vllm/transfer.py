@@ -44,7 +44,7 @@ from kvtier.leases import LeaseTable, session_lease
 from kvtier.kernels import SKIP
 from kvtier.store import TieredStore
 
-from .hints import Hints
+from .hints import AgentHints
 from .pagedkv import PagedKV
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class SaveJob:
     keys: list[bytes]
     hashes: Sequence[bytes]
     block_ids: np.ndarray
-    hints: Hints | None = None
+    hints: AgentHints | None = None
     gathered: threading.Event = field(default_factory=threading.Event)  # engine blocks no longer read
     done: threading.Event = field(default_factory=threading.Event)
     after: Any = None

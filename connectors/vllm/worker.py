@@ -33,7 +33,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.ssd import DirectoryInUse
 
 from .events import EventRecorder
-from .lookup import LookupServer, PrefixReply, endpoint
+from .lookup import LookupServer, RankLookupReply, endpoint
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
 from .paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
@@ -144,9 +144,9 @@ class WorkerSide:
 
     # ---- lookups (the lookup server's thread) --------------------------------------------------------------
 
-    def _lookup(self, lease: int, hashes: list[bytes], ttl_s: float) -> PrefixReply:
+    def _lookup(self, lease: int, hashes: list[bytes], ttl_s: float) -> RankLookupReply:
         if self.store is None or self.namespace is None:
-            return PrefixReply(0)
+            return RankLookupReply(0)
         keys = self.namespace.keys(hashes)
         hit = self.store.lookup_prefix(keys)
         # Pin what was found until the load; a block evicted between the two calls ends the prefix there
@@ -156,7 +156,7 @@ class WorkerSide:
         if length == 0:
             self.lookup_leases.release(lookup_lease(lease))
         self._lookups_served += 1
-        return PrefixReply(length, _runs(hit.tiers[:length]))
+        return RankLookupReply(length, _runs(hit.tiers[:length]))
 
     # ---- one engine step (the model runner's thread) -------------------------------------------------------
 

@@ -6,17 +6,38 @@
 * ``NodeAgent``: the node side: publishes a TieredStore's events, heartbeats, inventories, hints;
 * ``StoreHints``: the master's pins and priorities applied to a node's store as leases.
 
+Results: ``MasterLookup`` (``lookup``; its ``hits`` are ``NodeTierHit``s), ``MasterHints`` (``hints``), ``Plan``,
+``CostResult``, ``HeatResult``, ``LocateResult``, ``TopResult``. The old names ``LookupResult``, ``PrefixHit`` and
+``Hints`` still import from here, with a DeprecationWarning (``Hints`` was also the connectors' name for an
+agent's request hints, now ``kvtier.connectors.hints.AgentHints``).
+
 Engine-compatible hashers (token ids -> the engine's own block hashes) are in kvtier.hashers.
 """
 
+import warnings
+from typing import Any
+
 from kvtier.client.agent import NodeAgent
-from kvtier.client.api import CostResult, Hints, HeatResult, LocateResult, LookupResult, Plan, PrefixHit, TopResult
+from kvtier.client.api import (CostResult, HeatResult, LocateResult, MasterHints, MasterLookup, NodeTierHit, Plan,
+                               TopResult)
 from kvtier.client.master import AsyncMasterClient, MasterClient, MasterError, MasterTimeout, MasterUnknownNode
 from kvtier.client.router import Router
 from kvtier.client.store_hints import StoreHints
 
 __all__ = [
-    "AsyncMasterClient", "CostResult", "HeatResult", "Hints", "LocateResult", "LookupResult", "MasterClient",
-    "MasterError", "MasterTimeout", "MasterUnknownNode", "NodeAgent", "Plan", "PrefixHit", "Router", "StoreHints",
+    "AsyncMasterClient", "CostResult", "HeatResult", "LocateResult", "MasterClient", "MasterError", "MasterHints",
+    "MasterLookup", "MasterTimeout", "MasterUnknownNode", "NodeAgent", "NodeTierHit", "Plan", "Router", "StoreHints",
     "TopResult",
 ]
+
+# The SDK's old result names (deprecated; not in __all__): each is the same class as its new name.
+_DEPRECATED = {"LookupResult": MasterLookup, "PrefixHit": NodeTierHit, "Hints": MasterHints}
+
+
+def __getattr__(name: str) -> Any:
+    cls = _DEPRECATED.get(name)
+    if cls is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"kvtier.client.{name} is deprecated: use kvtier.client.{cls.__name__}", DeprecationWarning,
+                  stacklevel=2)
+    return cls

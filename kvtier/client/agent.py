@@ -48,7 +48,7 @@ from typing import Any
 from kvtier import wire
 from kvtier.auth import ClientKeys
 from kvtier.client import api
-from kvtier.client.api import Hints, NodeReply
+from kvtier.client.api import MasterHints, NodeReply
 from kvtier.client.master import MasterClient, MasterError, MasterUnknownNode
 from kvtier.client.store_hints import StoreHints
 
@@ -64,7 +64,7 @@ class NodeAgent:
                  address: str = "", labels: Mapping[str, str] | None = None,
                  used: Callable[[], Mapping[str, int]] | None = None,
                  verify: Callable[[str, list[bytes]], list[bool]] | None = None,
-                 on_hints: Callable[[Hints], None] | None = None,
+                 on_hints: Callable[[MasterHints], None] | None = None,
                  initial: Mapping[str, Iterable[bytes]] | None = None,
                  list_keys: Callable[[str], list[bytes]] | None = None, goodbye: bool = False,
                  heartbeat_s: float | None = None, batch_interval_s: float = 0.01, max_batch_keys: int = 65536,
@@ -110,7 +110,7 @@ class NodeAgent:
         self.registered = False
         self.need_inventory = True
         self.lease_s: float | None = None
-        self.hints: Hints | None = None
+        self.hints: MasterHints | None = None
         self._tier_bw: dict[str, float] = {}
         self._path_bw: dict[str, float] = {}
         self._rtt = 0.0

@@ -31,8 +31,8 @@ class Call(Generic[T]):
 # ---- results ---------------------------------------------------------------------------------------------
 
 @dataclass
-class PrefixHit:
-    """``blocks`` leading keys of the lookup are held in ``tier`` of ``node``."""
+class NodeTierHit:
+    """One entry of a MasterLookup: ``blocks`` leading keys of the lookup are held in ``tier`` of ``node``."""
 
     node: str
     tier: str
@@ -40,14 +40,15 @@ class PrefixHit:
 
 
 @dataclass
-class LookupResult:
-    """Per (node, tier), the leading keys held; ``any``: leading keys held by at least one live node."""
+class MasterLookup:
+    """The master's answer to a lookup: per (node, tier), the leading keys held; ``any``: leading keys held by
+    at least one live node."""
 
     n: int
     any: int
-    hits: list[PrefixHit]
+    hits: list[NodeTierHit]
 
-    def best(self) -> PrefixHit | None:
+    def best(self) -> NodeTierHit | None:
         return max(self.hits, key=lambda h: h.blocks, default=None)
 
     def for_node(self, node: str) -> dict[str, int]:
@@ -103,8 +104,9 @@ class TopResult:
 
 
 @dataclass
-class Hints:
-    """Pins and priorities the master keeps. Expiry times are unix seconds; ``float('inf')``: no expiry."""
+class MasterHints:
+    """The master's hints record (``hints``): the pins and priorities it keeps. Expiry times are unix seconds;
+    ``float('inf')``: no expiry."""
 
     version: int
     key_pins: dict[bytes, float] = field(default_factory=dict)
@@ -114,7 +116,7 @@ class Hints:
     unchanged: bool = False  # the reply to hints(since=version): nothing changed, the maps are empty
 
     @classmethod
-    def from_wire(cls, b: Mapping[str, Any]) -> Hints:
+    def from_wire(cls, b: Mapping[str, Any]) -> MasterHints:
         if b.get("unchanged"):
             return cls(version=b["version"], unchanged=True)
 
@@ -189,9 +191,9 @@ def ping() -> Call[dict[str, Any]]:
     return Call(wire.PING, {}, dict)
 
 
-def lookup(keys: KeysLike, touch: bool = True) -> Call[LookupResult]:
+def lookup(keys: KeysLike, touch: bool = True) -> Call[MasterLookup]:
     return Call(wire.LOOKUP, {"keys": _keys(keys), "touch": touch},
-                lambda b: LookupResult(b["n"], b["any"], [PrefixHit(*h) for h in b["prefix"]]))
+                lambda b: MasterLookup(b["n"], b["any"], [NodeTierHit(*h) for h in b["prefix"]]))
 
 
 def cost(keys: KeysLike, candidates: Sequence[str], block_tokens: int, prefill_tokens_per_s: float,
@@ -249,8 +251,8 @@ def priority(level: int, keys: KeysLike | None = None, session: str | None = Non
     return Call(wire.PRIORITY, {**_hint_body(keys, session), "level": level, "ttl_s": ttl_s}, lambda b: b["count"])
 
 
-def hints(since: int = -1) -> Call[Hints]:
-    return Call(wire.HINTS, {"since": since}, Hints.from_wire)
+def hints(since: int = -1) -> Call[MasterHints]:
+    return Call(wire.HINTS, {"since": since}, MasterHints.from_wire)
 
 
 def forget(node: str) -> Call[bool]:

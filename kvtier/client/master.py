@@ -1,7 +1,7 @@
 """MasterClient (blocking) and AsyncMasterClient (asyncio): talk to kvtier-master over zmq DEALER sockets.
 
     with MasterClient("tcp://master:7300") as m:
-        hit = m.lookup(keys)                         # LookupResult: leading blocks per node and tier
+        hit = m.lookup(keys)                         # MasterLookup: leading blocks per node and tier
         plans = m.cost(keys, ["w1", "w2"], block_tokens=64, prefill_tokens_per_s=20_000).plans
     MasterClient("tcp://m1:7300,tcp://m2:7300,tcp://m3:7300")   # masters sharing one directory (--directory)
 
@@ -41,7 +41,8 @@ from kvtier import wire
 from kvtier.auth import ClientKeys, silence_hint
 from kvtier.backoff import Backoff, Clock
 from kvtier.client import api
-from kvtier.client.api import Call, CostResult, HeatResult, Hints, KeysLike, LocateResult, LookupResult, TopResult
+from kvtier.client.api import (Call, CostResult, HeatResult, KeysLike, LocateResult, MasterHints, MasterLookup,
+                               TopResult)
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 2.0
@@ -256,7 +257,7 @@ class MasterClient:
     def ping(self) -> dict[str, Any]:
         return self.call(api.ping())
 
-    def lookup(self, keys: KeysLike, touch: bool = True) -> LookupResult:
+    def lookup(self, keys: KeysLike, touch: bool = True) -> MasterLookup:
         return self.call(api.lookup(keys, touch))
 
     def cost(self, keys: KeysLike, candidates: Sequence[str], block_tokens: int, prefill_tokens_per_s: float,
@@ -290,7 +291,7 @@ class MasterClient:
                  ttl_s: float = 0.0) -> int:
         return self.call(api.priority(level, keys, session, ttl_s))
 
-    def hints(self, since: int = -1) -> Hints:
+    def hints(self, since: int = -1) -> MasterHints:
         return self.call(api.hints(since))
 
     def forget(self, node: str) -> bool:
@@ -386,7 +387,7 @@ class AsyncMasterClient:
     async def ping(self) -> dict[str, Any]:
         return await self.call(api.ping())
 
-    async def lookup(self, keys: KeysLike, touch: bool = True) -> LookupResult:
+    async def lookup(self, keys: KeysLike, touch: bool = True) -> MasterLookup:
         return await self.call(api.lookup(keys, touch))
 
     async def cost(self, keys: KeysLike, candidates: Sequence[str], block_tokens: int,
@@ -421,7 +422,7 @@ class AsyncMasterClient:
                        ttl_s: float = 0.0) -> int:
         return await self.call(api.priority(level, keys, session, ttl_s))
 
-    async def hints(self, since: int = -1) -> Hints:
+    async def hints(self, since: int = -1) -> MasterHints:
         return await self.call(api.hints(since))
 
     async def forget(self, node: str) -> bool:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvtier.client.api import Hints
+from kvtier.client.api import MasterHints
 from kvtier.leases import session_lease
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def pin_lease(expires: float, priority: float) -> str:
 
 
 class StoreHints:
-    """Applies master ``Hints`` to ``store.leases``. A store whose lease table has no budget yet gets one:
+    """Applies master ``MasterHints`` to ``store.leases``. A store whose lease table has no budget yet gets one:
     ``hint_max_fraction`` of the top tier's blocks (0: none), so the master cannot pin all of DRAM."""
 
     def __init__(self, store: Any, *, hint_max_fraction: float = 0.5,
@@ -57,14 +57,14 @@ class StoreHints:
         self._given: dict[str, set[bytes]] = {}  # pin lease -> the keys given to it (held at the time)
         self._sessions: set[str] = set()  # sessions holding their lease
 
-    def apply(self, hints: Hints) -> None:
+    def apply(self, hints: MasterHints) -> None:
         if hints.unchanged:
             return
         now = self._wall()
         self._apply_key_pins(hints, now)
         self._apply_sessions(hints, now)
 
-    def _apply_key_pins(self, hints: Hints, now: float) -> None:
+    def _apply_key_pins(self, hints: MasterHints, now: float) -> None:
         wanted: dict[str, tuple[float, float, set[bytes]]] = {}  # lease -> (ttl_s, priority, keys)
         for key, expires in hints.key_pins.items():
             if expires > now:
@@ -89,7 +89,7 @@ class StoreHints:
                 self.leases.release_keys(name, list(gone))
                 given -= gone
 
-    def _apply_sessions(self, hints: Hints, now: float) -> None:
+    def _apply_sessions(self, hints: MasterHints, now: float) -> None:
         held: set[str] = set()
         for session in hints.session_pins.keys() | hints.session_priority.keys():
             pinned_until = hints.session_pins.get(session, 0.0)

@@ -1,7 +1,7 @@
 """Replayer: a Workload through an HBM prefix cache and a real TieredStore, on a virtual clock.
 
 Per request, at its arrival: the longest prefix held in HBM is free; the store's ``lookup_prefix`` continues
-that prefix below HBM (DRAM, and SSD or the remote pool once the store has them), and those blocks are read
+that prefix below HBM (DRAM, and the remote pool or SSD once the store has them), and those blocks are read
 with ``get``; the rest is computed and stored through the offload mode (``write-through``: the computed blocks
 go to the store at once, as vLLM's offloading connector and LMCache do; ``write-back``: blocks go to the
 store when HBM evicts them). Keys are handed to the store tail first, as to the HBM model, so policies evict
@@ -33,7 +33,7 @@ from kvtier.keys import Namespace
 from kvtier.policies import Arrival, Completion, Hint
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.service import Server, ServiceModel
-from kvtier.replay.traces import Request, Step
+from kvtier.replay.traces import Step, TraceRequest
 from kvtier.replay.workload import Replay, Workload
 from kvtier.store import TieredStore
 
@@ -238,7 +238,7 @@ class Replayer:
                 run = parent  # the last subagent of a group finished: the parent goes on
                 continue
             step = run.steps[run.index]
-            if isinstance(step, Request):
+            if isinstance(step, TraceRequest):
                 self._push(now + min(step.delay, cap), _ARRIVE, (run, step, run.index))
                 return
             run.index += 1
@@ -251,7 +251,7 @@ class Replayer:
 
     # ---- one request ------------------------------------------------------------------------------------
 
-    def _arrive(self, now: float, run: _Run, req: Request, step: int) -> None:
+    def _arrive(self, now: float, run: _Run, req: TraceRequest, step: int) -> None:
         ids = req.blocks
         n = len(ids)
         at = self._streamed
@@ -312,7 +312,7 @@ class Replayer:
             batch.reverse()
             store.put(batch, self._rows[: len(batch)])  # type: ignore[union-attr]
 
-    def _ready(self, now: float, run: _Run, req: Request, step: int, arrival: float, computed: int, h: int,
+    def _ready(self, now: float, run: _Run, req: TraceRequest, step: int, arrival: float, computed: int, h: int,
                d: int, rid: str) -> None:
         """The request's loads are done: queue its prefill (at least the last token is always computed)."""
         first = self.server.prefill(now, max(computed, 1))
@@ -329,7 +329,7 @@ class Replayer:
                 self.progress(self._unreported)
                 self._unreported = 0
 
-    def _done(self, now: float, run: _Run, req: Request, step: int, rid: str) -> None:
+    def _done(self, now: float, run: _Run, req: TraceRequest, step: int, rid: str) -> None:
         """The request's answer is out: the server tells the store (and the harness its hints), then the agent
         takes its next step."""
         if self.store is not None:
@@ -338,7 +338,7 @@ class Replayer:
                 following = run.steps[step + 1] if step + 1 < len(run.steps) else None
                 if following is None:
                     hints.append(Hint(rid, time=now, finished=True))
-                elif not isinstance(following, Request) and following.agents:
+                elif not isinstance(following, TraceRequest) and following.agents:
                     hints.append(Hint(rid, time=now, subagents=len(following.agents)))
             self.store.observe(completions=[Completion(rid, now, req.stop)], hints=hints)
         if run.ident != -1:

@@ -34,8 +34,9 @@ class TraceError(ValueError):
     """A trace file is unreadable or malformed; the message names the file and the line or request."""
 
 
-class Request:
-    """One model call. ``blocks``: dense ids of its full blocks in prefix order (int32, distinct).
+class TraceRequest:
+    """One model call of a trace (not an engine's request). ``blocks``: dense ids of its full blocks in prefix
+    order (int32, distinct).
 
     ``delay``: seconds between the previous step of its agent completing and this request being sent
     (uncapped; the replayer caps it). For a timed trace (Mooncake) it is the arrival time from the start.
@@ -64,7 +65,7 @@ class Subagents:
     spawn_delays: tuple[float, ...]
 
 
-Step = Union[Request, Subagents]
+Step = Union[TraceRequest, Subagents]
 
 
 @dataclass
@@ -81,12 +82,12 @@ class Trace:
     block_accesses: int = 0
     raw_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
 
-    def iter_requests(self) -> Iterable[Request]:
+    def iter_requests(self) -> Iterable[TraceRequest]:
         """Every request of the tree, parents before their subagents."""
         stack: list[Sequence[Step]] = [self.steps]
         while stack:
             for step in stack.pop():
-                if isinstance(step, Request):
+                if isinstance(step, TraceRequest):
                     yield step
                 else:
                     stack.extend(step.agents)
@@ -161,13 +162,13 @@ class _IdCollector:
 
     def __init__(self, path: Path, block_tokens: int) -> None:
         self.path, self.bs = path, block_tokens
-        self.requests: list[Request] = []
+        self.requests: list[TraceRequest] = []
         self.raw: list[np.ndarray] = []
 
     def fail(self, where: str, msg: str) -> TraceError:
         return TraceError(f"{self.path}: {where}: {msg}")
 
-    def request(self, r: dict[str, Any], where: str, delay: float, in_key: str, out_key: str) -> Request:
+    def request(self, r: dict[str, Any], where: str, delay: float, in_key: str, out_key: str) -> TraceRequest:
         in_tok, out_tok, ids = r.get(in_key), r.get(out_key, 0), r.get("hash_ids")
         if type(in_tok) is not int or in_tok < 0:  # noqa: E721
             raise self.fail(where, f"'{in_key}' must be a non-negative integer, got {in_tok!r}")
@@ -190,7 +191,7 @@ class _IdCollector:
             raise self.fail(where, f"'stop' must be a string (a stop reason), got {stop!r}")
         api = r.get("api_time")
         api_time = _number(api, self, where, "api_time") if api is not None else None
-        req = Request(arr, in_tok, out_tok, delay, stop or None, api_time)
+        req = TraceRequest(arr, in_tok, out_tok, delay, stop or None, api_time)
         self.requests.append(req)
         self.raw.append(arr)
         return req

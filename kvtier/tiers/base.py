@@ -51,7 +51,7 @@ class TierStats:
 
 @runtime_checkable
 class Tier(Protocol):
-    """One level of the store. ``name`` is what lookups report ("dram", "ssd", "pool")."""
+    """One level of the store. ``name`` is what lookups report ("dram", "pool", "ssd")."""
 
     name: str
     block_bytes: int

@@ -55,8 +55,9 @@ PROTOCOL_BACKOFF_S = 60.0
 MAX_SEND_BYTES = 256 << 20  # one write-behind send: at most this much
 
 
-class _Pool:
-    """One pool endpoint: its connection (made on first use) and its health (a Backoff)."""
+class _PoolEndpoint:
+    """One pool endpoint as PoolTier sees it: its connection (made on first use), the pool's incarnation, and
+    its health (a Backoff). ``lock`` serialises making the connection; one per endpoint, in ``PoolTier._pools``."""
 
     def __init__(self, endpoint: str, clock: Clock = time.monotonic) -> None:
         self.endpoint = endpoint
@@ -92,7 +93,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self.connections = connections
         self.copy_threads = copy_threads  # shm transport: threads per host copy, 0 = by batch size
         self._dtypes = tuple(dtypes)
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, _PoolEndpoint] = {}
         self._clock = clock  # the pools' back-offs read it (a test moves it instead of sleeping)
         self._lock = threading.Lock()
         self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
@@ -349,7 +350,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         except AuthError as e:
             raise PoolProtocolError(endpoint, str(e), "auth") from None
 
-    def _check_epoch(self, pool: _Pool) -> None:
+    def _check_epoch(self, pool: _PoolEndpoint) -> None:
         """A pool that restarted (a new epoch) lost its blocks: forget which keys this process saw held, so the
         offloader sends evicted blocks again instead of skipping them (the table does not say which pool held
         a key, so all of it goes: a few blocks sent twice, never a block lost)."""
@@ -363,7 +364,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
                         pool.endpoint)
         pool.epoch = epoch
 
-    def _failed(self, pool: _Pool, e: PoolError) -> None:
+    def _failed(self, pool: _PoolEndpoint, e: PoolError) -> None:
         if isinstance(e, (PoolProtocolError, PoolUnavailable)):
             self._recent.clear()  # it may come back restarted, empty: nothing it held counts as sent any more
         if isinstance(e, PoolProtocolError):
@@ -375,11 +376,11 @@ class PoolTier(WriteBehindStaging, RemoteTier):
                             pool.endpoint, e.message)
         pool.last_error = e.message
 
-    def _pool(self, endpoint: str) -> _Pool:
+    def _pool(self, endpoint: str) -> _PoolEndpoint:
         with self._lock:
             pool = self._pools.get(endpoint)
             if pool is None:
-                pool = self._pools[endpoint] = _Pool(endpoint, self._clock)
+                pool = self._pools[endpoint] = _PoolEndpoint(endpoint, self._clock)
             return pool
 
     def _up(self, endpoint: str) -> bool:
