@@ -33,8 +33,10 @@ class HeatClock:
         return 2.0 ** ((now - self.t0) / self.half_life_s)
 
     def heat(self, scores: np.ndarray, now: float) -> np.ndarray:
-        """Decayed heat at ``now`` of stored scores (float64, so a cold entry does not round to 0 early)."""
-        return scores.astype(np.float64) * 2.0 ** (-(now - self.t0) / self.half_life_s)
+        """Decayed heat at ``now`` of stored scores (float64, so a cold entry does not round to 0 early). A time
+        before the epoch (a wall clock stepped back, or the log entries of a master whose clock is ahead) is
+        answered as at the epoch: 2^((t0 - now) / half_life) overflows a float ~1,000 half-lives back."""
+        return scores.astype(np.float64) * 2.0 ** (-max(now - self.t0, 0.0) / self.half_life_s)
 
     def needs_renormalize(self, now: float) -> bool:
         return (now - self.t0) / self.half_life_s > RENORMALIZE_EXPONENT

@@ -241,3 +241,13 @@ def test_export_restore_round_trip():
     assert np.array_equal(d.masks(POOL[:200], live)[1], e.masks(POOL[:200], live)[1])
     assert [a.tolist() for a in d.heat(POOL[:20], 7.0)] == [a.tolist() for a in e.heat(POOL[:20], 7.0)]
     assert len(e) == 150 and (e.block_bytes(e.masks(POOL[:1], live)[0]) == 8192).all()
+
+
+def test_heat_asked_for_a_time_before_the_clock_epoch_is_the_heat_at_the_epoch_not_an_overflow():
+    """A wall clock stepped back (or a shared log whose entries carry a clock ahead of this master's) asks for
+    heat long before the epoch t0: 2^((t0 - now) / half_life) overflows a float there (an OverflowError out of
+    every heat, top and cost answer). Answered as at the epoch, and unchanged for times after it."""
+    clock = HeatClock(600.0, t0=2e6)
+    scores = np.array([1.0, 8.0], np.float32)
+    assert clock.heat(scores, 1e6).tolist() == [1.0, 8.0]  # ~1,667 half-lives before t0
+    assert clock.heat(scores, 2e6 + 600.0).tolist() == [0.5, 4.0]
