@@ -44,6 +44,9 @@ def cluster(tmp_path):
             assert agent.wait_synced(10)
             with MasterClient(master.endpoint) as m:
                 wait_for(lambda: len(m.nodes()) == 2 and all(n["state"] == "live" for n in m.nodes()))
+                # the screen shows what the agent's heartbeats reported: wait for the one carrying its bandwidth
+                wait_for(lambda: any(n["node"] == "gpu-1" and n["tiers"][0]["bw"] > 0 and n["rpc_latency_s"]
+                                     for n in m.nodes()), what="gpu-1's heartbeat with its bandwidth")
                 assert m.lookup(KEYS[:40]).any == 32  # 40 asked, 32 leading held: 32 hits, 8 misses
                 for _ in range(3):
                     m.lookup(KEYS[:4])  # the hottest: 4 accesses each; 52 keys asked, 44 hits, 8 misses in all
