@@ -66,29 +66,24 @@ class ARCPolicy(Policy):
     def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
         out: list[bytes] = []
         t1, t2 = self._t1, self._t2
-        blocked1 = blocked2 = 0  # protected keys seen in a row at each list's head: a full pass ends it
+        blocked = [0, 0]  # protected keys seen in a row at each list's head: a full pass ends it
         while len(out) < n:
-            open1, open2 = blocked1 < len(t1), blocked2 < len(t2)
+            open1, open2 = blocked[0] < len(t1), blocked[1] < len(t2)
             if open1 and (len(t1) > self._p or not open2):
-                k = next(iter(t1))
-                if k in protected:
-                    t1.move_to_end(k)
-                    blocked1 += 1
-                    continue
-                del t1[k]
-                self._ghost(self._b1, k)
-                blocked1 = 0
+                side = 0
             elif open2:
-                k = next(iter(t2))
-                if k in protected:
-                    t2.move_to_end(k)
-                    blocked2 += 1
-                    continue
-                del t2[k]
-                self._ghost(self._b2, k)
-                blocked2 = 0
+                side = 1
             else:
                 break
+            lst, ghosts = (t1, self._b1) if side == 0 else (t2, self._b2)
+            k = next(iter(lst))
+            if k in protected:
+                lst.move_to_end(k)
+                blocked[side] += 1
+                continue
+            del lst[k]
+            self._ghost(ghosts, k)
+            blocked[side] = 0
             out.append(k)
         return out
 
