@@ -31,8 +31,8 @@ class TierEventNames:
     DRAM lock released); ``emit`` runs under this object's lock, so it must be short and must not call back into
     the store.
 
-    ``holds`` (the store's ``contains``; it takes no tier lock) says whether the store still holds keys that
-    the tiers which reported them have all lost: such a key keeps its hash, in a bounded table of
+    ``holds`` (the store's ``contains(local_only=True)``: no tier lock, no round trip) says whether the store
+    still holds keys that the tiers which reported them have all lost: such a key keeps its hash, in a bounded table of
     ``max_in_transit`` keys (a write that never lands must not grow it for ever). Without ``holds`` a key
     is forgotten as soon as no reporting tier holds it."""
 

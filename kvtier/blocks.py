@@ -22,6 +22,12 @@ class BlockRows:
     ptrs: np.ndarray  # uint64, one per block
     owners: tuple[Any, ...]
 
+    def take(self, index: Sequence[int]) -> BlockRows:
+        """The rows at ``index`` (this object itself when that is every row, in order)."""
+        if len(index) == len(self.ptrs) and list(index) == list(range(len(self.ptrs))):
+            return self
+        return BlockRows(self.ptrs[list(index)], self.owners)
+
 
 def block_rows(
     blocks: Any, count: int, block_bytes: int, *, writable: bool = False, dtypes: Sequence[str] = (),

@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtier.store_types import StoreLookup
+
 log = logging.getLogger(__name__)
 
 
@@ -43,10 +45,13 @@ Reclaimer = Callable[[], int]  # releases pins nobody needs any more (expired le
 
 
 class Pinnable(Protocol):
-    """What a LeaseTable needs from a store (TieredStore has all three): pins, and a hook to release expired
-    leases when the store finds no evictable space."""
+    """What a LeaseTable needs from a store (TieredStore has them all): pins (``lookup_prefix(pin=True)``: a
+    prefix lookup that pins what it finds in the same pass), and a hook to release expired leases when the
+    store finds no evictable space."""
 
     def pin(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def lookup_prefix(self, keys: Sequence[bytes], *, pin: bool = False) -> StoreLookup: ...
 
     def unpin(self, keys: Sequence[bytes]) -> None: ...
 
@@ -129,6 +134,44 @@ class LeaseTable:
             log.info("lease %r released early (%d keys, priority %s): leases held more than max_keys=%d keys",
                      victim.name, len(victim.keys), victim.priority, self.max_keys)
         return result
+
+    def lease_prefix(self, name: str, keys: Sequence[bytes], ttl_s: float, priority: float = 0.0) -> StoreLookup:
+        """Find the leading ``keys`` the store holds and pin them under ``name`` until now + ``ttl_s``, in one
+        pass over the tiers (``lookup_prefix(pin=True)``: pinned before they are looked for, so none found is
+        evicted before it is leased). Returns the prefix found and leased (length 0 if the budget dropped the
+        lease at once); keys already in the lease stay pinned once. No lease is made when nothing is held.
+        """
+        if not ttl_s > 0:
+            raise ValueError(f"lease {name!r}: ttl_s must be > 0, got {ttl_s}")
+        self._release_expired()
+        now = self._clock()
+        with self._lock:  # as in lease(): two leases of one name must not both keep a key's pin
+            found = self._store.lookup_prefix(keys, pin=True)
+            prefix = keys[: found.length]
+            if not prefix:
+                return found
+            lease = self._leases.get(name)
+            if lease is None:
+                lease = self._leases[name] = Lease(name, now + ttl_s, priority)
+            extra = []  # pins the lease already holds (or a key repeated in the prefix): one per key is kept
+            for k in prefix:
+                if k in lease.keys:
+                    extra.append(k)
+                else:
+                    lease.keys.add(k)
+                    self._total += 1
+            lease.expires = max(lease.expires, now + ttl_s)
+            self._earliest = min(self._earliest, self._until(lease))
+            lease.priority = max(lease.priority, priority)
+            victims = self._over_budget()
+            kept = self._leases.get(name) is lease
+        if extra:
+            self._store.unpin(extra)
+        for victim in victims:
+            self._unpin(victim)
+            log.info("lease %r released early (%d keys, priority %s): leases held more than max_keys=%d keys",
+                     victim.name, len(victim.keys), victim.priority, self.max_keys)
+        return found if kept else StoreLookup(0, [])
 
     def release(self, name: str) -> int:
         """Unpin every key of lease ``name``; return how many (0 for an unknown or already released lease).

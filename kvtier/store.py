@@ -6,10 +6,14 @@ completes), ``get`` writes into the caller's ``out`` buffers before it returns; 
 buffers alive and unchanged until then. ``put_in_place`` lends the caller top-tier slots to write until its
 ``fill`` returns (a caller that produces the blocks itself, an engine connector's gather, skips its staging).
 
-What the store adds over its tiers: a put of a key already held anywhere, or already being put by another
-thread, is skipped and costs nothing (concurrent sessions sharing a prefix pay once: inflight.py); a get falls
-through the tiers in order, and what a lower tier served is promoted into the top tier through the same path;
-pins (per-block reference counts) keep blocks from being evicted in every tier, and leases are pins that expire
+What the store adds over its tiers: "which tier holds this key?" is answered once per key and call, each tier
+asked once (``_where``). A put asks it once (``prepare_put``: a PutPlan, which every write of the put then uses)
+of the top tier and the local ones, never of a remote pool below (no master RPC per save; a block a pool holds
+is at worst copied into DRAM again), and claims what no tier holds and no other thread is putting (concurrent
+sessions sharing a prefix pay once: inflight.py); the writes themselves are store_writes.py's. A prefix lookup
+can pin what it finds in the same pass (``lookup_prefix(pin=True)``, pinned before the tiers are asked). A get
+falls through the tiers in order, and what a lower tier served is promoted into the top tier; pins (per-block
+reference counts) keep blocks from being evicted in every tier, and leases are pins that expire
 (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners hear
 which keys each tier gained and lost (the engines' KV events and the master's directory feed on them). Which
 tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload.py's.
@@ -21,12 +25,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
-
-import numpy as np
 
 from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
@@ -40,7 +42,8 @@ from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
 from kvtier.store_build import offloads_between, tiers_from_config
 from kvtier.store_types import Fill, Listener, PutResult, StoreEvent, StoreLookup
-from kvtier.tiers.base import AddressableSlots, ObservingTier, Tier
+from kvtier.store_writes import PutPlan, TopWrites
+from kvtier.tiers.base import ObservingTier, RemoteTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +64,9 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self.block_bytes = sizes.pop()
-        # The top tier's slots, where it declares them (a DramTier; not a node pool at the top of a standalone
-        # store): what put_in_place fills and borrow lends.
-        self._slots: AddressableSlots | None = tiers[0] if isinstance(tiers[0], AddressableSlots) else None
+        # The lower tiers whose ``contains`` may be a round trip (a pool, or the master that knows the pools): a
+        # put does not ask them (see _where). The top tier is the one a put writes: it is always asked.
+        self._remote = [t > 0 and isinstance(tier, RemoteTier) for t, tier in enumerate(self.tiers)]
         self.pins = PinTable()
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
@@ -80,6 +83,11 @@ class TieredStore:
         # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py);
         # second_hit's memory of puts and hits is one for all lower tiers (recorded here, once per call).
         self._offloads, self._sightings = offloads_between(self.tiers, offload, promote, self._emit)
+        # Writes into the top tier (copied, or filled in place where it declares addressable slots: a DramTier,
+        # not the node pool at the top of a standalone store): what a PutPlan writes through, borrow lends from.
+        self._writes = TopWrites(self.tiers[0], self._offloads, self._sightings, self._reclaim, self._stored,
+                                 self.block_bytes, self._dtypes)
+        self._slots = self._writes.slots
         for tier in self.tiers:
             tier.attach(self.pins, self._evict_listener(tier.name))
         # What the engine knows about requests and agents, for the tiers whose policies learn from it.
@@ -102,29 +110,29 @@ class TieredStore:
 
     # ---- writes ----------------------------------------------------------------------------------------
 
+    @contextmanager
+    def prepare_put(self, keys: Sequence[bytes]) -> Iterator[PutPlan]:
+        """The first half of a put: which of ``keys`` to write, answered once per key and claimed.
+
+        ``plan.fresh`` are the positions of the keys neither the top tier nor a local one holds (each asked
+        once; a remote tier below the top is not asked, so a distributed save costs no master RPC: see _where)
+        and no other put is writing: they are in flight until the block exits, so a concurrent put of them skips
+        them. Write them, whole or in chunks, with ``plan.put`` or ``plan.put_in_place`` inside the block; a caller that
+        produces blocks (a connector's gather) asks first and copies only what is fresh.
+        """
+        check_keys(keys)
+        where = self._where(keys, local_only=True)
+        with self._inflight.claim(keys, [w >= 0 for w in where]) as fresh:
+            self._count(put_skipped=len(keys) - len(fresh))
+            yield PutPlan(self._writes, list(keys), fresh, [k for k, w in zip(keys, where) if w == 0])
+
     def put(self, keys: Sequence[bytes], blocks: Any) -> PutResult:
-        """Store blocks (one per key) in the top tier; keys held anywhere or in flight are skipped."""
+        """Store blocks (one per key) in the top tier; keys the top or a local tier holds, or another put is
+        writing, are skipped (``prepare_put``)."""
         check_keys(keys)
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
-        with self._claim(keys) as fresh:
-            fresh_keys = [keys[i] for i in fresh]
-            stored = self.tiers[0].put(fresh_keys, _subset(rows, fresh)) if fresh else []
-            if not all(stored) and self._reclaim():  # expired leases held the space: try once more
-                retry = [i for i, ok in enumerate(stored) if not ok]
-                again = self.tiers[0].put([fresh_keys[i] for i in retry], _subset(rows, [fresh[i] for i in retry]))
-                for i, ok in zip(retry, again):
-                    stored[i] = ok
-        new_keys = [k for k, ok in zip(fresh_keys, stored) if ok]
-        result = self._stored(keys, fresh_keys, new_keys)
-        if self._sightings is not None:
-            self._sightings.see(fresh_keys)  # stored or refused: either is a sighting
-        if self._offloads and fresh:
-            # What the top tier had no room for goes down as if evicted at once (write_through: the whole batch).
-            stored_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if ok])
-            refused_rows = _subset(rows, [i for i, ok in zip(fresh, stored) if not ok])
-            for offload in self._offloads:
-                offload.after_put(new_keys, stored_rows, result.rejected, refused_rows)
-        return result
+        with self.prepare_put(keys) as plan:
+            return plan.skipping(plan.put(plan.fresh, rows.take(plan.fresh)))
 
     @property
     def writes_in_place(self) -> bool:
@@ -135,7 +143,7 @@ class TieredStore:
     def put_in_place(self, keys: Sequence[bytes], fill: Fill) -> PutResult:
         """put() with one copy fewer: the caller writes the blocks straight into the top tier's slots.
 
-        Keys held anywhere or in flight are skipped as put skips them; the others get slots (evicting as put
+        Keys are skipped as put skips them; the others get slots (evicting as put
         does, never a pinned block nor a block of this batch the top tier holds). Then ``fill(index, slots)``
         runs once, on this thread, if any slot was taken: it writes block ``keys[index[j]]`` at host address
         ``slots.ptrs[j]`` and is done writing when it returns (GPU: synchronized). Only then are the keys
@@ -143,43 +151,8 @@ class TieredStore:
         the top tier publishes nothing, every slot is freed and the exception propagates. TypeError where
         ``writes_in_place`` is False (use put).
         """
-        check_keys(keys)
-        top = self._slots
-        if top is None:
-            raise TypeError(f"the top tier {self.tiers[0].name!r} has no addressable slots to fill in place; use put")
-        reservations: list[tuple[Any, list[int]]] = []  # (a tier reservation, its slots' batch positions)
-        with self._claim(keys) as fresh:
-            fresh_keys = [keys[i] for i in fresh]
-            try:
-                # The batch's blocks the top tier holds are protected: never evicted to make room for the new
-                # ones (a block evicted meanwhile is simply not protected: it is not reserved either).
-                own = [k for k, h in zip(keys, self.tiers[0].contains(keys)) if h] if fresh else []
-                todo = list(range(len(fresh)))
-                while todo:
-                    res = top.reserve([fresh_keys[i] for i in todo], protect=own)
-                    reservations.append((res, []))  # first, so any error below still gives its slots back
-                    reservations[-1] = (res, [fresh[todo[j]] for j in res.index])
-                    todo = [i for i, h in zip(todo, res.held) if not h]
-                    if not todo or len(reservations) == 2 or not self._reclaim():  # expired leases held the space
-                        break
-                index = [i for _, positions in reservations for i in positions]
-                new_keys = [keys[i] for i in index]
-                if index:
-                    slots = BlockRows(np.concatenate([r.addresses for r, _ in reservations]), (top,))
-                    fill(index, slots)
-                    # Offloaded before the commit, while the slots are reserved: once published, a concurrent
-                    # remove or eviction could give a slot to another block while write-through reads it.
-                    if self._sightings is not None:
-                        self._sightings.see(new_keys)
-                    for offload in self._offloads:
-                        offload.after_put(new_keys, slots)
-            except BaseException:
-                for res, _ in reservations:
-                    top.commit(res, success=False)
-                raise
-            for res, _ in reservations:
-                top.commit(res)
-        return self._stored(keys, fresh_keys, new_keys)
+        with self.prepare_put(keys) as plan:
+            return plan.skipping(plan.put_in_place(plan.fresh, fill))
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop keys from every tier; return how many blocks were dropped in all.
@@ -213,7 +186,7 @@ class TieredStore:
             missing = [i for i, h in enumerate(hit) if not h]
             if not missing:
                 break
-            found = tier.get([keys[i] for i in missing], _subset(rows, missing))
+            found = tier.get([keys[i] for i in missing], rows.take(missing))
             for i, f in zip(missing, found):
                 hit[i] = f
                 served[i] = t if f else -1
@@ -240,31 +213,25 @@ class TieredStore:
                 self._sightings.see([k for k, a in zip(keys, addresses) if a is not None])
             yield addresses
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which keys some tier holds."""
-        held = self.tiers[0].contains(keys)
-        for tier in self.tiers[1:]:
-            missing = [i for i, h in enumerate(held) if not h]
-            if not missing:
-                break
-            for i, h in zip(missing, tier.contains([keys[i] for i in missing])):
-                held[i] = h
-        return held
+    def contains(self, keys: Sequence[bytes], *, local_only: bool = False) -> list[bool]:
+        """Which keys some tier holds. ``local_only``: without asking a remote tier below the top one (no
+        round trip; what a put asks, and what an event recorder may ask from an eviction callback)."""
+        return [w >= 0 for w in self._where(keys, local_only=local_only)]
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> StoreLookup:
-        """How many leading keys are held, and by which tier each (the highest tier that holds it)."""
-        # Every tier is asked about all the keys the tiers above it lack: where the prefix ends is known only
-        # after the last tier answered (a batch call per tier beats asking key by key).
-        names: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, n in enumerate(names) if n is None]
-            if not todo:
-                break
-            for i, h in zip(todo, tier.contains([keys[i] for i in todo])):
-                if h:
-                    names[i] = tier.name
-        length = next((i for i, n in enumerate(names) if n is None), len(keys))
-        return StoreLookup(length, names[:length])  # type: ignore[arg-type]
+    def lookup_prefix(self, keys: Sequence[bytes], *, pin: bool = False) -> StoreLookup:
+        """How many leading keys are held, and by which tier each (the highest tier that holds it).
+
+        ``pin``: the prefix found comes back pinned, one pin per key (the caller unpins them, e.g. a lease that
+        adopts them: LeaseTable.lease_prefix). Every key is pinned before any tier is asked, so no block found
+        can be evicted between the answer and the pin; the keys past the prefix are unpinned at once.
+        """
+        if pin:
+            self.pins.pin(keys)
+        where = self._where(keys)
+        length = next((i for i, w in enumerate(where) if w < 0), len(keys))
+        if pin and length < len(keys):
+            self.pins.unpin(keys[length:])
+        return StoreLookup(length, [self.tiers[w].name for w in where[:length]])
 
     # ---- what the engine knows ---------------------------------------------------------------------------
 
@@ -289,11 +256,13 @@ class TieredStore:
     def pin(self, keys: Sequence[bytes]) -> list[bool]:
         """Add one pin to each held key (pinned blocks are never evicted); True where the key was held.
 
-        Unheld keys are not pinned. Each successful pin needs one ``unpin``.
+        Unheld keys are not pinned. Each successful pin needs one ``unpin``. Pinned first, then asked (one
+        pass over the tiers), so a block reported held cannot be evicted before its pin.
         """
         check_keys(keys)
+        self.pins.pin(keys)
         held = self.contains(keys)
-        self.pins.pin([k for k, h in zip(keys, held) if h])
+        self.pins.unpin([k for k, h in zip(keys, held) if not h])
         return held
 
     def unpin(self, keys: Sequence[bytes]) -> None:
@@ -389,9 +358,11 @@ class TieredStore:
         if not up:
             return
         up_keys = [keys[i] for i in up]
-        with self._claim(up_keys, self.tiers[0].contains(up_keys)) as fresh:
+        # The top tier missed them before the copy from below; it is asked again here, with the claim, because
+        # another reader of the same blocks may have promoted them meanwhile (two sessions on one prefix).
+        with self._inflight.claim(up_keys, self.tiers[0].contains(up_keys)) as fresh:
             fresh_keys = [up_keys[j] for j in fresh]
-            stored = self.tiers[0].put(fresh_keys, _subset(rows, [up[j] for j in fresh])) if fresh else []
+            stored = self.tiers[0].put(fresh_keys, rows.take([up[j] for j in fresh])) if fresh else []
         promoted = [j for j, ok in zip(fresh, stored) if ok]
         if not promoted:
             return
@@ -400,19 +371,38 @@ class TieredStore:
             offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
         self._emit("stored", self.tiers[0].name, [up_keys[j] for j in promoted])
 
-    def _claim(self, keys: Sequence[bytes], held: list[bool] | None = None) -> AbstractContextManager[list[int]]:
-        """Positions of the keys no tier holds (or, given ``held``, those it marks False) and no other put is
-        writing: in flight until the block exits."""
-        return self._inflight.claim(keys, self.contains(keys) if held is None else held)
+    def _where(self, keys: Sequence[bytes], *, local_only: bool = False) -> list[int]:
+        """Per key, the index of the first tier holding it (-1: none). Each tier is asked once, in one batch,
+        about the keys the tiers above it lack.
 
-    def _stored(self, keys: Sequence[bytes], fresh_keys: list[bytes], new_keys: list[bytes]) -> PutResult:
-        """Count, log and announce what a put stored in the top tier."""
+        ``local_only`` (what a put asks): remote tiers below the top one are not asked. Their answer would be a
+        round trip per save (a master RPC in distributed mode), and what this process remembers of a pool can be
+        stale (another client removed the block, the pool evicted it): a put skipped on that memory would lose
+        the block. So a block a pool may hold is written to the top tier again (a local copy), and a pool that is
+        written to keeps what it holds already (the one-sided paths then copy nothing; a stream put has sent the
+        bytes). The offloader skips what this process knows a pool holds (RemoteTier.held_locally)."""
+        where = [-1] * len(keys)
+        todo = list(range(len(keys)))
+        for t, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            if local_only and self._remote[t]:
+                continue
+            found = tier.contains([keys[i] for i in todo])
+            for i, h in zip(todo, found):
+                if h:
+                    where[i] = t
+            todo = [i for i, h in zip(todo, found) if not h]
+        return where
+
+    def _stored(self, keys: Sequence[bytes], new_keys: list[bytes]) -> PutResult:
+        """Count, log and announce what one write of a plan stored in the top tier (``keys``: those it wrote)."""
         held = set(new_keys)
-        result = PutResult(len(new_keys), len(keys) - len(fresh_keys), [k for k in fresh_keys if k not in held])
+        result = PutResult(len(new_keys), 0, [k for k in keys if k not in held])
         if result.rejected:
             log.debug("put: %d of %d blocks rejected (no evictable space in %s)", len(result.rejected),
                       len(keys), self.tiers[0].name)
-        self._count(put_stored=result.stored, put_skipped=result.skipped, put_rejected=len(result.rejected))
+        self._count(put_stored=result.stored, put_rejected=len(result.rejected))
         self._emit("stored", self.tiers[0].name, new_keys)
         return result
 
@@ -440,8 +430,4 @@ class TieredStore:
                 self.counters[name] += d
 
 
-def _subset(rows: BlockRows, index: Sequence[int]) -> BlockRows:
-    return rows if len(index) == len(rows.ptrs) else BlockRows(rows.ptrs[list(index)], rows.owners)
-
-
-__all__ = ["Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup", "TieredStore"]
+__all__ = ["Fill", "Listener", "PutPlan", "PutResult", "StoreEvent", "StoreLookup", "TieredStore"]

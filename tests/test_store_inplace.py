@@ -140,7 +140,7 @@ def test_a_held_block_of_the_batch_evicted_before_the_reservation_leaks_nothing(
     def contains_then_removed(ks):
         held = real(ks)
         looks.append(len(ks))
-        if len(looks) == 2:  # put_in_place's look at its own held blocks; then another thread removes one
+        if len(looks) == 1:  # put_in_place's one look (its plan's); then another thread removes one
             top.remove([keys[0]])
         return held
     monkeypatch.setattr(top, "contains", contains_then_removed)

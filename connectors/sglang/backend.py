@@ -25,6 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -131,7 +132,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
             self.events = L3Events(self.settings.kv_events_endpoint, page_size=self.pages.page_size,
                                    attn_dp_rank=ident.dp_rank, replay_endpoint=self.settings.kv_events_replay_endpoint,
-                                   topic=self.settings.kv_events_topic, holds=self.store.contains)
+                                   topic=self.settings.kv_events_topic,
+                                   holds=partial(self.store.contains, local_only=True))  # no master RPC per eviction
             self.store.add_listener(self.events.on_store_event)
             naming = self.events.naming
         self.page_store = PageStore(self.store, namespace, self.pages, self.settings.staging_bytes, naming)

@@ -201,23 +201,24 @@ class PageStore:
 
     def _set_staged(self, keys: list[bytes], page_keys: Sequence[str], segments: np.ndarray,
                     hints: AgentHints | None) -> list[bool]:
-        """Saves where the top tier has no slots to fill: only pages the store lacks are gathered."""
-        held = self.store.contains(keys)
-        todo = [i for i, h in enumerate(held) if not h]
+        """Saves where the top tier has no slots to fill: only pages the store lacks are gathered (one
+        ``prepare_put`` answers that once per page, and claims the rest until they are written)."""
         ok = [True] * len(keys)
         stored = skipped = 0
-        with self._save_staging.lend() as rows:
+        with self.store.prepare_put(keys) as plan, self._save_staging.lend() as rows:
+            todo = plan.fresh
             for lo in range(0, len(todo), len(rows)):
                 part = todo[lo : lo + len(rows)]
                 staging = block_rows(rows[: len(part)], len(part), self.pages.block_bytes)
                 self.pages.to_blocks(segments[part], staging.ptrs)
-                result = self.store.put([keys[i] for i in part], staging)
+                result = plan.put(part, staging)
                 stored += result.stored
                 skipped += result.skipped
                 rejected = set(result.rejected)
                 for i in part:
                     ok[i] = keys[i] not in rejected
-        self._count(saved_staged=stored, skipped=skipped + len(keys) - len(todo), rejected=ok.count(False))
+            skipped += plan.skipped
+        self._count(saved_staged=stored, skipped=skipped, rejected=ok.count(False))
         self._lease(keys, hints)
         return ok
 

@@ -11,11 +11,12 @@ reused).
   into the engine's blocks; layer i is ready once its last scatter is done (GPU: recorded as an event the
   forward's stream waits on). The job's lookup lease is released at the end: its pins protected the blocks
   until now.
-* Save: keys the store already holds are skipped before any copy (only new blocks cost a gather); the rest
-  are gathered straight into DRAM slots the store reserved for them (``store.put_in_place``: one copy, the
+* Save: one ``store.prepare_put`` per job says, once per key, what the store holds or another save is
+  writing: those are skipped before any copy (only new blocks cost a gather; no master is asked); the rest
+  are gathered straight into DRAM slots the store reserved for them (``plan.put_in_place``: one copy, the
   keys published once the gather is done). Where the slots cannot be addressed (the node pool on top of a
   standalone store; GPU KV with a pageable DRAM buffer) they are gathered into staging rows and
-  ``store.put`` copies them again. An agent's hints then lease the request's blocks.
+  ``plan.put`` copies them again. An agent's hints then lease the request's blocks.
 
 Staging is ``staging_bytes`` of host memory per direction (page-locked when CUDA is present; saves have none
 where they write in place); a job larger than that goes through it, or into slots, in chunks of that size.
@@ -245,42 +246,42 @@ class Transfers:
     def _save(self, job: SaveJob) -> None:
         start = time.perf_counter()
         try:
-            held = self.store.contains(job.keys)
-            todo = [i for i, h in enumerate(held) if not h]
-            stored = rejected = 0
+            stored = rejected = skipped = 0
             rows = self._chunk_rows
-            with _on_stream(self._save_stream, job.after):
+            # One answer per key, given once: what the store holds (or another save is writing) is skipped
+            # before any gather, and the rest is claimed until its chunks are written.
+            with self.store.prepare_put(job.keys) as plan, _on_stream(self._save_stream, job.after):
+                todo = plan.fresh
                 for lo in range(0, len(todo), rows):
                     part = todo[lo : lo + rows]
                     last = lo + rows >= len(todo)
-                    keys = [job.keys[i] for i in part]
-                    with self._naming(keys, [job.hashes[i] for i in part]):
+                    with self._naming([job.keys[i] for i in part], [job.hashes[i] for i in part]):
                         if self._save_in_place:
-                            fill = partial(self._gather_into_slots, job, part, last)
-                            result = self.store.put_in_place(keys, fill)
+                            result = plan.put_in_place(part, partial(self._gather_into_slots, job, last))
                         else:
                             staging = self._save_rows[: len(part)]
                             self._gather(job, part, staging, last)
-                            result = self.store.put(keys, staging)
+                            result = plan.put(part, staging)
                     stored += result.stored
                     rejected += len(result.rejected)
+                    skipped += result.skipped
+                skipped += plan.skipped
             job.gathered.set()
             if job.hints is not None:
                 self.store.leases.lease(session_lease(job.hints.session), job.keys, job.hints.ttl_s,
                                         job.hints.priority)
             path = "save_in_place_blocks" if self._save_in_place else "save_staged_blocks"
             self._count(save_blocks=stored, save_bytes=stored * self.kv.layout.nbytes,
-                        save_skipped_blocks=len(job.keys) - len(todo), save_rejected_blocks=rejected,
+                        save_skipped_blocks=skipped, save_rejected_blocks=rejected,
                         save_seconds=time.perf_counter() - start, **{path: stored})
         except Exception:  # best effort: a failed save is a future miss, never a stuck request
             log.exception("kvtier: save of %d blocks for request %s failed", len(job.keys), job.req_id)
         job.gathered.set()
         self._finish(job, self._on_save_done)
 
-    def _gather_into_slots(self, job: SaveJob, part: list[int], last: bool, index: list[int],
-                           slots: BlockRows) -> None:
-        """put_in_place's fill: the blocks ``part[index[j]]`` of the job into DRAM slot ``slots.ptrs[j]``."""
-        self._gather(job, [part[j] for j in index], slots, last)
+    def _gather_into_slots(self, job: SaveJob, last: bool, index: list[int], slots: BlockRows) -> None:
+        """A PutPlan's fill: the job's blocks ``index`` (positions in ``job.keys``) into DRAM slots ``slots``."""
+        self._gather(job, index, slots, last)
 
     def _gather(self, job: SaveJob, which: list[int], packed: torch.Tensor | BlockRows, last: bool) -> None:
         """Gather the job's blocks ``which`` into ``packed`` (staging rows or DRAM slots) and wait for it."""

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -129,7 +130,8 @@ class WorkerSide:
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
         self.lookup_leases = LeaseTable(self.store)
         if self._events_enabled:
-            self.recorder = EventRecorder(ident.block_size, holds=self.store.contains)
+            # Asked from eviction callbacks: local tiers only (in distributed mode, no master RPC per eviction).
+            self.recorder = EventRecorder(ident.block_size, holds=partial(self.store.contains, local_only=True))
             self.store.add_listener(self.recorder.on_store_event)
         self._transfers = Transfers(self.store, self.lookup_leases, self.kv, self.settings.staging_bytes,
                                     on_load_done=self._load_done, on_save_done=self._save_done,
@@ -148,15 +150,12 @@ class WorkerSide:
         if self.store is None or self.namespace is None:
             return RankLookupReply(0)
         keys = self.namespace.keys(hashes)
-        hit = self.store.lookup_prefix(keys)
-        # Pin what was found until the load; a block evicted between the two calls ends the prefix there
-        # (blocks pinned past that end are unpinned with the lease).
-        leased = self.lookup_leases.lease(lookup_lease(lease), keys[: hit.length], ttl_s) if hit.length else []
-        length = next((i for i, ok in enumerate(leased) if not ok), hit.length)
-        if length == 0:
+        # One pass: the prefix found is pinned under the lookup's lease until the load (or its expiry).
+        hit = self.lookup_leases.lease_prefix(lookup_lease(lease), keys, ttl_s)
+        if hit.length == 0:  # a repeated lookup of this lease that finds nothing now ends the lease
             self.lookup_leases.release(lookup_lease(lease))
         self._lookups_served += 1
-        return RankLookupReply(length, _runs(hit.tiers[:length]))
+        return RankLookupReply(hit.length, _runs(hit.tiers))
 
     # ---- one engine step (the model runner's thread) -------------------------------------------------------
 

@@ -1,0 +1,143 @@
+"""How a put reaches a TieredStore's top tier: ``PutPlan``, one put's answer per key (what TieredStore.prepare_put
+claimed), and ``TopWrites``, the writes themselves (copied, or filled in place into the top tier's slots), with
+what follows every write: one retry after expired leases are released, the offloads of what went in (or could
+not), the sightings second_hit counts, and the store's count and announcement.
+
+Split from store.py by role: the store decides which keys a put writes (once); this module writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.blocks import BlockRows, block_rows
+from kvtier.offload import Offloader, Sightings
+from kvtier.store_types import Fill, PutResult
+from kvtier.tiers.base import AddressableSlots, Tier
+
+# What the store does with one write's outcome (counts, logs, announces it): (keys written, keys stored).
+Stored = Callable[[Sequence[bytes], list[bytes]], PutResult]
+
+
+class TopWrites:
+    """Writes blocks into ``top``, the store's top tier, and hands them to the ``offloads`` below it.
+
+    Built once by the store; thread-safe as its parts are (the top tier and the offloaders lock for
+    themselves). ``reclaim()`` releases expired leases' pins and returns how many (> 0: a write that found no
+    room is tried once more); ``stored`` is the store's bookkeeping of each write.
+    """
+
+    def __init__(self, top: Tier, offloads: Sequence[Offloader], sightings: Sightings | None,
+                 reclaim: Callable[[], int], stored: Stored, block_bytes: int, dtypes: Sequence[str]) -> None:
+        self.top = top
+        self.slots: AddressableSlots | None = top if isinstance(top, AddressableSlots) else None
+        self.block_bytes = block_bytes
+        self.dtypes = tuple(dtypes)
+        self._offloads = list(offloads)
+        self._sightings = sightings
+        self._reclaim = reclaim
+        self._stored = stored
+
+    def copy(self, keys: list[bytes], rows: BlockRows) -> PutResult:
+        """Copy ``rows`` (one per key) into the top tier; what it had no room for goes down as if evicted at
+        once (write_through: the whole batch)."""
+        stored = self.top.put(keys, rows) if keys else []
+        if not all(stored) and self._reclaim():  # expired leases held the space: try once more
+            retry = [i for i, ok in enumerate(stored) if not ok]
+            for i, ok in zip(retry, self.top.put([keys[i] for i in retry], rows.take(retry))):
+                stored[i] = ok
+        new_keys = [k for k, ok in zip(keys, stored) if ok]
+        result = self._stored(keys, new_keys)
+        if self._sightings is not None:
+            self._sightings.see(keys)  # stored or refused: either is a sighting
+        if self._offloads and keys:
+            stored_rows = rows.take([i for i, ok in enumerate(stored) if ok])
+            refused_rows = rows.take([i for i, ok in enumerate(stored) if not ok])
+            for offload in self._offloads:
+                offload.after_put(new_keys, stored_rows, result.rejected, refused_rows)
+        return result
+
+    def fill(self, keys: list[bytes], positions: list[int], fill: Fill, protect: Sequence[bytes]) -> PutResult:
+        """Reserve top-tier slots for ``keys`` (at ``positions`` of their plan), let ``fill(positions, slots)``
+        write the reserved ones, publish them. Never evicts a block of ``protect`` for them. If ``fill`` or a
+        write-through offload raises, nothing is published, every slot is freed and the exception propagates."""
+        top = self.slots
+        if top is None:
+            raise TypeError(f"the top tier {self.top.name!r} has no addressable slots to fill in place; use put")
+        reservations: list[tuple[Any, list[int]]] = []  # (a tier reservation, its slots' positions in the plan)
+        try:
+            # A protected block evicted meanwhile is simply not protected: it is not reserved either.
+            todo = list(range(len(keys)))
+            while todo:
+                res = top.reserve([keys[i] for i in todo], protect=protect)
+                reservations.append((res, []))  # first, so any error below still gives its slots back
+                reservations[-1] = (res, [positions[todo[j]] for j in res.index])
+                todo = [i for i, h in zip(todo, res.held) if not h]
+                if not todo or len(reservations) == 2 or not self._reclaim():  # expired leases held the space
+                    break
+            index = [i for _, reserved in reservations for i in reserved]
+            by_position = dict(zip(positions, keys))
+            new_keys = [by_position[i] for i in index]
+            if index:
+                slots = BlockRows(np.concatenate([r.addresses for r, _ in reservations]), (top,))
+                fill(index, slots)
+                # Offloaded before the commit, while the slots are reserved: once published, a concurrent
+                # remove or eviction could give a slot to another block while write-through reads it.
+                if self._sightings is not None:
+                    self._sightings.see(new_keys)
+                for offload in self._offloads:
+                    offload.after_put(new_keys, slots)
+        except BaseException:
+            for res, _ in reservations:
+                top.commit(res, success=False)
+            raise
+        for res, _ in reservations:
+            top.commit(res)
+        return self._stored(keys, new_keys)
+
+
+class PutPlan:
+    """One put's answer per key, given once (``TieredStore.prepare_put``) and used by each of its writes.
+
+    ``keys`` the batch; ``fresh`` the positions this put claimed (held neither by the top tier nor by a local
+    one, written by no other put); ``top_held`` the batch's keys the top tier holds (its writes never evict
+    them for the new blocks); ``skipped`` how many keys were not fresh. ``put(positions, blocks)`` copies
+    blocks (one per position) into the top tier, ``put_in_place(positions, fill)`` lets ``fill`` write them
+    into its slots (``fill(index, slots)``: ``index`` are positions in ``keys``); positions must be fresh ones,
+    each written once, before the ``prepare_put`` block exits. Each write returns its own PutResult (``skipped``
+    0: the plan's skips are ``skipped``; ``skipping(result)`` adds them). Used on the thread that prepared it.
+    """
+
+    def __init__(self, writes: TopWrites, keys: list[bytes], fresh: list[int], top_held: list[bytes]) -> None:
+        self._writes = writes
+        self.keys = keys
+        self.fresh = fresh
+        self.top_held = top_held
+        self.skipped = len(keys) - len(fresh)
+        self._claimed = set(fresh)
+
+    def put(self, positions: Sequence[int], blocks: Any) -> PutResult:
+        w = self._writes
+        rows = block_rows(blocks, len(positions), w.block_bytes, dtypes=w.dtypes)
+        return w.copy([self.keys[i] for i in self._take(positions)], rows)
+
+    def put_in_place(self, positions: Sequence[int], fill: Fill) -> PutResult:
+        taken = self._take(positions)
+        return self._writes.fill([self.keys[i] for i in taken], taken, fill, self.top_held)
+
+    def skipping(self, result: PutResult) -> PutResult:
+        """``result`` with this plan's skipped keys counted in: a whole put's answer."""
+        return PutResult(result.stored, result.skipped + self.skipped, result.rejected)
+
+    def _take(self, positions: Sequence[int]) -> list[int]:
+        taken = list(positions)
+        if len(set(taken)) != len(taken) or not self._claimed.issuperset(taken):
+            raise ValueError("a PutPlan writes only its fresh positions, each once")
+        self._claimed.difference_update(taken)
+        return taken
+
+
+__all__ = ["PutPlan", "TopWrites"]
