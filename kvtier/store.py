@@ -17,6 +17,10 @@ reference counts) keep blocks from being evicted in every tier, and leases are p
 (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners hear
 which keys each tier gained and lost (the engines' KV events and the master's directory feed on them). Which
 tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload.py's.
+
+Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
+and the bookkeeping every call shares (the one tier walk, counters, events); its parts with a role of their own
+live beside it (store_build.py, store_writes.py, inflight.py, offload.py, leases.py).
 """
 
 from __future__ import annotations
