@@ -151,8 +151,10 @@ class SlotTable:
         victims: list[bytes] = []
         vslots: list[int] = []
         slot_of, pending = self.slot_of, self.pending
-        new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending
-               and (only is None or keys[i] in only)]
+        if only is None:
+            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
+        else:
+            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending and keys[i] in only]
         if not new:
             return Taken(res, victims, vslots)
         if len({keys[i] for i in new}) < len(new):
