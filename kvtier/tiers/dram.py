@@ -11,7 +11,8 @@ victims are *leaving*: still held and readable here, so a block on its way down 
 
 Writes are two-phase, as in vLLM's offloading manager: ``reserve`` takes slots (evicting if needed) and
 returns their addresses, the caller fills them, ``commit`` publishes the keys. ``put`` is reserve + one
-batched copy + commit; the pool daemon uses reserve/commit to receive bytes straight into slots.
+batched copy + commit; the pool daemon uses reserve/commit to receive bytes straight into slots. Which key
+holds which slot, and the eviction rules, are the SlotTable (slots.py) the SSD tier's bookkeeping shares.
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
 from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
-from kvtier.policies import Clock, Observations, make_policy
-from kvtier.policies.guard import GuardedPolicy
+from kvtier.policies import Clock, Observations
 from kvtier.tiers.base import AddressableSlots, EvictListener, Reservation, TierStats
-from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
+from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -64,34 +64,27 @@ class DramTier(AddressableSlots):
         self._base = np.uint64(self._buffer.ptr)
         self._dtypes = tuple(dtypes)
         self._copy_threads = copy_threads
-        self._alloc = SlotAllocator(num_slots)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)  # removes wait here for keys being handed down
-        self._slot_of: dict[bytes, int] = {}
-        self._policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self._slot_of.keys, "DRAM tier")
-        self._admission = admission
-        self._key_of: list[bytes | None] = [None] * num_slots
-        self._pending: dict[bytes, int] = {}  # key -> slot reserved, being written
-        self._busy = np.zeros(num_slots, dtype=np.int32)  # in-flight copies per slot
-        self._doomed: set[int] = set()  # removed while busy: freed when the last copy ends
-        # Evicted, being handed down (key -> its slot, reserved for a new key): readable until the hand-down ends.
-        self._leaving: dict[bytes, int] = {}
+        self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
+        self._admission = admission  # False: what the policy declines is stored too, after the rest
+        # Under the lock. ``busy`` counts in-flight copies per slot; ``leaving``: evicted, being handed down
+        # (key -> its slot, reserved for a new key), readable until the hand-down ends.
+        self._table = t = SlotTable(num_slots, policy, clock, stats=self._stats, block_bytes=block_bytes,
+                                    where="DRAM tier", admission="enforce" if admission else "advice",
+                                    leaving=True, scan_busy=True)
+        self._slot_of, self._pending, self._policy = t.slot_of, t.pending, t.policy
+        self._leaving: dict[bytes, int] = t.leaving  # type: ignore[assignment]
         self._read_leaving: set[int] = set()  # slots acquired while leaving (rare): checked when their hand-down ends
         self._removers = 0  # removes waiting for a hand-down (notified only then)
-        self._pins = PinTable()
         self._on_evict: EvictListener | None = None
-        self._protected = ProtectedSlots(self._pins, self._slot_of, self._busy)
-        self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
-        self._declined = 0  # new blocks the policy's admission did not take
-        self._bad_admit = False  # logged once: the policy's admit answered nonsense
         log.info("DRAM tier: %d slots of %d B (%s), policy %s", num_slots, block_bytes, self._buffer, policy)
 
     # ---- Tier protocol ---------------------------------------------------------------------------------
 
     def attach(self, pins: PinTable, on_evict: EvictListener | None) -> None:
         with self._lock:
-            self._pins = pins
-            self._protected.pins = pins
+            self._table.protected.pins = pins
             self._on_evict = on_evict
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -121,34 +114,20 @@ class DramTier(AddressableSlots):
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop keys; a key being handed down to a lower tier is waited for first (outside the lock), so that the
         store's remove, which asks the tiers in order, finds and drops it in the tier it went to."""
-        removed = []
         with self._cv:
             if self._leaving and any(k in self._leaving for k in keys):
                 self._removers += 1
                 self._cv.wait_for(lambda: not any(k in self._leaving for k in keys))
                 self._removers -= 1
-            for k in keys:
-                slot = self._slot_of.pop(k, None)
-                if slot is None:
-                    slot = self._pending.pop(k, None)  # commit() will see it gone and free the slot
-                    if slot is not None:
-                        self._doomed.add(slot)
-                    continue
-                removed.append(k)
-                self._key_of[slot] = None
-                if self._busy[slot]:
-                    self._doomed.add(slot)
-                else:
-                    self._alloc.free([slot])
-            self._policy.remove(removed)
+            removed, _ = self._table.drop(keys)  # a pending key's commit() sees it gone and frees the slot
         return len(removed)
 
     def stats(self) -> TierStats:
         s = self._stats
         s.blocks = len(self._slot_of)
-        s.used_bytes = self._alloc.used_count * self.block_bytes
+        s.used_bytes = self._table.alloc.used_count * self.block_bytes
         s.extra = {"pending": len(self._pending), "shared_path": str(self._buffer.path or ""),
-                   "pinned_memory": self._buffer.pinned, "policy": self._policy.name, "declined": self._declined,
+                   "pinned_memory": self._buffer.pinned, "policy": self._policy.name, "declined": self._table.declined,
                    **({"policy_failed": self._policy.failed} if self._policy.failed else {})}
         return s
 
@@ -179,43 +158,11 @@ class DramTier(AddressableSlots):
         is pinned or busy. When slots run short, the root-most keys get them (the policy orders a batch by the
         chains it knows; batch order otherwise) and the tail-most are refused.
         """
-        n = len(keys)
-        held = [True] * n
-        res = Reservation(held)
-        victims: list[bytes] = []  # evicted by this reserve (in slots ``vslots``), handed down after the lock
-        vslots: list[int] = []
         with self._lock:
-            slot_of, pending = self._slot_of, self._pending
-            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
-            if not new:
-                return res
-            if len({keys[i] for i in new}) < len(new):
-                new = _first_occurrences(keys, new)
-            if self._alloc.free_count < len(new):
-                chosen = self._admitted(keys, new)
-                if len(chosen) < len(new):
-                    for i in set(new).difference(chosen):
-                        held[i] = False  # declined: not stored
-                new = chosen
-            # Keys of this batch that are already held are reported held: the batch's new keys must not
-            # evict them to make room.
-            keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
-                    if (len(new) < n or protect) and self._alloc.free_count < len(new) else [])
-            np.add.at(self._busy, keep, 1)
-            slots = self._take_slots(len(new), victims, vslots)
-            np.subtract.at(self._busy, keep, 1)
-            # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool
-            # map slots to the batch positions they were given, ascending.
-            res.index = sorted(new[: len(slots)])
-            for i in new[len(slots):]:
-                held[i] = False
-            self._stats.rejected += len(new) - len(slots)
-            res.keys = [keys[i] for i in res.index]
-            res.slots = slots
-            for k, s in zip(res.keys, slots):
-                pending[k] = s
-            self._busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
-        if victims:
+            res, victims, vslots = self._table.reserve(keys, protect)
+        if not res.slots:
+            return res
+        if victims:  # evicted by this reserve (now in ``res``'s slots): handed down with the lock released
             self._hand_down(victims, vslots, res)
         res.addresses = self._base + np.asarray(res.slots, dtype=np.uint64) * np.uint64(self.block_bytes)
         return res
@@ -224,23 +171,8 @@ class DramTier(AddressableSlots):
         """Publish the reserved keys (or, with success=False, give their slots back)."""
         if not res.slots:
             return
-        published = []
         with self._lock:
-            self._busy[res.slots] -= 1
-            for k, s in zip(res.keys, res.slots):
-                if self._pending.get(k) == s:
-                    del self._pending[k]
-                    if success:
-                        self._slot_of[k] = s
-                        self._key_of[s] = k
-                        published.append(k)
-                        continue
-                    self._doomed.add(s)
-                # else: removed while being written; remove() put the slot in _doomed
-            self._policy.insert(published)
-            self._free_idle_doomed()
-            self._stats.puts += len(published)
-            self._stats.put_bytes += len(published) * self.block_bytes
+            self._table.publish(res.keys, res.slots, success)
 
     @contextmanager
     def acquire(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:
@@ -259,7 +191,7 @@ class DramTier(AddressableSlots):
                 if len(slots) - slots.count(None) > were:
                     self._read_leaving.update(s for k, s in zip(keys, slots) if k in self._leaving)
             hit_slots = [s for s in slots if s is not None]
-            np.add.at(self._busy, hit_slots, 1)
+            self._table.hold(hit_slots)
             st = self._stats
             st.hits += len(hit_slots)
             st.misses += len(slots) - len(hit_slots)
@@ -269,8 +201,7 @@ class DramTier(AddressableSlots):
             yield [None if s is None else base + s * bb for s in slots]
         finally:
             with self._lock:
-                np.subtract.at(self._busy, hit_slots, 1)
-                self._free_idle_doomed()
+                self._table.release(hit_slots)
 
     @contextmanager
     def read_views(self, keys: Sequence[bytes]) -> Iterator[list[torch.Tensor | None]]:
@@ -289,46 +220,6 @@ class DramTier(AddressableSlots):
         return self._buffer
 
     # ---- internals (call with the lock held) ------------------------------------------------------------
-
-    def _admitted(self, keys: Sequence[bytes], new: list[int]) -> list[int]:
-        """The positions of ``new`` to store, root-most first, by the policy's ``admit`` (all of them in batch
-        order where it has no view). Without ``admission`` the tier stores what the policy declines too, after
-        the rest. An answer that repeats or makes up a position counts as none: everything is stored."""
-        order = self._policy.admit([keys[i] for i in new], self._alloc.free_count)
-        chosen = _positions(new, order) if order is not None else None
-        if chosen is None:
-            if order is not None and not self._bad_admit:
-                self._bad_admit = True
-                log.error("DRAM tier: policy %r answered admit with a position repeated or out of range (of %d "
-                          "new keys); storing whole batches whenever it does", self._policy.name, len(new))
-            return new
-        if len(chosen) < len(new) and not self._admission:
-            taken = set(chosen)
-            chosen += [i for i in new if i not in taken]
-        self._declined += len(new) - len(chosen)
-        return chosen
-
-    def _take_slots(self, n: int, victims: list[bytes], vslots: list[int]) -> list[int]:
-        """Up to ``n`` slots, evicting where none is free; the evicted keys and their slots are appended to
-        ``victims`` and ``vslots`` and left in ``_leaving`` (the caller hands them down after releasing the lock: ``_hand_down``)."""
-        slots = self._alloc.alloc(n)
-        short = n - len(slots)
-        if short > 0:
-            # With nothing pinned or being copied (the common case) skip the per-candidate check.
-            protected = self._protected if len(self._pins) or self._busy.any() else _NOTHING
-            evicted = self._policy.victims(short, protected)
-            if evicted:
-                slot_of, leaving, key_of = self._slot_of, self._leaving, self._key_of
-                taken = [slot_of[v] for v in evicted]
-                for v, s in zip(evicted, taken):
-                    leaving[v] = s  # first: a lock-free contains() sees the key in one map or the other
-                    del slot_of[v]
-                    key_of[s] = None
-                self._stats.evictions += len(evicted)
-                victims += evicted
-                vslots += taken
-                slots += taken
-        return slots
 
     def _hand_down(self, victims: list[bytes], vslots: list[int], res: Reservation) -> None:
         """Call the eviction listener for ``victims`` (evicted by the reserve of ``res``, which holds their slots)
@@ -352,7 +243,7 @@ class DramTier(AddressableSlots):
                 if self._read_leaving:
                     read = self._read_leaving.intersection(vslots)
                     self._read_leaving.difference_update(read)
-                    busy = self._busy  # the reservation's own count is 1 per slot; readers add theirs
+                    busy = self._table.busy  # the reservation's own count is 1 per slot; readers add theirs
                     read = [s for s in vslots if s in read and busy[s] > 1]
                     if read:
                         self._replace_read_slots(res, read)
@@ -360,32 +251,27 @@ class DramTier(AddressableSlots):
     def _replace_read_slots(self, res: Reservation, read: list[int]) -> None:
         """Give the keys of ``res`` reserved in slots of ``read`` (still being read) a free slot each, or refuse
         them; the read slots are freed when their readers finish (lock held)."""
+        t = self._table
         drop = set()
         for s in read:
             j = res.slots.index(s)
             k = res.keys[j]
-            self._busy[s] -= 1
-            self._doomed.add(s)
-            if self._pending.get(k) == s:  # else removed meanwhile (remove() doomed the slot): nothing to store
-                fresh = self._alloc.alloc(1)
+            t.busy[s] -= 1
+            t.doomed.add(s)
+            if t.pending.get(k) == s:  # else removed meanwhile (remove() doomed the slot): nothing to store
+                fresh = t.alloc.alloc(1)
                 if fresh:
                     res.slots[j] = fresh[0]
-                    self._pending[k] = fresh[0]
-                    self._busy[fresh[0]] += 1
+                    t.pending[k] = fresh[0]
+                    t.busy[fresh[0]] += 1
                     continue
-                del self._pending[k]
+                del t.pending[k]
             res.held[res.index[j]] = False
             drop.add(j)
         if drop:
             self._stats.rejected += len(drop)
             keep = [j for j in range(len(res.slots)) if j not in drop]
             res.keys, res.slots, res.index = ([xs[j] for j in keep] for xs in (res.keys, res.slots, res.index))
-
-    def _free_idle_doomed(self) -> None:
-        self._alloc.free_idle(self._doomed, self._busy)
-
-
-_NOTHING: frozenset[bytes] = frozenset()
 
 
 class _RowViews(Sequence[torch.Tensor]):
@@ -404,28 +290,3 @@ class _RowViews(Sequence[torch.Tensor]):
         if isinstance(i, slice):
             return [self._rows[s] for s in self._slots[i]]
         return self._rows[self._slots[i]]
-
-
-def _positions(new: list[int], order: Sequence[int]) -> list[int] | None:
-    """``new[j]`` for each j of a policy's answer, in its order; None if the answer repeats a position or
-    names one out of range (a policy's bug: the tier logs it once and stores the whole batch)."""
-    n = len(new)
-    seen: set[int] = set()
-    out = []
-    for j in order:
-        if type(j) is not int or not 0 <= j < n or j in seen:  # noqa: E721 - a bool is not a position
-            return None
-        seen.add(j)
-        out.append(new[j])
-    return out
-
-
-def _first_occurrences(keys: Sequence[bytes], index: list[int]) -> list[int]:
-    """Drop repeats of a key within one batch: only its first occurrence is written."""
-    seen: set[bytes] = set()
-    out = []
-    for i in index:
-        if keys[i] not in seen:
-            seen.add(keys[i])
-            out.append(i)
-    return out

@@ -1,12 +1,25 @@
-"""SlotAllocator: fixed-size slots in one buffer, handed out and taken back in batches, no allocation per put."""
+"""Slot bookkeeping shared by the tiers that keep blocks in fixed-size slots (DRAM and SSD).
+
+``SlotAllocator`` hands out free slot indices in batches, no allocation per put; ``ProtectedSlots`` is what
+eviction must not take; ``SlotTable`` is the key -> slot map around them, with the two-phase write (reserve,
+publish), removal and eviction rules both tiers follow. What differs stays in the tiers: DRAM's leaving keys
+handed down outside its lock and its in-place copies, the SSD's segments, checksums and crash ordering.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Container, Sequence
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from kvtier.pins import PinTable
+from kvtier.policies import Clock, make_policy
+from kvtier.policies.guard import GuardedPolicy
+from kvtier.tiers.base import Reservation, TierStats
+
+log = logging.getLogger(__name__)
 
 
 class SlotAllocator:
@@ -72,3 +85,237 @@ class ProtectedSlots:
 
     def __contains__(self, key: object) -> bool:
         return key in self.pins or self.busy[self.slot_of[key]] > 0  # type: ignore[index]
+
+
+class Taken(NamedTuple):
+    """What ``SlotTable.reserve`` did: ``res`` (the keys given slots, now pending and busy, and the batch's
+    held mask) and the keys it evicted to make room, with the slots they held (now ``res``'s)."""
+
+    res: Reservation
+    victims: list[bytes]
+    victim_slots: list[int]
+
+
+Admission = Literal["enforce", "advice", "off"]
+
+
+class SlotTable:
+    """Which key holds which slot of one tier, and the life of a slot: free -> pending -> committed -> free.
+
+    The slot bookkeeping DramTier (composes one) and the SSD tier (``DiskSlots`` derives from it) share. Not
+    thread-safe: every method and field is used under the owning tier's lock, which it never releases here;
+    the owner does its byte copies and I/O, and calls its eviction listener, outside that lock.
+
+    A slot is in exactly one of: free (``alloc``), ``pending`` (reserved by a write in flight), committed
+    (``slot_of``), or doomed (dropped while ``busy``: its readers, its writer, or for the SSD an index entry not
+    yet deleted, count in ``busy``; it is freed when that count reaches 0, ``free_idle_doomed``). With
+    ``leaving`` (DRAM), an evicted key moves to ``leaving`` (key -> its old slot, now its new owner's) before it
+    leaves ``slot_of``, so a lock-free ``contains`` sees it in one map or the other; the owner ends that state.
+
+    Eviction rules (``reserve``): free slots first, then the policy's victims, never a pinned or busy key nor a
+    key of the batch (or of ``protect``) the tier holds; when slots run short the root-most keys get them (the
+    policy's ``admit`` order where it has one and ``admission`` is not "off", else batch order) and the
+    tail-most are refused. ``admission`` "enforce" stores none of what ``admit`` declines, "advice" stores it
+    after the rest, "off" never asks (the SSD).
+    """
+
+    def __init__(self, num_slots: int, policy: str, clock: Clock | None, *, stats: TierStats, block_bytes: int,
+                 where: str, admission: Admission = "off", leaving: bool = False,
+                 scan_busy: bool = False) -> None:
+        self.alloc = SlotAllocator(num_slots)
+        self.slot_of: dict[bytes, int] = {}  # committed blocks
+        # The policy reads time from ``clock``; one that raises is logged once and replaced by LRU order.
+        self.policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self.slot_of.keys, where)
+        self.pending: dict[bytes, int] = {}  # key -> slot being written
+        self.busy = np.zeros(num_slots, dtype=np.int32)  # in-flight copies, reads and writes per slot
+        self.doomed: set[int] = set()  # dropped while busy: freed when idle
+        self.leaving: dict[bytes, int] | None = {} if leaving else None
+        self.protected = ProtectedSlots(PinTable(), self.slot_of, self.busy)
+        self.stats = stats  # evictions, rejected, puts and put_bytes counted here
+        self.declined = 0  # new keys the policy's admission did not take
+        self._block_bytes = block_bytes
+        self._where = where
+        self._admission = admission
+        # A DRAM-sized table scans ``busy`` to skip the per-candidate check when nothing is pinned or busy (a
+        # trace replay evicts millions of blocks); an SSD's table can be millions of slots: it always checks.
+        self._scan_busy = scan_busy
+        self._bad_admit = False  # logged once: the policy's admit answered nonsense
+
+    def reserve(self, keys: Sequence[bytes], protect: Sequence[bytes] = (),
+                only: Container[bytes] | None = None) -> Taken:
+        """Take a slot for each key of ``keys`` neither committed nor pending (and, with ``only``, in it),
+        first occurrences only, evicting by the rules above. ``res.held[i]`` is False where key i was refused
+        or declined; the reserved keys are pending and their slots busy until ``publish``."""
+        n = len(keys)
+        res = Reservation([True] * n)
+        victims: list[bytes] = []
+        vslots: list[int] = []
+        slot_of, pending = self.slot_of, self.pending
+        if only is None:
+            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
+        else:
+            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending and keys[i] in only]
+        if not new:
+            return Taken(res, victims, vslots)
+        if len({keys[i] for i in new}) < len(new):
+            new = _first_occurrences(keys, new)
+        held, free = res.held, self.alloc.free_count
+        if free < len(new) and self._admission != "off":
+            chosen = self._admitted(keys, new)
+            if len(chosen) < len(new):
+                for i in set(new).difference(chosen):
+                    held[i] = False  # declined: not stored
+            new = chosen
+        # Keys of this batch (and ``protect``) already held must not be evicted to make room for its new ones.
+        keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
+                if (len(new) < n or protect) and free < len(new) else [])
+        np.add.at(self.busy, keep, 1)
+        slots = self._take(len(new), victims, vslots)
+        np.subtract.at(self.busy, keep, 1)
+        # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool map
+        # slots to the batch positions they were given, ascending.
+        res.index = sorted(new[: len(slots)])
+        for i in new[len(slots):]:
+            held[i] = False
+        self.stats.rejected += len(new) - len(slots)
+        res.keys = [keys[i] for i in res.index]
+        res.slots = slots
+        for k, s in zip(res.keys, slots):
+            pending[k] = s
+        self.busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
+        return Taken(res, victims, vslots)
+
+    def publish(self, keys: Sequence[bytes], slots: Sequence[int], success: bool = True
+                ) -> tuple[list[bytes], list[bytes]]:
+        """End the writes of ``reserve``: commit each key still pending in its slot (with success=False, doom
+        the slot instead). Returns (committed keys, keys dropped while being written: their slots are doomed)."""
+        published: list[bytes] = []
+        lost: list[bytes] = []
+        self.busy[list(slots)] -= 1
+        pending, slot_of = self.pending, self.slot_of
+        for k, s in zip(keys, slots):
+            if pending.get(k) == s:
+                del pending[k]
+                if success:
+                    slot_of[k] = s
+                    published.append(k)
+                    continue
+                self.doomed.add(s)
+            else:  # removed while being written: drop() doomed the slot
+                lost.append(k)
+        self.policy.insert(published)
+        self.free_idle_doomed()
+        self.stats.puts += len(published)
+        self.stats.put_bytes += len(published) * self._block_bytes
+        return published, lost
+
+    def drop(self, keys: Sequence[bytes], *, hold: bool = False) -> tuple[list[bytes], list[int]]:
+        """Forget keys, committed or pending; return the committed ones and their slots. A pending key's slot
+        is doomed (its writer's ``publish`` sees the key gone). A committed key's slot is freed, or doomed while
+        busy; with ``hold`` it is doomed and kept busy until the owner ``release``s it (the SSD: until the
+        index no longer points at it)."""
+        removed: list[bytes] = []
+        freed: list[int] = []
+        slot_of, pending, busy, doomed = self.slot_of, self.pending, self.busy, self.doomed
+        for k in keys:
+            s = slot_of.pop(k, None)
+            if s is not None:
+                removed.append(k)
+                freed.append(s)
+                if hold:
+                    doomed.add(s)
+                    busy[s] += 1
+                elif busy[s]:
+                    doomed.add(s)
+                else:
+                    self.alloc.free([s])
+            s = pending.pop(k, None)
+            if s is not None:
+                doomed.add(s)
+        self.policy.remove(removed)
+        return removed, freed
+
+    def hold(self, slots: Sequence[int]) -> None:
+        """Mark slots busy (a read or copy starts: not evicted, not reused); one count per occurrence."""
+        np.add.at(self.busy, list(slots), 1)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """End what ``hold`` (or ``drop(hold=True)``) started; doomed slots now idle go back to the allocator."""
+        np.subtract.at(self.busy, list(slots), 1)
+        self.free_idle_doomed()
+
+    def free_idle_doomed(self) -> None:
+        """Return doomed slots that nothing uses any more to the allocator."""
+        self.alloc.free_idle(self.doomed, self.busy)
+
+    def _take(self, n: int, victims: list[bytes], vslots: list[int]) -> list[int]:
+        """Up to ``n`` slots, evicting where none is free; the evicted keys and their slots are appended to
+        ``victims`` and ``vslots`` (and, with ``leaving``, left there until their owner ends it)."""
+        slots = self.alloc.alloc(n)
+        short = n - len(slots)
+        if short > 0:
+            protected: Container[bytes] = self.protected
+            if self._scan_busy and not len(protected.pins) and not self.busy.any():
+                protected = _NOTHING  # nothing pinned or being copied (the common case): skip the checks
+            evicted = self.policy.victims(short, protected)
+            if evicted:
+                slot_of, leaving = self.slot_of, self.leaving
+                taken = [slot_of[v] for v in evicted]
+                if leaving is None:
+                    for v in evicted:
+                        del slot_of[v]
+                else:
+                    for v, s in zip(evicted, taken):
+                        leaving[v] = s  # first: a lock-free contains() sees the key in one map or the other
+                        del slot_of[v]
+                self.stats.evictions += len(evicted)
+                victims += evicted
+                vslots += taken
+                slots += taken
+        return slots
+
+    def _admitted(self, keys: Sequence[bytes], new: list[int]) -> list[int]:
+        """The positions of ``new`` to store, root-most first, by the policy's ``admit`` (all of them in batch
+        order where it has no view). With "advice" admission the declined ones are stored too, after the rest.
+        An answer that repeats or makes up a position counts as none: everything is stored."""
+        order = self.policy.admit([keys[i] for i in new], self.alloc.free_count)
+        chosen = _positions(new, order) if order is not None else None
+        if chosen is None:
+            if order is not None and not self._bad_admit:
+                self._bad_admit = True
+                log.error("%s: policy %r answered admit with a position repeated or out of range (of %d new "
+                          "keys); storing whole batches whenever it does", self._where, self.policy.name, len(new))
+            return new
+        if len(chosen) < len(new) and self._admission == "advice":
+            taken = set(chosen)
+            chosen += [i for i in new if i not in taken]
+        self.declined += len(new) - len(chosen)
+        return chosen
+
+
+_NOTHING: frozenset[bytes] = frozenset()
+
+
+def _positions(new: list[int], order: Sequence[int]) -> list[int] | None:
+    """``new[j]`` for each j of a policy's answer, in its order; None if the answer repeats a position or
+    names one out of range (a policy's bug: the tier logs it once and stores the whole batch)."""
+    n = len(new)
+    seen: set[int] = set()
+    out = []
+    for j in order:
+        if type(j) is not int or not 0 <= j < n or j in seen:  # noqa: E721 - a bool is not a position
+            return None
+        seen.add(j)
+        out.append(new[j])
+    return out
+
+
+def _first_occurrences(keys: Sequence[bytes], index: list[int]) -> list[int]:
+    """Drop repeats of a key within one batch: only its first occurrence is written."""
+    seen: set[bytes] = set()
+    out = []
+    for i in index:
+        if keys[i] not in seen:
+            seen.add(keys[i])
+            out.append(i)
+    return out

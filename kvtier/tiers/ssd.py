@@ -100,7 +100,7 @@ class DiskTier(WriteBehindStaging):
         self._fsync = fsync
         self._fingerprint = xxhash.xxh3_64_intdigest(f"{fingerprint}|{block_bytes}".encode())
         self._dtypes = tuple(dtypes)
-        self._slots = DiskSlots(self.name, num_slots, self.capacity_bytes, policy, clock, self.path)
+        self._slots = DiskSlots(self.name, num_slots, self.capacity_bytes, block_bytes, policy, clock, self.path)
         self._closed = False
         try:
             self._index = self._open_index(map_size=max(64 << 20, num_slots * 256))
@@ -173,7 +173,7 @@ class DiskTier(WriteBehindStaging):
                     copy_rows(rows.ptrs[i : i + 1], np.array([b.staged[k]], np.uint64), self.block_bytes)
                     hit[i] = True
             slots = [s for _, s, _ in reads]
-            np.add.at(b.busy, slots, 1)
+            b.hold(slots)
             b.policy.access([keys[i] for i, _, _ in reads])
         failures: list[ReadFailure] = []
         try:
@@ -193,27 +193,15 @@ class DiskTier(WriteBehindStaging):
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop keys (committed, queued or being written); return how many were held."""
-        committed: list[bytes] = []
-        freed: list[int] = []
-        held = 0
         b = self._slots
         with b.lock:
-            for k in keys:
-                s = b.slot_of.pop(k, None)
-                if s is not None:
-                    committed.append(k)
-                    freed.append(s)
-                    b.doomed.add(s)
-                    b.busy[s] += 1  # hold the slot until the index forgets the key (crash ordering)
-                    held += 1
-                elif b.staged.pop(k, None) is not None:
-                    held += 1
-                s = b.pending.pop(k, None)
-                if s is not None:
-                    b.doomed.add(s)  # the writer sees the key gone and frees the slot when done
-            b.policy.remove(committed)
+            # Committed slots stay busy until the index forgets their keys (crash ordering); a key being written
+            # is forgotten too (its writer sees it gone and frees the slot when done).
+            committed, freed = b.drop(keys, hold=True)
+            gone = set(committed)
+            staged = sum(b.staged.pop(k, None) is not None for k in keys if k not in gone)
         self._disk.unindex(committed, freed)
-        return held
+        return len(committed) + staged
 
     def stats(self) -> TierStats:
         b = self._slots
@@ -313,22 +301,16 @@ class DiskTier(WriteBehindStaging):
 
     def _after_reads(self, keys: Sequence[bytes], slots: Sequence[int], failures: Sequence[ReadFailure]) -> None:
         """Release read slots; drop blocks that failed (a miss, counted, never data)."""
-        dropped: list[bytes] = []
-        freed: list[int] = []
+        damaged: list[bytes] = []
         b = self._slots
         with b.lock:
-            np.subtract.at(b.busy, list(slots), 1)
             for f in failures:
                 k = f.key if f.key is not None else keys[f.index]
                 b.counts[f.reason] += 1
-                if b.slot_of.get(k) == f.slot:
-                    del b.slot_of[k]
-                    dropped.append(k)
-                    freed.append(f.slot)
-                    b.doomed.add(f.slot)
-                    b.busy[f.slot] += 1  # held until unindexed
-            b.policy.remove(dropped)
-            b.free_idle_doomed()
+                if b.slot_of.get(k) == f.slot:  # not replaced meanwhile
+                    damaged.append(k)
+            dropped, freed = b.drop(damaged, hold=True)  # slots held until unindexed
+            b.release(slots)
         b.report_gone(dropped)
         if failures:
             f = failures[0]

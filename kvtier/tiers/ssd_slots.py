@@ -18,11 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.pins import PinTable
-from kvtier.policies import Clock, make_policy
-from kvtier.policies.guard import GuardedPolicy
+from kvtier.policies import Clock
 from kvtier.tiers.base import EvictListener, TierStats
-from kvtier.tiers.slots import ProtectedSlots, SlotAllocator
+from kvtier.tiers.slots import SlotTable
 from kvtier.tiers.ssd_io import ALIGN, SegmentFiles
 
 log = logging.getLogger(__name__)
@@ -45,8 +43,11 @@ class SlotDevice:
         return self.slot_bytes == self.block_bytes and (not self.direct or address % ALIGN == 0)
 
 
-class DiskSlots:
-    """Which key holds which slot, and the state around it, for one DiskTier (in the engine process).
+class DiskSlots(SlotTable):
+    """Which key holds which slot, and the state around it, for one DiskTier (in the engine process): the
+    SlotTable both tiers share (slots.py: reserve, publish, drop, eviction rules; no admission, no leaving
+    state, the SSD has nothing below it), plus what only the SSD has: ``staged``, checksums, the index's write
+    sequence, the stop flag and its counters.
 
     Lock discipline: every field is read and changed under ``lock``, which is never held across I/O (a read,
     a write, an fsync or an index transaction) nor across a call to ``on_evict``. One exception:
@@ -55,28 +56,21 @@ class DiskSlots:
 
     A slot is in exactly one of: free (in ``alloc``), ``pending`` (reserved by a write in flight), committed
     (``slot_of``, its bytes and index entry durable, ``checksum`` set), or doomed (dropped but still busy:
-    ``busy`` counts reads and writes in flight on it and removals whose index entry is not yet deleted; a
-    doomed slot goes back to ``alloc`` when it is idle, ``free_idle_doomed``). ``staged`` keys have no slot:
-    they sit in staging memory (at the address given) until write-behind commits them.
+    ``busy`` counts reads and writes in flight on it and removals whose index entry is not yet deleted, which
+    ``drop(hold=True)`` adds; a doomed slot goes back to ``alloc`` when it is idle, ``free_idle_doomed``).
+    ``staged`` keys have no slot: they sit in staging memory (at the address given) until write-behind commits
+    them.
     """
 
-    def __init__(self, name: str, num_slots: int, capacity_bytes: int, policy: str, clock: Clock | None,
-                 where: Path) -> None:
+    def __init__(self, name: str, num_slots: int, capacity_bytes: int, block_bytes: int, policy: str,
+                 clock: Clock | None, where: Path) -> None:
+        super().__init__(num_slots, policy, clock, stats=TierStats(name, capacity_bytes, 0, 0),
+                         block_bytes=block_bytes, where="SSD tier")
         self.lock = threading.Lock()
-        self.alloc = SlotAllocator(num_slots)
-        self.slot_of: dict[bytes, int] = {}  # committed blocks
-        # The policy reads time from ``clock`` and learns what the engine knows (``observe``); one that raises
-        # is logged once and replaced by LRU order (GuardedPolicy).
-        self.policy = GuardedPolicy(make_policy(policy, num_slots, clock=clock), self.slot_of.keys, "SSD tier")
-        self.pending: dict[bytes, int] = {}  # key -> slot being written
         self.staged: dict[bytes, int] = {}  # key -> staging address: queued for write-behind, readable
         self.checksum = np.zeros(num_slots, dtype=np.uint64)
-        self.busy = np.zeros(num_slots, dtype=np.int32)  # in-flight reads/writes (and unindexed removals)
-        self.doomed: set[int] = set()  # slots to free when no longer busy
         self.seq = 0  # the next index entry's write sequence number (restore order = eviction order)
-        self.protected = ProtectedSlots(PinTable(), self.slot_of, self.busy)
         self.on_evict: EvictListener | None = None
-        self.stats = TierStats(name, capacity_bytes, 0, 0)
         self.counts: Counter[str] = Counter()
         self.stopped = ""  # why the tier stopped admitting; "" while it admits
         self._where = where
@@ -84,10 +78,6 @@ class DiskSlots:
     def held_or_pending(self, key: bytes) -> bool:
         """Committed, or being written now (lock held): what write-behind does not stage again."""
         return key in self.slot_of or key in self.pending
-
-    def free_idle_doomed(self) -> None:
-        """Return doomed slots that nothing uses any more to the allocator (lock held)."""
-        self.alloc.free_idle(self.doomed, self.busy)
 
     def stop_admitting(self, err: OSError, what: str) -> None:
         """Refuse new blocks from now on (the disk is full or failing); logged once, reason in stats. Takes the

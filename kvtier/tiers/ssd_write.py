@@ -87,20 +87,9 @@ class DiskWriter:
     def store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
         """Write the blocks at ``ptrs``; return (held mask, keys newly stored). Bounces unaligned sources.
 
-        The batch's keys that are held already are protected meanwhile: a put never evicts what it names.
+        A put never evicts what it names: every chunk's reservation protects the keys of the whole batch the
+        tier holds (SlotTable.reserve's ``protect``), those held before it and those earlier chunks wrote.
         """
-        b = self._slots
-        with b.lock:
-            protect = [s for s in (b.slot_of.get(k) for k in set(keys)) if s is not None]
-            b.busy[protect] += 1
-        try:
-            return self._store_rows(keys, ptrs)
-        finally:
-            with b.lock:
-                b.busy[protect] -= 1
-                b.free_idle_doomed()
-
-    def _store_rows(self, keys: Sequence[bytes], ptrs: np.ndarray) -> tuple[list[bool], list[bytes]]:
         if not self._needs_bounce(ptrs):
             return self.write_batch(keys, ptrs, staged=False)
         held, stored = [False] * len(keys), []
@@ -115,7 +104,7 @@ class DiskWriter:
             addresses = self._staging.addresses(chunks)
             try:
                 copy_rows(addresses, ptrs[i:j], self._dev.block_bytes)
-                h, s = self.write_batch(keys[i:j], addresses, staged=False)
+                h, s = self.write_batch(keys[i:j], addresses, staged=False, protect=keys)
             finally:
                 self._staging.free(chunks)
             held[i:j] = h
@@ -123,20 +112,19 @@ class DiskWriter:
             i = j
         return held, stored
 
-    def write_batch(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool
+    def write_batch(self, keys: Sequence[bytes], ptrs: np.ndarray, *, staged: bool, protect: Sequence[bytes] = ()
                     ) -> tuple[list[bool], list[bytes]]:
         """Write one batch from rows O_DIRECT can use as they are; ``staged``: only keys still queued in
-        ``DiskSlots.staged`` (the others were removed meanwhile). Returns (held mask, keys newly stored)."""
+        ``DiskSlots.staged`` (the others were removed meanwhile). Evicts none of the keys of the batch or of
+        ``protect`` the tier holds. Returns (held mask, keys newly stored)."""
         b = self._slots
-        held = [True] * len(keys)
         with b.lock:
             if b.stopped:
                 held = [k in b.slot_of for k in keys]
                 b.stats.rejected += held.count(False)
                 return held, []
-            index, slots, victims, refused = self._reserve(keys, staged)
-        for i in refused:
-            held[i] = False
+            res, victims, _ = b.reserve(keys, protect, only=b.staged if staged else None)
+        held, index, slots = res.held, res.index, res.slots
         b.report_gone(victims)
         if not slots:
             return held, []
@@ -170,32 +158,7 @@ class DiskWriter:
                 b.stop_admitting(e, "index update")
         if len(held_slots):
             with b.lock:
-                np.subtract.at(b.busy, list(held_slots), 1)
-                b.free_idle_doomed()
-
-    def _reserve(self, keys: Sequence[bytes], staged: bool) -> tuple[list[int], list[int], list[bytes], list[int]]:
-        """Take a slot per new key, evicting if needed (lock held). Returns (index, slots, victims, refused)."""
-        b = self._slots
-        slot_of, pending = b.slot_of, b.pending
-        new, seen = [], set()
-        for i, k in enumerate(keys):
-            if k in slot_of or k in pending or k in seen or (staged and k not in b.staged):
-                continue
-            seen.add(k)
-            new.append(i)
-        slots = b.alloc.alloc(len(new))
-        victims: list[bytes] = []
-        if len(slots) < len(new):
-            victims = b.policy.victims(len(new) - len(slots), b.protected)
-            slots += [slot_of.pop(v) for v in victims]
-            b.stats.evictions += len(victims)
-        refused = new[len(slots):]
-        new = new[: len(slots)]
-        for i, s in zip(new, slots):
-            pending[keys[i]] = s
-        b.busy[slots] += 1
-        b.stats.rejected += len(refused)
-        return new, slots, victims, refused
+                b.release(held_slots)
 
     def _entries(self, keys: Sequence[bytes], index: list[int], slots: list[int], sums: Sequence[int]
                  ) -> list[tuple[bytes, IndexEntry]]:
@@ -213,34 +176,17 @@ class DiskWriter:
     def _publish(self, keys: Sequence[bytes], index: list[int], slots: list[int], sums: Sequence[int]
                  ) -> list[bytes]:
         b = self._slots
-        stored, removed = [], []
         with b.lock:
-            for i, s, c in zip(index, slots, sums):
-                k = keys[i]
-                if b.pending.get(k) == s:
-                    del b.pending[k]
-                    b.slot_of[k] = s
-                    b.checksum[s] = c
-                    stored.append(k)
-                else:  # removed while being written: remove() doomed the slot
-                    removed.append(k)
-            b.busy[slots] -= 1
-            b.free_idle_doomed()
-            b.policy.insert(stored)
-            b.stats.puts += len(stored)
-            b.stats.put_bytes += len(stored) * self._dev.block_bytes
+            # Every slot is still this batch's (busy until publish): a doomed one's checksum is never read.
+            b.checksum[slots] = np.array(sums, dtype=np.uint64)
+            stored, removed = b.publish([keys[i] for i in index], slots)
         self.unindex(removed)  # entries just written for keys removed meanwhile
         return stored
 
     def _abandon(self, keys: Sequence[bytes], index: list[int], slots: list[int]) -> None:
         b = self._slots
         with b.lock:
-            for i, s in zip(index, slots):
-                if b.pending.get(keys[i]) == s:
-                    del b.pending[keys[i]]
-                b.doomed.add(s)
-            b.busy[slots] -= 1
-            b.free_idle_doomed()
+            b.publish([keys[i] for i in index], slots, success=False)
 
     def _needs_bounce(self, ptrs: np.ndarray) -> bool:
         d = self._dev
