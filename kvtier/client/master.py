@@ -61,33 +61,41 @@ def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zm
     return sock
 
 
-def _timeout(op: str, endpoint: str, timeout: float, answered: bool, auth: ClientKeys | None) -> MasterTimeout:
-    hint = "" if answered else silence_hint(endpoint, auth)
-    return MasterTimeout("timeout", f"{op} to {endpoint}: no reply within {timeout:g} s{hint}")
+class _Masters:
+    """What both clients keep of their masters: the endpoints, the failover among them, the timeout per master
+    asked, the keys, and which master answered yet (a silence before any answer may be keys refused)."""
+
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float, auth: ClientKeys | None) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.failover = Failover(self.endpoints)
+        self.timeout_s = timeout_s
+        self.auth = auth
+        self._answered = [False] * len(self.endpoints)
+
+    @property
+    def endpoint(self) -> str:
+        """The master calls go to first (the one that answered last)."""
+        return self.endpoints[self.failover.preferred]
+
+    def _timeout(self, op: str, i: int, timeout: float) -> MasterTimeout:
+        """Master i did not answer ``op`` in time; before any answer from it, maybe why (keys refused)."""
+        hint = "" if self._answered[i] else silence_hint(self.endpoints[i], self.auth)
+        return MasterTimeout("timeout", f"{op} to {self.endpoints[i]}: no reply within {timeout:g} s{hint}")
 
 
-class MasterClient:
+class MasterClient(_Masters):
     """Blocking client. ``endpoints``: "tcp://127.0.0.1:7300", or several masters of one shared directory
     ("tcp://a:7300,tcp://b:7300" or a list); ``auth`` applies to each of them (masters of one cluster share
     one server keypair)."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
                  auth: ClientKeys | None = None) -> None:
-        self.endpoints = parse_endpoints(endpoints)
-        self.failover = Failover(self.endpoints)
-        self.timeout_s = timeout_s
-        self.auth = auth
-        self._answered = [False] * len(self.endpoints)  # any reply yet (a silence before one may be refused keys)
+        super().__init__(endpoints, timeout_s, auth)
         self._ctx = zmq.Context()
         self._socks: list[zmq.Socket[Any] | None] = [None] * len(self.endpoints)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.last_rtt_s = 0.0  # round trip of the last successful call (the node agent's latency signal)
-
-    @property
-    def endpoint(self) -> str:
-        """The master calls go to first (the one that answered last)."""
-        return self.endpoints[self.failover.preferred]
 
     def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -113,7 +121,7 @@ class MasterClient:
                 left = deadline - time.perf_counter()
                 if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                     self._reset(i)
-                    return _timeout(c.op, endpoint, timeout, self._answered[i], self.auth)
+                    return self._timeout(c.op, i, timeout)
                 try:
                     rid, ok, body = wire.decode_reply(sock.recv())
                 except wire.WireError as e:
@@ -190,26 +198,18 @@ class MasterClient:
         return self.call(api.forget(node))
 
 
-class AsyncMasterClient:
+class AsyncMasterClient(_Masters):
     """asyncio client for one event loop. Calls may overlap; each waits at most ``timeout_s`` per master asked.
     ``endpoints`` as MasterClient's (one master, or several of one shared directory, failed over alike)."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
                  auth: ClientKeys | None = None) -> None:
-        self.endpoints = parse_endpoints(endpoints)
-        self.failover = Failover(self.endpoints)
-        self.timeout_s = timeout_s
-        self.auth = auth
-        self._answered = [False] * len(self.endpoints)
+        super().__init__(endpoints, timeout_s, auth)
         self._ctx = zmq.asyncio.Context()
         self._socks: list[zmq.asyncio.Socket | None] = [None] * len(self.endpoints)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self._readers: list[asyncio.Task[None] | None] = [None] * len(self.endpoints)
-
-    @property
-    def endpoint(self) -> str:
-        return self.endpoints[self.failover.preferred]
 
     async def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -235,7 +235,7 @@ class AsyncMasterClient:
             await sock.send(wire.encode_request(req_id, c.op, c.body))
             ok, body = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            return _timeout(c.op, self.endpoints[i], timeout, self._answered[i], self.auth)
+            return self._timeout(c.op, i, timeout)
         finally:
             self._waiting.pop(req_id, None)
         self._answered[i] = True
