@@ -1,8 +1,9 @@
 """A TieredStore's parts: which tiers a Config describes (with each lower tier's offload policy and promote
 switch), and the offloaders between the top tier and each lower one.
 
-The half of TieredStore's construction that knows every tier's config keys and offload.py's pieces (the store
-itself composes whatever it is given): where a new tier's keys meet the store. Assembly only, in the caller's
+The half of TieredStore's construction that knows which tiers a mode stacks and offload.py's pieces (the store
+itself composes whatever it is given): where a new tier's keys meet the store, each tier's arguments asked of
+its config section (kvtier/settings/: ``cfg.dram_args``, ``cfg.ssd_args``, ``cfg.pool_args``). Assembly only, in the caller's
 thread; building a tier may open its files or connect its pool, and what is built here is owned by the store
 given it.
 """
@@ -36,17 +37,14 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
     cfg.check_block_bytes(block_bytes)  # every size that holds no block fails before any tier is built
     dtypes = () if isinstance(layout, int) else tuple({g.dtype for g in layout.groups})
     parts = StoreParts(dtypes=dtypes)
-    dram_capacity = cfg.standalone_dram_capacity if cfg.mode == "standalone" else cfg.dram_capacity
+    dram_capacity = cfg.private_dram_capacity
     if dram_capacity:
         from kvtier.tiers.dram import DramTier
 
         # Admission (a full DRAM declining a put's blocks) only where DRAM is the last tier: a block it
         # declined would reach no tier below it (offloads take what DRAM stored or evicts).
         last = cfg.mode == "embedded" and not cfg.ssd_path
-        parts.tiers.append(DramTier(dram_capacity, block_bytes, policy=cfg.eviction,
-                                    shm_path=cfg.dram_shm_path or None, pin_memory=cfg.dram_pin_memory,
-                                    prefault=cfg.dram_prefault, copy_threads=cfg.copy_threads, dtypes=dtypes,
-                                    clock=clock, admission=last))
+        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock, admission=last)))
     if cfg.mode != "embedded":
         from kvtier.tiers.pool import PoolTier
 
@@ -57,11 +55,7 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
         from kvtier.tiers.ssd import DiskTier
 
         fingerprint = "" if isinstance(layout, int) else layout.fingerprint
-        parts.tiers.append(DiskTier(cfg.ssd_path, cfg.ssd_capacity, block_bytes,
-                                    segment_bytes=cfg.ssd_segment_bytes, policy=cfg.ssd_eviction,
-                                    direct_io=cfg.ssd_direct_io, fsync=cfg.ssd_fsync,
-                                    io_threads=cfg.ssd_io_threads, staging_bytes=cfg.ssd_staging_bytes,
-                                    fingerprint=fingerprint, dtypes=dtypes, clock=clock))
+        parts.tiers.append(DiskTier(**cfg.ssd_args(block_bytes, fingerprint, dtypes, clock)))
         parts.offload.append(cfg.ssd_offload)
         parts.promote.append(cfg.ssd_promote)
     if not dram_capacity:

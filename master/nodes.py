@@ -19,21 +19,21 @@ key that holds it may also register it afresh (the node restarted): keys are the
 
 Bounds: at most ``max_nodes`` nodes (live, syncing, pending or dead: the oldest dead one is forgotten early to
 make room), at most ``max_nodes_per_client`` registered by one key (0: no such limit), and at most
-``max_locations`` locations numbered at once (each is a bit in every directory entry's mask). Each (node, tier) of a sync generation owns one *location* (a bit of the
-directory masks); a new sync generation or a death retires the old locations, which the directory sweeps
-and hands back here for reuse.
+``max_locations`` locations numbered at once (each is a bit in every directory entry's mask). Each (node, tier)
+of a sync generation owns one *location* (a bit of the directory masks); a new sync generation or a death
+retires the old locations, which the directory sweeps and hands back for reuse (their numbering is
+locations.py's LocationTable; the registry says which node holds which).
 
-Runs in the master's event loop; not thread-safe. Times: ``now`` is time.monotonic() (leases), except
-``registered_at`` (wall clock, for humans).
+What the master knows of one node (Node, TierState, the states) is node.py's; the numbering of directory
+locations, locations.py's. Runs in the master's event loop; not thread-safe. Times: ``now`` is
+time.monotonic() (leases), except ``registered_at`` (wall clock, for humans).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,73 +41,11 @@ import numpy as np
 from kvtier import wire
 from kvtier.master.access import ANONYMOUS_QUOTA
 from kvtier.master.directory import location_words
+from kvtier.master.locations import LocationTable
+from kvtier.master.node import DEAD, LIVE, PENDING, SYNCING, Node, TierState
 from kvtier.wire import WireError
 
 log = logging.getLogger(__name__)
-
-LIVE, SYNCING, PENDING, DEAD = "live", "syncing", "pending", "dead"
-
-
-@dataclass
-class TierState:
-    """One tier of a node as its heartbeats describe it. ``bw`` 0.0 means not measured yet."""
-
-    name: str
-    capacity: int
-    used: int = 0
-    bw: float = 0.0  # bytes/s, EWMA of real transfers out of this tier, measured by the node
-    promised: int = 0  # bytes route_put sent here since the last heartbeat (not yet in ``used``)
-
-    @property
-    def free(self) -> int:
-        return max(0, self.capacity - self.used - self.promised)
-
-
-@dataclass
-class Node:
-    """What the master knows about one node (a process holding a TieredStore: an engine or kvtier-pool)."""
-
-    node_id: str
-    address: str
-    tiers: dict[str, TierState]  # in the node's order, fastest first
-    labels: dict[str, str]
-    incarnation: str
-    state: str = SYNCING
-    locations: dict[str, int] = field(default_factory=dict)  # tier -> location, for the current sync generation
-    applied_seq: int | None = None  # last event sequence number applied; None: needs a full inventory
-    next_part: int | None = None  # next inventory part expected while syncing
-    last_seen: float = 0.0
-    path_bw: dict[str, float] = field(default_factory=dict)  # peer node id -> bytes/s into this node
-    rpc_latency_s: float = 0.0
-    registered_at: float = field(default_factory=time.time)
-    owner: str = ANONYMOUS_QUOTA  # the key that registered it (access.Caller.quota)
-    dead_at: float | None = None  # wall clock of its death (lease expiry or goodbye); None while not dead
-    beats: int = 0  # node ops applied (register, heartbeat, inventory): a logged expiry names the count it saw
-
-    @property
-    def incarnation_digest(self) -> str:
-        """What ``nodes`` shows of the incarnation: enough to tell two apart, not enough to act as the node."""
-        return hashlib.sha256(self.incarnation.encode()).hexdigest()[:12]
-
-    def view(self, now: float, lease_s: float) -> dict[str, Any]:
-        """The node as the ``nodes`` op answers it."""
-        return {
-            "node": self.node_id, "address": self.address, "state": self.state, "labels": self.labels,
-            "incarnation": self.incarnation_digest, "owner": self.owner[:12], "dead_at": self.dead_at,
-            "applied_seq": self.applied_seq,
-            "silent_s": round(max(0.0, now - self.last_seen), 3), "lease_s": lease_s,
-            "rpc_latency_s": self.rpc_latency_s, "path_bw": self.path_bw,
-            "tiers": [{"name": t.name, "capacity": t.capacity, "used": t.used, "bw": t.bw} for t in self.tiers.values()],
-            "registered_at": self.registered_at,
-        }
-
-    def record(self) -> dict[str, Any]:
-        """What persists across master restarts (liveness does not: a restarted master hears nodes anew)."""
-        return {"node": self.node_id, "address": self.address, "labels": self.labels,
-                "incarnation": self.incarnation, "registered_at": self.registered_at,
-                "tiers": [[t.name, t.capacity] for t in self.tiers.values()], "owner": self.owner,
-                "dead_at": self.dead_at}
-
 
 class NodeRegistry:
     """Nodes by id, leases of ``lease_s`` seconds, and the location numbering the directory masks use."""
@@ -126,8 +64,7 @@ class NodeRegistry:
         self.dirty: set[str] = set()  # node records to write (register, death)
         self.forgotten: set[str] = set()  # node records to delete
         self.on_forget: Callable[[Node], None] | None = None  # e.g. drop its metric series
-        self._owner: list[tuple[str, str] | None] = []  # location -> (node, tier) while owned
-        self._free: list[int] = []  # swept locations, reusable
+        self.locations = LocationTable(max_locations)  # the directory-mask bits each (node, tier) owns
         self._live_mask = np.zeros(1, np.uint64)
         self._live_dirty = True
         self._next_deadline = float("inf")
@@ -137,62 +74,35 @@ class NodeRegistry:
     @property
     def location_count(self) -> int:
         """Locations ever numbered (owned, retired or free): the directory masks need this many bits."""
-        return len(self._owner)
+        return self.locations.count
 
     def owner(self, loc: int) -> tuple[str, str] | None:
-        return self._owner[loc] if loc < len(self._owner) else None
+        return self.locations.owner(loc)
 
     def _allocate(self, node: Node) -> None:
-        # Whether a node fits depends on the locations nodes hold, never on how far the sweep of retired ones
-        # got: masters sharing one log must all give the same answer (master/shared.py).
-        held = sum(o is not None for o in self._owner)
-        if self.max_locations - held < len(node.tiers):
-            raise WireError(wire.ERR_TOO_LARGE, f"node {node.node_id!r} needs {len(node.tiers)} directory locations "
-                                                f"and {held} of the master's {self.max_locations} are held (one per "
-                                                "node tier): forget dead nodes, or raise --max-locations")
-        available = len(self._free) + max(0, self.max_locations - len(self._owner))
-        if available < len(node.tiers) and self.reclaim is not None:
-            self.release(self.reclaim())
-        for tier in node.tiers:
-            if self._free:
-                self._free.sort()
-                loc = self._free.pop(0)
-                self._owner[loc] = (node.node_id, tier)
-            else:
-                loc = len(self._owner)
-                self._owner.append((node.node_id, tier))
-            node.locations[tier] = loc
+        node.locations.update(self.locations.number(node.node_id, list(node.tiers), self.reclaim))
 
     def _retire(self, node: Node) -> list[int]:
         """Take the node's locations away (their bits are swept by the directory, then ``release``d)."""
         locs = list(node.locations.values())
-        for loc in locs:
-            self._owner[loc] = None
+        self.locations.retire(locs)
         node.locations = {}
         self._live_dirty = True
         return locs
 
     def release(self, locations: list[int]) -> None:
         """The directory swept these locations clean: they may be numbered again."""
-        for loc in locations:
-            if loc < len(self._owner) and self._owner[loc] is None and loc not in self._free:
-                self._free.append(loc)
+        self.locations.release(locations)
 
     def mark_retired(self, locations: list[int]) -> None:
         """Locations whose bits may still be in the directory but that no node owns (before a sweep)."""
         for loc in locations:
-            self._set_owner(loc, None)
-
-    def _set_owner(self, loc: int, owner: tuple[str, str] | None) -> None:
-        """Number ``loc`` as held by ``owner`` (None: unowned), numbering every location below it too."""
-        if loc >= len(self._owner):
-            self._owner.extend([None] * (loc + 1 - len(self._owner)))
-        self._owner[loc] = owner
+            self.locations.set_owner(loc, None)
 
     def _claim(self, node: Node) -> None:
         """Mark the locations a restored node already holds (``node.locations``) as its own."""
         for tier, loc in node.locations.items():
-            self._set_owner(loc, (node.node_id, tier))
+            self.locations.set_owner(loc, (node.node_id, tier))
 
     # ---- node lifecycle --------------------------------------------------------------------------------
 
@@ -442,7 +352,4 @@ class NodeRegistry:
         """After a restart: of the locations with bits in the restored directory (``present``), those no node
         owns must be swept before reuse (returned); every other unowned number is free now."""
         owned = {loc for n in self.nodes.values() for loc in n.locations.values()}
-        orphans = [loc for loc in present if loc not in owned]
-        self.mark_retired(orphans)
-        self._free = [i for i, o in enumerate(self._owner) if o is None and i not in set(orphans)]
-        return orphans
+        return self.locations.adopt_orphans(present, owned)

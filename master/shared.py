@@ -28,6 +28,10 @@ The design, and why:
   that). Nodes whose writes were refused resync with a full inventory (their sequence numbers tell).
 
 Runs on the master's event loop; the Redis calls are asyncio (redis.asyncio).
+
+Past ~400 lines on purpose: it is one state machine (starting, ok, read-only, catching up) over one log position,
+whose start, tailing, writes and timer each move the same few fields (the view, the applied position, the mode,
+the writes awaiting their entry); the log itself (redis_log.py) and how an entry applies (commands.py) are apart.
 """
 
 from __future__ import annotations

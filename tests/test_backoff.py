@@ -162,3 +162,30 @@ def test_pool_endpoint_backoff_reads_the_injected_clock():
         assert not health()["up"] and first.current_s == 2 * BACKOFF_S[0]
     finally:
         tier.close()
+
+
+# ---- one call's walk over the masters (kvtier/client/failover.py), shared by both clients --------------------
+
+
+def test_a_failover_call_goes_on_after_a_timeout_and_stops_at_an_error_every_master_gives():
+    from kvtier import wire
+    from kvtier.client.failover import FailoverCall, MasterError, MasterTimeout
+
+    clock = [0.0]
+    failover = Failover(["tcp://a:1", "tcp://b:2"], clock=lambda: clock[0])
+    call = FailoverCall(failover, "lookup")
+    assert call.order == [0, 1]
+    assert call.settle(0, MasterTimeout("timeout", "a silent")) is None  # the next master may serve it
+    assert call.settle(1, (True, {"hits": []})) == {"hits": []}
+    assert failover.preferred == 1 and failover.failovers == 1
+    call = FailoverCall(failover, "lookup")
+    with pytest.raises(MasterError, match="bad keys"):  # another master would refuse it too
+        call.settle(1, (False, {"code": wire.ERR_BAD_REQUEST, "message": "bad keys"}))
+    assert FailoverCall(failover, "pin").order == [1], "a is in its back-off"
+    clock[0] = 100.0  # past a's back-off
+    call = FailoverCall(failover, "pin")
+    assert call.order == [1, 0]
+    for i in call.order:
+        assert call.settle(i, (False, {"code": wire.ERR_UNAVAILABLE, "message": "read-only"})) is None
+    e = call.exhausted()
+    assert e.code == wire.ERR_UNAVAILABLE and "pin: no master served it" in e.message

@@ -255,3 +255,66 @@ def test_sizes_that_hold_a_block_build():
 
     with TieredStore.from_config({"dram_capacity": 4097}, 4097) as store:
         assert store.tiers[0].stats().capacity_bytes == 4097  # exactly one block: accepted
+
+
+# ---- each tier's section owns its keys (kvtier/settings/, issue 16 item 6) ------------------------------------
+
+SECTIONS = ("DramKeys", "SsdKeys", "PoolKeys", "StoreKeys")
+
+
+def test_config_is_the_sections_keys_each_owned_once():
+    import kvtier.settings as settings
+
+    owned = [f.name for name in SECTIONS for f in fields(getattr(settings, name))]
+    assert len(owned) == len(set(owned)), "a key declared by two sections"
+    assert [f.name for f in fields(Config)] == owned  # nothing of Config's own; DRAM, SSD, pool, store order
+
+
+def test_readme_table_lists_the_keys_in_kvtier_configs_order():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = re.findall(r"^\| `([a-z_]+)` \|", readme.split("## Configuration", 1)[1].split("\n## ", 1)[0], re.M)
+    assert rows == [key for key, _, _ in Config.describe()]
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"copy_threads": 17}, r"^copy_threads must be in 1\.\.16, got 17$"),  # DramKeys
+    ({"eviction": "lfu"}, r"^eviction: unknown eviction policy 'lfu'"),  # DramKeys
+    ({"ssd_io_threads": 0}, r"^ssd_io_threads must be in 1\.\.64, got 0$"),  # SsdKeys
+    ({"ssd_path": "/x", "ssd_capacity": 0}, r"^ssd_capacity must be > 0, got 0$"),  # SsdKeys
+    ({"pool_copy_threads": 17}, r"^pool_copy_threads must be in 0\.\.16 \(0: by batch size\), got 17$"),  # PoolKeys
+    ({"mode": "standalone"}, r"^mode 'standalone' needs exactly one 'pool' endpoint"),  # PoolKeys
+    ({"mode": "standalone", "pool": "ipc:///p", "ssd_path": "/x"}, r"^mode 'standalone' keeps no SSD tier"),  # both
+    ({"io_threads": 257}, r"^io_threads must be in 1\.\.256, got 257$"),  # StoreKeys
+    ({"close_timeout_s": -1}, r"^close_timeout_s must be in 0\.\.3600, got -1\.0$"),  # StoreKeys
+])
+def test_validate_asks_every_section(values, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(values)
+
+
+@pytest.mark.parametrize("values,block,key", [
+    ({"mode": "standalone", "pool": "ipc:///p", "dram_capacity": 10}, 4096, None),  # dram_capacity unused there
+    ({"mode": "standalone", "pool": "ipc:///p", "standalone_dram_capacity": 10}, 4096, "standalone_dram_capacity"),
+    ({"pool_staging_bytes": 10}, 4096, None),  # embedded: no pool, its staging unused
+    ({"ssd_capacity": 10}, 4096, None),  # no ssd_path: no SSD tier
+    ({"ssd_path": "/x", "ssd_capacity": 4096}, 4096, None),
+    ({"ssd_path": "/x", "ssd_capacity": 4096, "ssd_direct_io": "true"}, 4095, None),  # one 4 KiB slot
+    ({"ssd_path": "/x", "ssd_capacity": 4096, "ssd_direct_io": "true"}, 4097, "ssd_capacity"),
+])
+def test_block_sizes_count_only_the_keys_the_mode_uses(values, block, key):
+    c = Config.from_dict(values)
+    if key is None:
+        c.check_block_bytes(block)
+    else:
+        with pytest.raises(ConfigError, match=rf"^{key}: "):
+            c.check_block_bytes(block)
+
+
+def test_importing_the_config_loads_no_tier_and_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvtier.settings, kvtier.config; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvtier.tiers.dram')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -85,3 +85,49 @@ def test_connector_refuses_sleep_mode():
     from kvtier.connectors.vllm.connector import KVTierConnector
 
     assert KVTierConnector.supports_sleep_mode(None) is False
+
+
+# ---- the fields the connector reads of vLLM's objects, read off the real classes (issue 16) --------------------
+
+
+def test_engine_ranks_read_a_real_parallel_config():
+    from vllm.config import ParallelConfig
+
+    p = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=1, prefill_context_parallel_size=2,
+                       data_parallel_size=3, data_parallel_rank=2)
+    ranks = compat.engine_ranks(p)
+    assert ranks == compat.EngineRanks(tp_size=2, pp_size=1, pcp_size=2, dp_rank=2, dp_size=3, rank=0)
+    assert ranks.world_size == 4  # tp x pp x pcp: the workers of one data-parallel engine
+
+
+def test_request_fields_read_a_real_request():
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+    from vllm_engine import make_request
+
+    req = make_request("r", [1] * 32)
+    assert (compat.request_transfer_params(req), compat.request_session_id(req), compat.request_stop_reason(req)) \
+        == (None, None, None)
+    req = make_request("r", [1] * 32, kvtier={"ttl_s": 5})
+    req.session_id, req.stop_reason, req.status = "s-1", 128008, RequestStatus.FINISHED_STOPPED
+    assert compat.request_transfer_params(req) == {"kvtier": {"ttl_s": 5}}
+    assert (compat.request_session_id(req), compat.request_stop_reason(req)) == ("s-1", 128008)
+    assert req.get_finished_reason() == FinishReason.STOP
+
+
+@pytest.mark.parametrize("written,name", [("auto", "auto"), ("DUMMY", "dummy"), ("safetensors", "safetensors")])
+def test_load_format_name_reads_a_real_load_config(written, name):
+    from vllm.config import LoadConfig
+
+    assert compat.load_format_name(LoadConfig(load_format=written)) == name
+
+
+def test_connector_modules_read_vllm_objects_only_through_compat():
+    """No getattr default on a vLLM object left in the connector modules: compat.py declares each field."""
+    import re
+    from pathlib import Path
+
+    root = Path(compat.__file__).parent
+    found = {p.name: re.findall(r"getattr\((?:request|parallel|load|model|vllm_config)\b[^)]*\)", p.read_text())
+             for p in root.glob("*.py") if p.name != "compat.py"}
+    assert not {k: v for k, v in found.items() if v}

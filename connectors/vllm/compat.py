@@ -10,19 +10,28 @@ What differs lives here, keyed by version (never probed with ``hasattr``):
 * 0.33's sleep mode remaps the KV caches under the connector; the connector declares it unsupported
   (``supports_sleep_mode``, a classmethod 0.32 never calls, so it needs no branch).
 
+And the fields the connector reads of vLLM's objects beyond the connector API (a request's transfer params,
+session id and stop reason; the parallel layout; the load format), one named function each saying which
+versions have the field, so the connector modules read declared answers instead of ``getattr`` defaults. Every
+one is in both supported versions (checked in their source: ``vllm/v1/request.py``, ``vllm/config/parallel.py``,
+``vllm/config/load.py``); a new version is checked against this list and a field it lacks gets a branch on
+``VLLM_VERSION`` here, where it is read.
+
 Importing this module checks the version: any other vLLM raises ``UnsupportedVllmVersion`` naming the version
 found and the supported ones, before the connector imports anything whose absence would fail more obscurely.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import vllm
 from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import LoadConfig, ParallelConfig, VllmConfig
+    from vllm.v1.request import Request
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 SUPPORTED = ((0, 32), (0, 33))  # (major, minor); any patch release of these
@@ -68,5 +77,53 @@ def plan_kv_cache_configs(config: VllmConfig, specs: list[dict[str, KVCacheSpec]
     return plan_032(config, specs, memory)
 
 
-__all__: list[Any] = ["SUPPORTED", "UnsupportedVllmVersion", "VLLM_VERSION", "check_version",
-                      "parse_version", "plan_kv_cache_configs"]
+# ---- what the connector reads of vLLM's objects (both 0.32 and 0.33 unless a function says otherwise) --------
+
+
+@dataclass(frozen=True)
+class EngineRanks:
+    """The parallel layout one vLLM engine's processes share (``ParallelConfig``). Immutable."""
+
+    tp_size: int  # tensor_parallel_size
+    pp_size: int  # pipeline_parallel_size
+    pcp_size: int  # prefill_context_parallel_size
+    dp_rank: int  # data_parallel_rank: this engine among data-parallel ones
+    dp_size: int  # data_parallel_size
+    rank: int  # this worker's global rank (0 on the scheduler)
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine (one data-parallel rank): every one of them answers each lookup."""
+        return self.tp_size * self.pp_size * self.pcp_size
+
+
+def engine_ranks(parallel: ParallelConfig) -> EngineRanks:
+    """The parallel layout of ``parallel``: every field read is in ParallelConfig of vLLM 0.32 and 0.33."""
+    return EngineRanks(tp_size=int(parallel.tensor_parallel_size), pp_size=int(parallel.pipeline_parallel_size),
+                       pcp_size=int(parallel.prefill_context_parallel_size), dp_rank=int(parallel.data_parallel_rank),
+                       dp_size=int(parallel.data_parallel_size), rank=int(parallel.rank))
+
+
+def request_transfer_params(request: Request) -> dict[str, Any] | None:
+    """``Request.kv_transfer_params`` (0.32 and 0.33: None unless the client sent some)."""
+    return request.kv_transfer_params
+
+
+def request_session_id(request: Request) -> str | None:
+    """``Request.session_id``: the client's session id (0.32 and 0.33: None unless one was given)."""
+    return request.session_id
+
+
+def request_stop_reason(request: Request) -> int | str | None:
+    """``Request.stop_reason``: the token id or stop string that ended it (0.32 and 0.33; None otherwise)."""
+    return request.stop_reason
+
+
+def load_format_name(load: LoadConfig) -> str:
+    """``LoadConfig.load_format`` as its name: a lower-cased string in 0.32 and 0.33 (an enum in older vLLM)."""
+    return str(load.load_format)
+
+
+__all__: list[Any] = ["SUPPORTED", "EngineRanks", "UnsupportedVllmVersion", "VLLM_VERSION", "check_version",
+                      "engine_ranks", "load_format_name", "parse_version", "plan_kv_cache_configs",
+                      "request_session_id", "request_stop_reason", "request_transfer_params"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import compat  # noqa: F401  (first: an unsupported vLLM fails here, naming its version)
+from .compat import engine_ranks  # first: an unsupported vLLM fails here, naming its version
 
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -86,11 +86,10 @@ class KVTierConnector(KVConnectorBase_V1):
                 "KVTierConnector supports models with one attention KV cache group; this model has "
                 f"{[type(g.kv_cache_spec).__name__ for g in groups]} (hybrid models: run with "
                 "--disable-hybrid-kv-cache-manager, or use vLLM's native offloading for SSM layers)")
-        parallel = vllm_config.parallel_config
-        ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size * getattr(
-            parallel, "prefill_context_parallel_size", 1)
+        parallel = engine_ranks(vllm_config.parallel_config)
+        ranks = parallel.world_size
         engine_id = str(transfer.engine_id)
-        dp_rank = int(getattr(parallel, "data_parallel_rank", 0))
+        dp_rank = parallel.dp_rank
         events = bool(vllm_config.kv_events_config and vllm_config.kv_events_config.enable_kv_cache_events)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -111,12 +110,11 @@ class KVTierConnector(KVConnectorBase_V1):
             model = vllm_config.model_config
             weights = model_weights(vllm_config, settings.weights_fingerprint)  # folded into the namespace
             identity = WorkerIdentity(
-                model=str(model.model), rank=int(parallel.rank) % ranks, world_size=ranks, engine_id=engine_id,
+                model=str(model.model), rank=parallel.rank % ranks, world_size=ranks, engine_id=engine_id,
                 dp_rank=dp_rank, block_size=int(spec.block_size), revision=model.revision,
                 weights=weights.value, weights_source=weights.source,
                 hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
-                tp_size=parallel.tensor_parallel_size, pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
-                dp_size=int(getattr(parallel, "data_parallel_size", 1)))
+                tp_size=parallel.tp_size, pcp_size=parallel.pcp_size, dp_size=parallel.dp_size)
             self._worker = WorkerSide(settings, store_config, identity, list(groups[0].layer_names),
                                       mla=isinstance(spec, MLAAttentionSpec), events=events)
         self._events: list[KVCacheEvent] = []

@@ -7,7 +7,8 @@ the scheduler writes it all down (``Notebook``) and each step's connector metada
 ``TieredStore.observe``): every rank's policy sees the same requests, hence infers the same agents.
 
 Times travel as ages (seconds before the metadata was built, on the scheduler's clock): a worker places them on
-its own clock, which need not be the scheduler's (another host). No vLLM import; pickled with the metadata.
+its own clock, which need not be the scheduler's (another host). vLLM's Request fields are read through compat.py;
+pickled with the metadata.
 
 Client hints (all optional; a bad value is logged and ignored, never fails a request):
 
@@ -31,6 +32,8 @@ from typing import Any
 from kvtier.keys import Namespace
 from kvtier.policies import Arrival, Completion, Hint
 from kvtier.store import TieredStore
+
+from .compat import request_session_id, request_stop_reason, request_transfer_params
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,8 @@ class Notebook:
 
     def arrived(self, request: Any, hashes: Sequence[bytes]) -> None:
         """``request`` was admitted with these full blocks (root first); its hints go with it."""
-        hint = policy_hints(getattr(request, "kv_transfer_params", None), f"request {request.request_id}")
-        session = (hint.get("session") if hint else None) or getattr(request, "session_id", None)
+        hint = policy_hints(request_transfer_params(request), f"request {request.request_id}")
+        session = (hint.get("session") if hint else None) or request_session_id(request)
         now = self.clock()
         self._arrivals.append((request.request_id, tuple(hashes), session if isinstance(session, str) else None,
                                now))
@@ -129,7 +132,7 @@ def stop_reason(request: Any) -> str | None:
     if reason is None:
         return None
     name = str(reason)
-    stop = getattr(request, "stop_reason", None)
+    stop = request_stop_reason(request)
     return f"{name}:{stop}" if name == "stop" and stop is not None else name
 
 

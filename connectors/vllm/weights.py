@@ -13,6 +13,8 @@ from typing import Any
 
 from kvtier.weights import WeightsFingerprint, fingerprint_weights
 
+from .compat import load_format_name
+
 
 def model_weights(vllm_config: Any, setting: str) -> WeightsFingerprint:
     """The fingerprint for ``vllm_config``'s model (VllmConfig: model_config, load_config)."""
@@ -21,7 +23,7 @@ def model_weights(vllm_config: Any, setting: str) -> WeightsFingerprint:
     if setting != "auto":
         return WeightsFingerprint(setting, "weights_fingerprint from kv_connector_extra_config")
     model, load = vllm_config.model_config, vllm_config.load_config
-    load_format = str(getattr(load.load_format, "value", load.load_format))
+    load_format = load_format_name(load)
     # What changes the KV computed from the same files: the compute dtype, a quantization chosen at load.
     extra = {"dtype": str(model.dtype), "quantization": str(model.quantization or "")}
     return fingerprint_weights(str(model.model), revision=model.revision, load_format=load_format,

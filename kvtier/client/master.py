@@ -23,6 +23,7 @@ reply says that this may be why.
 
 MasterClient: thread-safe (one lock; calls are serialised on its socket). AsyncMasterClient: for one event
 loop; many calls may be in flight at once, matched to replies by req_id. Both own their socket; close() them.
+The errors and the failover (which master to ask, when a call ends) are kvtier/client/failover.py's, no I/O.
 """
 
 from __future__ import annotations
@@ -39,120 +40,14 @@ import zmq.asyncio
 
 from kvtier import wire
 from kvtier.auth import ClientKeys, silence_hint
-from kvtier.backoff import Backoff, Clock
 from kvtier.client import api
 from kvtier.client.api import (Call, CostResult, HeatResult, KeysLike, LocateResult, MasterHints, MasterLookup,
                                TopResult)
+from kvtier.client.failover import (Failover, FailoverCall, MasterError, MasterTimeout, MasterUnknownNode, Reply,
+                                    parse_endpoints)
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 2.0
-
-
-class MasterError(RuntimeError):
-    """The master answered with an error (``code`` is one of kvtier.wire.ERR_*), or could not be reached."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class MasterTimeout(MasterError):
-    """No reply within the timeout (master down, overloaded, or unreachable)."""
-
-
-class MasterUnknownNode(MasterError):
-    """A node op from a node the master does not know: register again."""
-
-
-def _error(body: Mapping[str, Any]) -> MasterError:
-    code = str(body.get("code", wire.ERR_INTERNAL))
-    cls = MasterUnknownNode if code == wire.ERR_UNKNOWN_NODE else MasterError
-    return cls(code, str(body.get("message", "")))
-
-
-FAILOVER_BACKOFF_S = (0.5, 30.0)  # a master that failed a call is asked again after this (doubling), or last
-
-
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
-    """Master endpoints from "tcp://a:7300,tcp://b:7300" or a sequence; at least one."""
-    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-    out = list(dict.fromkeys(e.strip() for e in items if e and e.strip()))
-    if not out:
-        raise ValueError(f"no master endpoint in {endpoints!r}")
-    return out
-
-
-class Failover:
-    """Which of a client's masters to ask, in what order: the one that answered last first, then the others not
-    in a back-off, in the order given (all of them in back-off: the one whose back-off ends first). Thread-safe
-    (a lock); with one master, always that one (a back-off is then the caller's business, as before)."""
-
-    def __init__(self, endpoints: list[str], backoff_s: tuple[float, float] = FAILOVER_BACKOFF_S,
-                 clock: Clock = time.monotonic) -> None:
-        self.endpoints = endpoints
-        self.preferred = 0
-        self._health = [Backoff(*backoff_s, clock=clock) for _ in endpoints]
-        self._lock = threading.Lock()
-        self.failovers = 0  # calls answered by another master than the one asked first
-
-    def order(self) -> list[int]:
-        if len(self.endpoints) == 1:
-            return [0]
-        with self._lock:
-            rest = [i for i in range(len(self.endpoints)) if i != self.preferred]
-            up = [i for i in [self.preferred, *rest] if self._health[i].up()]
-            return up or [min(range(len(self.endpoints)), key=lambda i: self._health[i].down_until)]
-
-    def answered(self, i: int, first: int) -> None:
-        with self._lock:
-            if i != first:
-                self.failovers += 1
-            self.preferred = i
-            self._health[i].answered()
-
-    def failed(self, i: int) -> None:
-        with self._lock:
-            self._health[i].failed()
-
-
-class _Attempts:
-    """One call's walk over the masters, without I/O: MasterClient and AsyncMasterClient ask the masters in
-    ``order`` and report each outcome here, which decides whether the call ends (an answer, or an error another
-    master would give too) or goes on to the next master, and keeps ``failover`` told."""
-
-    def __init__(self, failover: Failover, op: str) -> None:
-        self.failover = failover
-        self.op = op
-        self.order = failover.order()
-        self.errors: list[MasterError] = []
-
-    def replied(self, i: int, ok: bool, body: Mapping[str, Any]) -> bool:
-        """Master i replied: True for an answer to return; an error reply raises, or is False where the next
-        master may serve the call."""
-        if ok:
-            self.failover.answered(i, self.order[0])
-            return True
-        self.failed(i, _error(body))
-        return False
-
-    def failed(self, i: int, e: MasterError) -> None:
-        """Master i failed the call with ``e``: raised where another master would not serve it either (only
-        one that did not answer, or cannot record writes now, is worth asking the next)."""
-        if not (isinstance(e, MasterTimeout) or e.code == wire.ERR_UNAVAILABLE):
-            self.failover.answered(i, self.order[0])
-            raise e
-        self.failover.failed(i)
-        self.errors.append(e)
-
-    def exhausted(self) -> MasterError:
-        """The error to raise once every master in ``order`` failed the call: its own where one was asked."""
-        if len(self.errors) == 1:
-            return self.errors[0]
-        text = "; ".join(str(e) for e in self.errors)
-        if all(isinstance(e, MasterTimeout) for e in self.errors):
-            return MasterTimeout("timeout", f"{self.op}: no master served it: {text}")
-        return MasterError(wire.ERR_UNAVAILABLE, f"{self.op}: no master served it: {text}")
 
 
 def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zmq.Socket[Any]:
@@ -166,48 +61,53 @@ def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zm
     return sock
 
 
-def _timeout(op: str, endpoint: str, timeout: float, answered: bool, auth: ClientKeys | None) -> MasterTimeout:
-    hint = "" if answered else silence_hint(endpoint, auth)
-    return MasterTimeout("timeout", f"{op} to {endpoint}: no reply within {timeout:g} s{hint}")
+class _Masters:
+    """What both clients keep of their masters: the endpoints, the failover among them, the timeout per master
+    asked, the keys, and which master answered yet (a silence before any answer may be keys refused)."""
 
-
-class MasterClient:
-    """Blocking client. ``endpoints``: "tcp://127.0.0.1:7300", or several masters of one shared directory
-    ("tcp://a:7300,tcp://b:7300" or a list); ``auth`` applies to each of them (masters of one cluster share
-    one server keypair)."""
-
-    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                 auth: ClientKeys | None = None) -> None:
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float, auth: ClientKeys | None) -> None:
         self.endpoints = parse_endpoints(endpoints)
         self.failover = Failover(self.endpoints)
         self.timeout_s = timeout_s
         self.auth = auth
-        self._answered = [False] * len(self.endpoints)  # any reply yet (a silence before one may be refused keys)
-        self._ctx = zmq.Context()
-        self._socks: list[zmq.Socket[Any] | None] = [None] * len(self.endpoints)
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self.last_rtt_s = 0.0  # round trip of the last successful call (the node agent's latency signal)
+        self._answered = [False] * len(self.endpoints)
 
     @property
     def endpoint(self) -> str:
         """The master calls go to first (the one that answered last)."""
         return self.endpoints[self.failover.preferred]
 
+    def _timeout(self, op: str, i: int, timeout: float) -> MasterTimeout:
+        """Master i did not answer ``op`` in time; before any answer from it, maybe why (keys refused)."""
+        hint = "" if self._answered[i] else silence_hint(self.endpoints[i], self.auth)
+        return MasterTimeout("timeout", f"{op} to {self.endpoints[i]}: no reply within {timeout:g} s{hint}")
+
+
+class MasterClient(_Masters):
+    """Blocking client. ``endpoints``: "tcp://127.0.0.1:7300", or several masters of one shared directory
+    ("tcp://a:7300,tcp://b:7300" or a list); ``auth`` applies to each of them (masters of one cluster share
+    one server keypair)."""
+
+    def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 auth: ClientKeys | None = None) -> None:
+        super().__init__(endpoints, timeout_s, auth)
+        self._ctx = zmq.Context()
+        self._socks: list[zmq.Socket[Any] | None] = [None] * len(self.endpoints)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.last_rtt_s = 0.0  # round trip of the last successful call (the node agent's latency signal)
+
     def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        attempts = _Attempts(self.failover, c.op)
+        attempts = FailoverCall(self.failover, c.op)
         for i in attempts.order:
-            try:
-                ok, body = self._call_one(i, c, timeout)
-            except MasterError as e:
-                attempts.failed(i, e)
-                continue
-            if attempts.replied(i, ok, body):
+            body = attempts.settle(i, self._call_one(i, c, timeout))
+            if body is not None:
                 return c.parse(body)
         raise attempts.exhausted()
 
-    def _call_one(self, i: int, c: Call[T], timeout: float) -> tuple[bool, dict[str, Any]]:
+    def _call_one(self, i: int, c: Call[T], timeout: float) -> Reply | MasterError:
+        """Ask master i once: its reply, or the MasterError that ended the attempt (as a value: FailoverCall)."""
         endpoint = self.endpoints[i]
         with self._lock:
             sock = self._socks[i]
@@ -221,12 +121,12 @@ class MasterClient:
                 left = deadline - time.perf_counter()
                 if left <= 0 or not sock.poll(max(1, int(left * 1000))):
                     self._reset(i)
-                    raise _timeout(c.op, endpoint, timeout, self._answered[i], self.auth)
+                    return self._timeout(c.op, i, timeout)
                 try:
                     rid, ok, body = wire.decode_reply(sock.recv())
                 except wire.WireError as e:
                     self._reset(i)
-                    raise MasterError(e.code, f"{c.op}: unreadable reply from {endpoint}: {e.message}") from None
+                    return MasterError(e.code, f"{c.op}: unreadable reply from {endpoint}: {e.message}")
                 if rid == req_id:
                     break  # other ids: late replies to requests that timed out
             self.last_rtt_s = time.perf_counter() - t0
@@ -298,41 +198,30 @@ class MasterClient:
         return self.call(api.forget(node))
 
 
-class AsyncMasterClient:
+class AsyncMasterClient(_Masters):
     """asyncio client for one event loop. Calls may overlap; each waits at most ``timeout_s`` per master asked.
     ``endpoints`` as MasterClient's (one master, or several of one shared directory, failed over alike)."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, *,
                  auth: ClientKeys | None = None) -> None:
-        self.endpoints = parse_endpoints(endpoints)
-        self.failover = Failover(self.endpoints)
-        self.timeout_s = timeout_s
-        self.auth = auth
-        self._answered = [False] * len(self.endpoints)
+        super().__init__(endpoints, timeout_s, auth)
         self._ctx = zmq.asyncio.Context()
         self._socks: list[zmq.asyncio.Socket | None] = [None] * len(self.endpoints)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[tuple[bool, dict[str, Any]]]] = {}
         self._readers: list[asyncio.Task[None] | None] = [None] * len(self.endpoints)
 
-    @property
-    def endpoint(self) -> str:
-        return self.endpoints[self.failover.preferred]
-
     async def call(self, c: Call[T], timeout_s: float | None = None) -> T:
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        attempts = _Attempts(self.failover, c.op)
+        attempts = FailoverCall(self.failover, c.op)
         for i in attempts.order:
-            try:
-                ok, body = await self._call_one(i, c, timeout)
-            except MasterError as e:
-                attempts.failed(i, e)
-                continue
-            if attempts.replied(i, ok, body):
+            body = attempts.settle(i, await self._call_one(i, c, timeout))
+            if body is not None:
                 return c.parse(body)
         raise attempts.exhausted()
 
-    async def _call_one(self, i: int, c: Call[T], timeout: float) -> tuple[bool, dict[str, Any]]:
+    async def _call_one(self, i: int, c: Call[T], timeout: float) -> Reply | MasterError:
+        """Ask master i once: its reply, or the MasterTimeout that ended the attempt (as a value: FailoverCall)."""
         sock = self._socks[i]
         if sock is None:
             sock = self._socks[i] = _socket(self._ctx, self.endpoints[i], self.auth)  # type: ignore[arg-type]
@@ -346,7 +235,7 @@ class AsyncMasterClient:
             await sock.send(wire.encode_request(req_id, c.op, c.body))
             ok, body = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise _timeout(c.op, self.endpoints[i], timeout, self._answered[i], self.auth) from None
+            return self._timeout(c.op, i, timeout)
         finally:
             self._waiting.pop(req_id, None)
         self._answered[i] = True

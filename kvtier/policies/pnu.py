@@ -27,6 +27,11 @@ first: their blocks join the unknown ones), per recent request its chain length,
 chain that is not stored yet one entry (``max_pending``, oldest dropped first). Work per call is O(batch),
 bulk loops in C; the agents are re-scored in full at most once per ``refresh_s`` of the clock, and between
 only the agents an observation concerns are moved.
+
+Past ~400 lines on purpose: one policy whose every part (observations, the keys a tier tracks, eviction,
+admission, ranking) reads and moves the same maps of keys to agents and the same heap, which a split would
+have to share; its separable parts already live apart (agents.py: the agent records and ranking keys;
+returns.py: the learned return model; chain_lru.py: the fallback order).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from kvtier.backoff import Backoff, Clock
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
 from kvtier.ratelog import RateLimitedLog
+from kvtier.settings.pool import PoolKeys
 from kvtier.tiers.base import EvictListener, RemoteTier, TierStats, WriteBehindStaging
 from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
@@ -108,16 +109,13 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: Any, block_bytes: int, dtypes: Sequence[str] = ()) -> PoolTier:
-        """The pool tier a Config describes: kvtier-master's placements when ``master`` is set, else the pools
-        listed in ``pool``."""
-        endpoints = [e.strip() for e in cfg.pool.split(",") if e.strip()]
+    def from_config(cls, cfg: PoolKeys, block_bytes: int, dtypes: Sequence[str] = ()) -> PoolTier:
+        """The pool tier a Config's PoolKeys describe (its arguments: ``cfg.pool_args``): kvtier-master's
+        placements when ``master`` is set, else the pools listed in ``pool``."""
         route: PoolRoute = (MasterRoute(cfg.master, cfg.node_id or default_node_id(), cfg.pool_timeout_ms / 1000,
                                         auth_dir=cfg.auth_dir)
-                            if cfg.master else PeerRoute(endpoints))
-        tier = cls(block_bytes, route, transport=cfg.pool_transport, timeout_s=cfg.pool_timeout_ms / 1000,
-                   connections=cfg.pool_connections, staging_bytes=cfg.pool_staging_bytes, dtypes=dtypes,
-                   auth_dir=cfg.auth_dir, copy_threads=cfg.pool_copy_threads)
+                            if cfg.master else PeerRoute(cfg.pool_endpoints()))
+        tier = cls(route=route, **cfg.pool_args(block_bytes, dtypes))
         tier.connect_all()
         return tier
 

@@ -1,0 +1,74 @@
+"""What every config section is made of: ConfigError, the field helpers and the checks sections share.
+
+A field's metadata is what ``kvtier config`` prints and what the loader coerces by: ``help``, ``choices`` (the
+values allowed, checked by ``Config.validate`` for every section's fields) and ``kind`` (bytes, switch; else
+the field's type). Pure functions; importing this module imports no tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from kvtier.units import parse_bytes
+
+# (key, its value, the bytes it must hold at least): a size that depends on the block, known with the layout.
+BlockSize = tuple[str, int, int]
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names it."""
+
+
+def bytes_field(default: int | str, help: str) -> Any:
+    """A size key: written as bytes or "64GiB" (kvtier.units.parse_bytes), held as an int."""
+    return field(default=parse_bytes(default), metadata={"kind": "bytes", "help": help})
+
+
+def key_field(default: Any, help: str, choices: tuple[str, ...] = (), kind: str = "") -> Any:
+    metadata: dict[str, Any] = {"help": help, "choices": choices}
+    if kind:
+        metadata["kind"] = kind
+    return field(default=default, metadata=metadata)
+
+
+def switch_field(default: str, help: str) -> Any:
+    """auto, true or false; any boolean word (or a JSON boolean) is read as true/false."""
+    return key_field(default, help, ("auto", "true", "false"), kind="switch")
+
+
+def check_range(key: str, value: float, low: float, high: float, note: str = "") -> None:
+    """ConfigError ``<key> must be in low..high[ note], got value`` unless low <= value <= high."""
+    if not low <= value <= high:
+        raise ConfigError(f"{key} must be in {low}..{high}{note}, got {value}")
+
+
+def check_positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def endpoint_list(key: str, value: str) -> list[str]:
+    """The comma-separated endpoints of ``value``, blanks dropped; ConfigError naming ``key`` for one that is
+    not tcp:// or ipc:// (a zmq connect would fail on it only when the tier is built, in the workers)."""
+    endpoints = [e.strip() for e in value.split(",") if e.strip()]
+    bad = [e for e in endpoints if not e.startswith(("tcp://", "ipc://"))]
+    if bad:
+        raise ConfigError(f"{key}: {bad[0]!r} is not a tcp://host:port or ipc:///path endpoint")
+    return endpoints
+
+
+def check_policy_name(key: str, spec: Any) -> None:
+    """ConfigError naming ``key``, ``spec`` and the known policies unless ``spec`` names an eviction policy (a
+    registered name, ``default``, or an import path 'package.module:Class' that imports)."""
+    from kvtier.policies import known_policies, policy_class  # here: importing config must stay light
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{key}: expected an eviction policy name, got {spec!r}; known: "
+                          f"{', '.join(known_policies())} (or an import path 'package.module:Class')")
+    try:
+        cls = policy_class(spec)
+    except ValueError as e:  # the registry's message names the known policies, or why an import path failed
+        raise ConfigError(f"{key}: {e}") from None
+    if not callable(cls):
+        raise ConfigError(f"{key}: {spec!r} is not a policy class (got a {type(cls).__name__})")

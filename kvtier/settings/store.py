@@ -1,0 +1,25 @@
+"""StoreKeys: the store's own keys (no tier's): the async threads, the close deadline, the model in the namespace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.settings.base import check_range, key_field
+
+
+@dataclass
+class StoreKeys:
+    """TieredStore's own section of Config (a base of it: these are Config's fields). Pure data."""
+
+    io_threads: int = key_field(4, "threads serving the *_async calls")
+    close_timeout_s: float = key_field(30.0, "on close (an engine's clean shutdown), write DRAM's blocks that the "
+                                             "lower tiers would get on eviction (on_evict: every block the SSD "
+                                             "lacks) for at most this long; the rest is lost with the process "
+                                             "(logged)")
+    # Namespace (used by connectors and the CLI when they make keys).
+    model: str = key_field("", "model id folded into every key's namespace")
+
+    def check_store_keys(self) -> None:
+        """ConfigError naming the first of the store's own keys out of its range."""
+        check_range("io_threads", self.io_threads, 1, 256)
+        check_range("close_timeout_s", self.close_timeout_s, 0, 3600)
