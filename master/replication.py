@@ -33,7 +33,7 @@ import xxhash
 
 from kvtier.keys import rendezvous_order
 from kvtier.master.directory import WORD_BITS, location_words, mask_locations
-from kvtier.pool.protocol import POOL_LABELS
+from kvtier.wire.pool import POOL_LABELS
 
 if TYPE_CHECKING:
     from kvtier.master.service import MasterState

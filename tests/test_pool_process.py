@@ -12,7 +12,7 @@ import pytest
 from kvtier.keys import Namespace
 from kvtier.pool import process
 from kvtier.pool.process import PoolDaemon
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
 
 BB = 4096
 

@@ -35,10 +35,10 @@ import zmq
 
 from kvtier import wire
 from kvtier.pool import clients
-from kvtier.pool import protocol as P
 from kvtier.pool.ops import HOLDING_OPS, NO_REPLY_OPS
 from kvtier.pool.state import PoolState
 from kvtier.ratelog import RateLimitedLog
+from kvtier.wire import pool as P
 
 log = logging.getLogger("kvtier.pool")
 

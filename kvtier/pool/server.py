@@ -115,7 +115,7 @@ class PoolServer:
         raise_fd_limit()
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
-        # A frame is at most MAX_FRAME_BYTES of blocks, or one block (clients' frames, kvtier/transport/frames.py):
+        # A frame is at most MAX_FRAME_BYTES of blocks, or one block (clients' frames, kvtier/wire/frames.py):
         # zmq allocates a frame as its header declares it, so no larger one is taken in.
         frontend.setsockopt(zmq.MAXMSGSIZE, max(s.max_frame_bytes, s.block_bytes))
         frontend.setsockopt(zmq.RCVHWM, REQUEST_HWM)

@@ -9,12 +9,14 @@ port can still store first: give ``--block-bytes`` where strangers can reach it.
 another size is refused, naming both; blocks under MIN_BLOCK_BYTES are refused, and a client-chosen size
 gets at most ``max_slots`` slots so bookkeeping stays a small share of the memory. When the pool serves an
 ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir`` that
-clients map once (and ``<file>.gen``, the slots' generations, kvtier/pool/generations.py); the file name
+clients map once (and ``<file>.gen``, the slots' generations, kvtier/wire/generations.py); the file name
 carries the pool's epoch, so a restarted pool never reuses a file an old mapping still points into (stale
 files of earlier runs of the same endpoint are removed at start).
 
 With ``--master`` the node agent registers at start, sized or not (engines in distributed mode find pools
-only through the master, and their first put sizes it).
+only through the master, and their first put sizes it). There the pool is a client of the master, and uses the
+SDK's public entry for it, ``kvtier.client.NodeAgent``, as any node does (the only client-side import of the
+pool besides kvtier/pool/replicas.py's ``kvtier.transport.connect``; tests/test_layering.py holds the line).
 
 Thread-safe: the pool's worker threads share it; the tier, the lease table and the budgets lock for
 themselves.
@@ -41,13 +43,16 @@ from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
 from kvtier.pool.budget import Budget
 from kvtier.pool.clients import Client, Sessions
-from kvtier.pool.generations import SlotGenerations
 from kvtier.pool.leases import ClientLeases
+from kvtier.pool.rdma import RdmaServer
 from kvtier.pool.replicas import Copier
-from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
+from kvtier.store_types import StoreEvent
 from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
+from kvtier.wire.generations import SlotGenerations
+from kvtier.wire.pool import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
+from kvtier.wire.verbs import unavailable_reason
 
 log = logging.getLogger("kvtier.pool")
 
@@ -121,7 +126,7 @@ class PoolState:
         self.role_of: Any = None
         self.tier: DramTier | None = None
         self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
-        self.rdma: Any = None  # kvtier.transport.rdma.RdmaServer when a device is there
+        self.rdma: RdmaServer | None = None  # when a device is there (kvtier/pool/rdma.py)
         self.endpoints: list[str] = []  # what the server bound (ports resolved)
         self.stream_port = 0  # the raw TCP data port (kvtier/pool/stream.py), 0: none
         self.metrics_port = 0  # the Prometheus port (kvtier/pool/metrics.py), 0: none
@@ -280,8 +285,6 @@ class PoolState:
         """Tell the master (through the node agent) that the tier gained or lost keys."""
         agent = self.agent
         if agent is not None and keys:
-            from kvtier.store import StoreEvent
-
             agent.on_event(StoreEvent(kind, TIER, keys))
 
     def count(self, **deltas: int) -> None:
@@ -340,16 +343,14 @@ class PoolState:
     def _start_rdma(self, tier: DramTier) -> None:
         if self.settings.rdma == "off":
             return
-        from kvtier.transport import rdma
-
-        reason = rdma.unavailable_reason(None if self.settings.rdma == "auto" else self.settings.rdma)
+        reason = unavailable_reason(None if self.settings.rdma == "auto" else self.settings.rdma)
         if reason:
             level = logging.INFO if self.settings.rdma == "auto" else logging.ERROR
             log.log(level, "pool %s: no RDMA (%s); serving tcp%s", self.node_id, reason,
                     " and shared memory" if self.shm_path else "")
             return
         gens = self.generations
-        self.rdma = rdma.RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
+        self.rdma = RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
                                     None if self.settings.rdma == "auto" else self.settings.rdma,
                                     generations=(gens.address, gens.nbytes) if gens is not None else None)
 

@@ -17,7 +17,7 @@ the lease from when it *sent* the request, which is earlier, so:
     misses (get) or not stored (put, committed as failed);
   * a get's bytes count only if the read finished inside the lease (the pool cannot have reused the slots)
     *and* each slot's generation, read again after the copy, is the one the acquire named (no writer was
-    given the slot meanwhile: kvtier/pool/generations.py); otherwise its row is zeroed and the block is a miss;
+    given the slot meanwhile: kvtier/wire/generations.py); otherwise its row is zeroed and the block is a miss;
   * a put is stored only where the pool confirms the commit inside its lease (``valid``).
 Leases are bound to this connection's session (from its hello) and its client identity: nobody else can
 release or commit them (kvtier/pool/leases.py). What is left: a *writer* that stalls for over a lease and a
@@ -45,10 +45,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier import wire
-from kvtier.pool import protocol as P
 from kvtier.transport.base import PoolError, PoolProtocolError
 from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
+from kvtier.wire import pool as P
 
 log = logging.getLogger(__name__)
 

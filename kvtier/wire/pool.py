@@ -37,7 +37,7 @@ Ops (request body -> reply body):
             miss; the blocks stay put (not evicted, not reused) until their release, or until the lease
             expires (a pipelined client piggybacks the releases of the chunks it has copied: {keys,
             releases: [lease]}). ``generations``: little-endian uint64 per key, its slot's generation
-            (kvtier/pool/generations.py); after its copy the client reads them again (a changed one: a miss).
+            (kvtier/wire/generations.py); after its copy the client reads them again (a changed one: a miss).
             Reserve and acquire grant at most the client's share of the pool's held budget: keys past it are
             answered not held / -1, and ``skipped`` says how many.
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
@@ -46,7 +46,7 @@ Ops (request body -> reply body):
   stats     {}                   -> {tier, leases, counters}
   clear     {}                   -> {removed: int}       drop every block (an operator's reset; a policy's
             history, e.g. S3-FIFO's ghosts, stays)
-  rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
+  rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/wire/verbs.py, pool/rdma.py
   copy_from {source, keys}       -> {copied, missing}     copy the keys' blocks from the pool at ``source``
             (its client endpoint) into this one, pool to pool (kvtier/pool/replicas.py; hot-block replication
             asks for the same copy in a heartbeat reply); an operator's op, answered when the copy is done
