@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 MIN_BANDWIDTH = 100e6  # bytes/s: a batch moving slower than this is given up (timeout + bytes / this)
 # A request covers at most the pool's request_bytes (its hello; 1/REQUEST_SHARE of the pool from a pool that
 # does not say): what a batch holds there at once (its lanes' requests in flight) stays inside one client's
-# share of the pool's held budget (kvtier/pool/budget.py).
+# share of the pool's held budget (pool/budget.py).
 REQUEST_SHARE = 32
 
 

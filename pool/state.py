@@ -16,7 +16,7 @@ files of earlier runs of the same endpoint are removed at start).
 With ``--master`` the node agent registers at start, sized or not (engines in distributed mode find pools
 only through the master, and their first put sizes it). There the pool is a client of the master, and uses the
 SDK's public entry for it, ``kvtier.client.NodeAgent``, as any node does (the only client-side import of the
-pool besides kvtier/pool/replicas.py's ``kvtier.transport.connect``; tests/test_layering.py holds the line).
+pool besides pool/replicas.py's ``kvtier.transport.connect``; tests/test_layering.py holds the line).
 
 Thread-safe: the pool's worker threads share it; the tier, the lease table and the budgets lock for
 themselves.
@@ -90,7 +90,7 @@ class PoolSettings:
     staging_bytes: int = 0  # memory beyond the capacity for clients' requests and replies; 0: auto
     client_share: float = 0.25  # of the capacity one client may hold unevictable (leases, replies in flight)
     handshake_s: float = 2.0  # a connection must finish its handshake (token, zmq greeting, CURVE) this fast
-    metrics_port: int | None = None  # Prometheus /metrics (kvtier/pool/metrics.py); None: off, 0: a free port
+    metrics_port: int | None = None  # Prometheus /metrics (pool/metrics.py); None: off, 0: a free port
     metrics_host: str = "127.0.0.1"
     heartbeat_s: float | None = None
     auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server keypair, authorized/, master.key; "" admits anyone
@@ -108,14 +108,14 @@ class PoolSettings:
 
 
 class PoolState:
-    """The pool's state; ``serve_*`` ops in kvtier/pool/ops.py read and change it."""
+    """The pool's state; ``serve_*`` ops in pool/ops.py read and change it."""
 
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.epoch = secrets.randbits(62)
         cap = settings.capacity
         # What clients may allocate beyond the capacity (half of it per client), and what they may hold
-        # unevictable (half the capacity, --client-share of it per client): kvtier/pool/budget.py.
+        # unevictable (half the capacity, --client-share of it per client): pool/budget.py.
         self.memory = Budget("memory", settings.staging_limit, settings.staging_limit // 2)
         share = max(1, int(cap * settings.client_share))
         self.held = Budget("held", max(cap // 2, share), share)
@@ -126,17 +126,17 @@ class PoolState:
         self.role_of: Any = None
         self.tier: DramTier | None = None
         self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
-        self.rdma: RdmaServer | None = None  # when a device is there (kvtier/pool/rdma.py)
+        self.rdma: RdmaServer | None = None  # when a device is there (pool/rdma.py)
         self.endpoints: list[str] = []  # what the server bound (ports resolved)
-        self.stream_port = 0  # the raw TCP data port (kvtier/pool/stream.py), 0: none
-        self.metrics_port = 0  # the Prometheus port (kvtier/pool/metrics.py), 0: none
+        self.stream_port = 0  # the raw TCP data port (pool/stream.py), 0: none
+        self.metrics_port = 0  # the Prometheus port (pool/metrics.py), 0: none
         self.dispatcher: Any = None  # kvtier.pool.dispatch.Dispatcher, for the metrics (requests waiting)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         # With --auth-dir, a hello hands out a token the data port asks for (kvtier/auth/tokens.py).
         self.tokens = DataTokens() if settings.auth_dir else None
         self.master_keys = _master_keys(settings)  # read now: a bad master.key is a start-up error
-        # Pool-to-pool copies (hot-block replication, the copy_from op): kvtier/pool/replicas.py.
+        # Pool-to-pool copies (hot-block replication, the copy_from op): pool/replicas.py.
         self.copier = Copier(self)
         self.shm_path: Path | None = None
         if settings.ipc:

@@ -3,7 +3,7 @@
 The master (master/replication.py) hands a pool work in its heartbeat replies: "copy these keys from pool X"
 and "drop these replicas". ``Copier.on_replicate`` queues the copies for one background thread (the agent's
 heartbeat thread must not wait on another pool) and removes the drops at once. An operator can ask for the
-same copy with the pool op ``copy_from`` {source, keys} -> {copied, missing} (kvtier/pool/ops.py), which runs
+same copy with the pool op ``copy_from`` {source, keys} -> {copied, missing} (pool/ops.py), which runs
 it on the asking worker and answers when it is done.
 
 A copy is a client's get from the source pool (the usual client transports, so the same checks that make a

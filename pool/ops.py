@@ -1,7 +1,7 @@
 """The ops a kvtier-pool serves (kvtier/wire/pool.py documents each): hello, contains, remove, put, get,
 reserve/commit and acquire/release (one-sided clients), stats, clear, rdma_connect.
 
-Each takes the PoolState, the Client that sent it (kvtier/pool/clients.py: who, as far as the pool can
+Each takes the PoolState, the Client that sent it (pool/clients.py: who, as far as the pool can
 tell; roles hang off it), the decoded request body and the request's data frames, and returns a Reply, or
 raises WireError naming what is wrong. A put copies once, from the received frames into reserved slots (one
 native batched copy). A get's reply frames point into the slots, which stay acquired until zmq has sent them
@@ -354,5 +354,5 @@ PERMISSIONS = {
 }
 
 # Ops that make a client hold more (memory or slots): the dispatcher holds them back while the client's
-# account is at a budget limit (kvtier/pool/dispatch.py). Leases ops grant within the quota themselves.
+# account is at a budget limit (pool/dispatch.py). Leases ops grant within the quota themselves.
 HOLDING_OPS = {P.GET}

@@ -1,6 +1,6 @@
 """StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client; kvtier/wire/framing.py the framing both speak).
 
-Who gets a connection, and for how long, is kvtier/pool/admission.py's (pending connections apart from
+Who gets a connection, and for how long, is pool/admission.py's (pending connections apart from
 admitted ones, each limited and timed out on its own, so idle or unauthenticated peers cannot lock honest
 clients out). This module serves the messages of admitted connections, one thread each.
 
@@ -59,7 +59,7 @@ class StreamServer:
     """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything.
     ``timeout_s``: how long an admitted connection may sit idle; ``message_timeout_s`` (default ``timeout_s``):
     the longest one message may take; ``max_connections`` / ``max_pending`` / ``handshake_s``: the
-    admission's (kvtier/pool/admission.py). Its threads are its admission's."""
+    admission's (pool/admission.py). Its threads are its admission's."""
 
     def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0, *,
                  message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS,

@@ -7,7 +7,7 @@ It replaces zmq's own proxy for three reasons:
 
 * **Who sent it.** zmq's metadata (``Peer-Address``, and with CURVE ``User-Id``: the client's public key) is
   readable only on the socket a message arrived on; the dispatcher reads it and hands it to the worker with
-  the request (kvtier/pool/clients.py), so leases, quotas and roles know their client.
+  the request (pool/clients.py), so leases, quotas and roles know their client.
 * **Fairness.** Requests wait in one queue per client account (its key, or its IP address / ipc process), and
   an idle worker takes the next request of the next account in turn: a client that floods the pool gets its
   share of the workers, not all of them.
