@@ -7,6 +7,7 @@ internals (tests/test_layering.py).
 * ``server.py``  PoolServer: zmq ROUTER + worker threads, signal handling, shutdown, the ready file;
 * ``dispatch.py`` Dispatcher: who sent each request, per-client queues taken in turn, busy past the bounds;
 * ``clients.py`` Client: a request's sender (key, address, session; roles hang off it), session tokens;
+* ``sizing.py``  the smallest block a client may set, the most slots a pool keeps;
 * ``budget.py``  Budget: the memory budget beyond the capacity and the held budget of unevictable slots;
 * ``state.py``   PoolState: the DRAM tier (shared-memory backed in standalone mode), leases, budgets, agent;
 * ``ops.py``     the ops (hello, contains, remove, put, get, reserve/commit, acquire/release, stats);

@@ -29,7 +29,8 @@ import numpy as np
 from kvtier import wire
 from kvtier.auth.roles import ADMIN, DATA, READ
 from kvtier.pool.clients import Client
-from kvtier.pool.state import MIN_BLOCK_BYTES, PoolState, block_size_problem
+from kvtier.pool.sizing import MIN_BLOCK_BYTES, block_size_problem
+from kvtier.pool.state import PoolState
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError
 from kvtier.wire import frames as F
 from kvtier.wire import pool as P

@@ -46,6 +46,7 @@ from kvtier.pool.clients import Client, Sessions
 from kvtier.pool.leases import ClientLeases
 from kvtier.pool.rdma import RdmaServer
 from kvtier.pool.replicas import Copier
+from kvtier.pool.sizing import METADATA_SHARE, MIN_BLOCK_BYTES, block_size_problem, max_slots
 from kvtier.store_types import StoreEvent
 from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
@@ -57,11 +58,8 @@ from kvtier.wire.verbs import unavailable_reason
 log = logging.getLogger("kvtier.pool")
 
 TIER = "dram"  # the name the pool's tier is registered under with the master
-MIN_BLOCK_BYTES = 512  # smaller "blocks" are a client bug, and would turn the pool's memory into bookkeeping
-SLOT_OVERHEAD_BYTES = 256  # about what one slot costs in the tier's index, policy and key map
-METADATA_SHARE = 16  # slots are capped so their bookkeeping stays under 1/16 of the memory served
-STAGING_DEFAULT = (256 << 20, 4 << 30)
-REQUESTS_IN_SHARE = 8  # a client's share of the held budget holds this many of its largest requests  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
+STAGING_DEFAULT = (256 << 20, 4 << 30)  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
+REQUESTS_IN_SHARE = 8  # a client's share of the held budget holds this many of its largest requests
 
 
 @dataclass
@@ -351,8 +349,8 @@ class PoolState:
             return
         gens = self.generations
         self.rdma = RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
-                                    None if self.settings.rdma == "auto" else self.settings.rdma,
-                                    generations=(gens.address, gens.nbytes) if gens is not None else None)
+                               None if self.settings.rdma == "auto" else self.settings.rdma,
+                               generations=(gens.address, gens.nbytes) if gens is not None else None)
 
     def close(self) -> None:
         """Give back every lease, stop the agent (it says goodbye to the master), free the DRAM."""
@@ -368,22 +366,6 @@ class PoolState:
             self.generations.close()
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)  # clients' mappings stay valid until they re-map
-
-
-def max_slots(capacity: int) -> int:
-    """The most slots a pool of ``capacity`` bytes keeps: each costs about SLOT_OVERHEAD_BYTES of bookkeeping
-    (index, policy, key map), held to 1/METADATA_SHARE of the memory served."""
-    return max(1, capacity // (SLOT_OVERHEAD_BYTES * METADATA_SHARE))
-
-
-def block_size_problem(block_bytes: int, capacity: int, minimum: int = MIN_BLOCK_BYTES) -> str | None:
-    """Why a pool of ``capacity`` bytes cannot hold blocks of ``block_bytes`` (naming the sizes), or None."""
-    if block_bytes < minimum:
-        return (f"blocks of {block_bytes} B are smaller than the pool's minimum of {minimum} B (a KV block "
-                "is kilobytes to megabytes; is block_bytes a count of something else?)")
-    if block_bytes > capacity:
-        return f"a block of {format_bytes(block_bytes)} does not fit the pool's capacity of {format_bytes(capacity)}"
-    return None
 
 
 def _short(text: str) -> str:
