@@ -1,4 +1,5 @@
-"""StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client; kvtier/wire/framing.py the framing both speak).
+"""StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client, kvtier/wire/framing.py
+the framing both speak).
 
 Who gets a connection, and for how long, is pool/admission.py's (pending connections apart from
 admitted ones, each limited and timed out on its own, so idle or unauthenticated peers cannot lock honest

@@ -5,8 +5,8 @@ device (InfiniBand or RoCE) on both ends; ``unavailable_reason()`` says what is 
 picks RDMA automatically only when nothing is. Device spec: ``name[:port[:gid_index]]`` (e.g. ``mlx5_0:1:3``
 for RoCE v2 at GID index 3), or $KVTIER_RDMA_DEVICE; default: the first device, port 1, GID index 0.
 
-    pool (kvtier.pool.rdma.RdmaServer) registers its whole DRAM buffer once (remote read + write) and its slot generations
-                         (remote read), and for each client that asks (the ``rdma_connect`` op, over the usual
+    pool (RdmaServer)    registers its whole DRAM buffer once (remote read + write) and its slot generations
+                         (remote read: pool/rdma.py, the daemon's side), and for each client that asks (the ``rdma_connect`` op, over the usual
                          zmq control channel) makes an RC queue pair connected to the client's, answering with
                          its QP number, GID, LID, the buffer's address and rkey, and the generations' address
                          and rkey (a get READs its slots' generations after its data: kvtier/wire/generations.py).

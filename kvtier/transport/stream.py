@@ -11,8 +11,8 @@ socket puts the kernel's one copy straight where the bytes belong:
           bytes, sent from its slots; here each run is recv_into()'d straight into the caller's rows
 
 The envelope is kvtier.wire's (same codec, same versions and error codes); only the framing is a length
-prefix instead of zmq's (kvtier/wire/framing.py, which the pool's data port speaks too). Batches are cut into requests of ``REQUEST_BYTES`` spread over parallel sockets
-(``lanes``), one thread each. Every call has one deadline (the timeout plus its bytes at the slowest bandwidth
+prefix instead of zmq's (kvtier/wire/framing.py, which the pool's data port speaks too). Batches are cut into
+requests of ``REQUEST_BYTES`` spread over parallel sockets (``lanes``), one thread each. Every call has one deadline (the timeout plus its bytes at the slowest bandwidth
 a call may take) and every socket operation waits at most what is left of it, so a pool that goes silent or
 trickles its reply is PoolUnavailable by then and its socket is closed (a stream cannot be resynchronised
 mid-message; the pool closes it too after an error reply).
