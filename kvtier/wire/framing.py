@@ -38,30 +38,31 @@ def _left(sock: socket.socket, deadline: float) -> None:
     sock.settimeout(left)
 
 
+def _advance(buffers: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``buffers`` (what one sendmsg / recvmsg_into moved), in place."""
+    while n and buffers:
+        if n >= len(buffers[0]):
+            n -= len(buffers[0])
+            buffers.pop(0)
+        else:
+            buffers[0] = buffers[0][n:]
+            n = 0
+
+
 def send_message(sock: socket.socket, envelope: bytes, payload: Sequence[Any] = (), *, deadline: float) -> None:
     """[u32 length][envelope] then the payload buffers, all of it (sendmsg, partial writes resumed)."""
-    buffers = [memoryview(HEADER.pack(len(envelope)) + envelope), *(memoryview(b).cast("B") for b in payload)]
+    # Empty buffers are left out: sendmsg moves 0 bytes of one at the front, which would never be dropped (the
+    # loop would spin to the deadline).
+    buffers = [memoryview(HEADER.pack(len(envelope)) + envelope), *(v for v in (memoryview(b).cast("B")
+                                                                               for b in payload) if len(v))]
     while buffers:
         _left(sock, deadline)
-        sent = sock.sendmsg(buffers[:IOV_MAX])
-        while sent and buffers:
-            if sent >= len(buffers[0]):
-                sent -= len(buffers[0])
-                buffers.pop(0)
-            else:
-                buffers[0] = buffers[0][sent:]
-                sent = 0
+        _advance(buffers, sock.sendmsg(buffers[:IOV_MAX]))
 
 
 def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
     """Fill ``view`` from the socket; ConnectionError on end of stream."""
-    got, n = 0, len(view)
-    while got < n:
-        _left(sock, deadline)
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError("the peer closed the connection")
-        got += k
+    recv_views(sock, [view], deadline=deadline)
 
 
 def read_envelope(sock: socket.socket, *, deadline: float, max_bytes: int = MAX_ENVELOPE,
@@ -99,13 +100,7 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview], *, deadline: fl
         got = sock.recvmsg_into(pending[:IOV_MAX])[0]
         if not got:
             raise ConnectionError("the peer closed the connection")
-        while got and pending:
-            if got >= len(pending[0]):
-                got -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][got:]
-                got = 0
+        _advance(pending, got)
 
 
 def recv_rows(sock: socket.socket, rows: np.ndarray, block_bytes: int, *, deadline: float) -> None:
