@@ -1,8 +1,10 @@
 """Build glue that pyproject.toml cannot express: the folder -> package mapping and the native CPU copy library.
 
-One import name, several top-level folders: the master daemon, the engine adapters and the benchmarks each
-live in a room of their own (master/, connectors/, bench/) but import as kvtier.master, kvtier.connectors and
-kvtier.bench, so users see one package and one version.
+One import name, several top-level folders: the two daemons, the engine adapters and the benchmarks each
+live in a room of their own (master/, pool/, connectors/, bench/) but import as kvtier.master, kvtier.pool,
+kvtier.connectors and kvtier.bench, so users see one package and one version. The daemons sit beside the
+client library (kvtier/), not inside it: they share with it only kvtier.wire and the library rooms
+(tests/test_layering.py).
 """
 
 from setuptools import Extension, find_packages, setup
@@ -10,6 +12,7 @@ from setuptools import Extension, find_packages, setup
 ROOTS = {
     "kvtier": "kvtier",
     "kvtier.master": "master",
+    "kvtier.pool": "pool",
     "kvtier.connectors": "connectors",
     "kvtier.bench": "bench",
 }

@@ -34,7 +34,7 @@ import torch
 from kvtier.bench.common import gbps, median, row, time_once
 from kvtier.keys import Namespace
 from kvtier.pool.process import PoolDaemon
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 OPS = ("put", "get")

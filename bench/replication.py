@@ -60,7 +60,7 @@ def _block(key: bytes, nbytes: int) -> np.ndarray:
 def _setup(tmp: Path, args: argparse.Namespace, heat: float, tag: str) -> dict[str, Any]:
     from kvtier.client import MasterClient
     from kvtier.keys import Namespace
-    from kvtier.transport.connection import connect
+    from kvtier.transport import connect
 
     bb = args.block_bytes
     master = _Daemon(tmp, f"{tag}-master", ["-m", "kvtier.master", "--bind", "tcp://127.0.0.1:*", "--metrics-port",

@@ -15,6 +15,7 @@ import sys
 import zmq
 
 from kvtier.auth.exposure import check_binds
+from kvtier.daemon_cli import add_start_options, parse_and_log, start_error
 from kvtier.master.cost import DEFAULT_TIER_BW, CostDefaults
 from kvtier.master.persist import DiskError
 from kvtier.master.placement import known_placements, make_placement
@@ -100,14 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "'Authenticated sockets'). Default: anyone who reaches the port is served")
     p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind without --auth-dir "
                    "(anyone who reaches the port may do any op; logged as a warning)")
-    p.add_argument("--ready-file", help="write {endpoint, metrics_port, pid} as JSON here once serving")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_start_options(p, "{endpoint, metrics_port, pid}")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_and_log(build_parser(), argv)
     try:
         if args.lease_s <= 0 or args.heat_half_life_s <= 0:
             raise ValueError("--lease-s and --heat-half-life-s must be > 0")
@@ -147,12 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             uvloop.run(server.run())
     except ImportError as e:
-        print(f"kvtier-master: error: --directory needs the redis package ({e}): pip install 'kvtier[redis]'",
-              file=sys.stderr)
-        return 2
+        return start_error("kvtier-master", f"--directory needs the redis package ({e}): pip install 'kvtier[redis]'")
     except (ValueError, OSError, DiskError, zmq.ZMQError) as e:  # AuthError is a ValueError
-        print(f"kvtier-master: error: {e}", file=sys.stderr)
-        return 2
+        return start_error("kvtier-master", e)
     return 0
 
 

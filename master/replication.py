@@ -11,7 +11,7 @@ key, the node id and the tier, never on this master's location numbers.
 the master looks at the hottest keys (``top``); one whose heat is at least H and that exactly one live pool
 (label role=pool) holds gets a copy on another pool: the rendezvous-first other pool with room. The work goes
 to that pool in its next heartbeat reply ("copy these keys from pool X"): the pool copies them pool to pool
-over the pools' own client transports (kvtier/pool) and reports them as any block it stores, so the directory
+over the pools' own client transports (pool/replicas.py) and reports them as any block it stores, so the directory
 then names two holders. A replica whose heat falls below H/2 (hysteresis) is dropped again: every pool
 holding the key but the first by node id is asked to remove it. A pool that dies takes only its bits with it:
 the other replica is still a live holder, so ``locate`` and ``cost`` go on naming it.
@@ -33,7 +33,7 @@ import xxhash
 
 from kvtier.keys import rendezvous_order
 from kvtier.master.directory import WORD_BITS, location_words, mask_locations
-from kvtier.pool.protocol import POOL_LABELS
+from kvtier.wire.pool import POOL_LABELS
 
 if TYPE_CHECKING:
     from kvtier.master.service import MasterState

@@ -22,8 +22,8 @@ from kvtier.auth import ClientKeys, DataTokens, TOKEN_BYTES, generate
 from kvtier.cli import main as kvtier_main
 from kvtier.client import MasterClient, MasterTimeout
 from kvtier.store import TieredStore
+from kvtier.transport import connect
 from kvtier.transport.base import PoolUnavailable
-from kvtier.transport.connection import connect
 from masterproc import MasterProcess
 from poolproc import PoolProcess, until
 

@@ -14,10 +14,10 @@ import zmq
 
 from conftest import blocks_for
 from kvtier import wire
-from kvtier.pool import protocol as P
+from kvtier.transport import connect
 from kvtier.transport.base import PoolProtocolError, PoolRefused, PoolUnavailable
 from kvtier.transport.channel import Channel
-from kvtier.transport.connection import connect
+from kvtier.wire import pool as P
 from poolproc import PoolProcess, finishes, until
 
 BB = 64 << 10

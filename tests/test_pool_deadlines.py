@@ -11,8 +11,8 @@ import pytest
 
 from attack import TrickleProxy, UnixTrickleProxy, host_port
 from kvtier.keys import Namespace
+from kvtier.transport import connect
 from kvtier.transport.base import PoolError
-from kvtier.transport.connection import connect
 from poolproc import PoolProcess, finishes
 
 BB = 64 << 10

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from conftest import blocks_for
 from kvtier import wire
 from kvtier.keys import Namespace
-from kvtier.pool import protocol as P
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
+from kvtier.wire import pool as P
 from poolproc import PoolProcess
 
 BB = 4096

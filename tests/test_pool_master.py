@@ -13,7 +13,7 @@ import torch
 from conftest import blocks_for
 from kvtier.client import MasterClient, api
 from kvtier.store import TieredStore
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
 from masterproc import MasterProcess
 from poolproc import PoolProcess
 

@@ -13,8 +13,8 @@ import numpy as np
 from attack import RawClient, peak_mib, reset_peak, rss_mib
 from kvtier import wire
 from kvtier.keys import Namespace
-from kvtier.pool import protocol as P
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
+from kvtier.wire import pool as P
 from poolproc import PoolProcess
 
 BB = 64 << 10

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attack import host_port
 from kvtier.keys import Namespace
+from kvtier.transport import connect
 from kvtier.transport.base import PoolError
-from kvtier.transport.connection import connect
 from poolproc import PoolProcess, until
 
 BB = 64 << 10

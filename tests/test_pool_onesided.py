@@ -14,15 +14,15 @@ import zmq
 
 from kvtier import wire
 from kvtier.keys import Namespace
-from kvtier.pool import protocol as P
 from kvtier.pool.leases import ClientLeases
 from kvtier.tiers.pool import PoolTier
 from kvtier.tiers.pool_route import PeerRoute
+from kvtier.transport import connect
 from kvtier.transport import connection as C
 from kvtier.transport import onesided
 from kvtier.transport.base import PoolRefused
 from kvtier.transport.channel import Channel
-from kvtier.transport.connection import connect
+from kvtier.wire import pool as P
 from poolproc import PoolProcess, until
 
 BB = 64 << 10

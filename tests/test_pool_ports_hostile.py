@@ -19,9 +19,9 @@ import pytest
 from attack import RawClient, host_port, idle_connections, rss_mib
 from kvtier.auth import ClientKeys, generate
 from kvtier.keys import Namespace
-from kvtier.pool import protocol as P
+from kvtier.transport import connect
 from kvtier.transport.base import PoolError
-from kvtier.transport.connection import connect
+from kvtier.wire import pool as P
 from poolproc import PoolProcess, until
 
 BB = 4096

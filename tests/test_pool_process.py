@@ -1,4 +1,4 @@
-"""PoolDaemon (kvtier/pool/process.py), the pool helper of the benches and ``kvtier replay --pool``: a real
+"""PoolDaemon (pool/process.py), the pool helper of the benches and ``kvtier replay --pool``: a real
 kvtier-pool subprocess whose DRAM file lives in memory (/dev/shm), in a directory of its own, removed on exit;
 where /dev/shm is missing it falls back to its temp dir and says so."""
 
@@ -12,7 +12,7 @@ import pytest
 from kvtier.keys import Namespace
 from kvtier.pool import process
 from kvtier.pool.process import PoolDaemon
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
 
 BB = 4096
 

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import blocks_for
-from kvtier.transport import rdma, rdma_verbs
+from kvtier.transport import connect
+from kvtier.transport import rdma
 from kvtier.transport.base import PoolError
-from kvtier.transport.connection import connect
+from kvtier.wire import verbs as rdma_verbs
 from poolproc import PoolProcess
 
 BB = 64 << 10

@@ -13,7 +13,7 @@ from conftest import blocks_for
 from kvtier.blocks import block_rows
 from kvtier.cli import main
 from kvtier.replay.sweep import build_store
-from kvtier.transport.connection import connect
+from kvtier.transport import connect
 
 SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"
 BASE = ["replay", str(SAMPLE), "--limit", "3", "--lanes", "2", "--hbm", "4GiB", "--dram", "5%",

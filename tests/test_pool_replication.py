@@ -13,10 +13,10 @@ import torch
 
 from conftest import blocks_for
 from kvtier.client import MasterClient
-from kvtier.pool import protocol as P
 from kvtier.store import TieredStore
 from kvtier.transport.channel import Channel
-from kvtier.transport.connection import shared_context
+from kvtier.transport.dial import shared_context
+from kvtier.wire import pool as P
 from masterproc import MasterProcess
 from poolproc import PoolProcess, wait_for
 
@@ -97,7 +97,7 @@ def test_an_operator_asks_a_pool_to_copy_blocks_from_another(tmp_path, make_keys
     keys = make_keys(8, start=3000)
     with PoolProcess(tmp_path, name="src", capacity="4MiB", block_bytes=BB) as src, \
             PoolProcess(tmp_path, name="dst", capacity="4MiB", block_bytes=BB) as dst:
-        from kvtier.transport.connection import connect
+        from kvtier.transport import connect
 
         c = connect(src.tcp, BB, timeout_s=2.0)
         data = blocks_for(keys, BB)

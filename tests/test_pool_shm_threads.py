@@ -9,8 +9,8 @@ from kvtier import TieredStore, hostcopy
 from kvtier.config import Config, ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool.process import PoolDaemon
+from kvtier.transport import connect
 from kvtier.transport import shm as shm_module
-from kvtier.transport.connection import connect
 
 BB = 256 << 10
 SMALL = 2  # blocks: 512 KiB, under PARALLEL_MIN_BYTES

@@ -18,10 +18,10 @@ from conftest import blocks_for
 from kvtier import wire
 from kvtier.blocks import block_rows
 from kvtier.keys import Namespace
-from kvtier.pool import protocol as P
 from kvtier.pool.stream import MAX_CONNECTIONS
+from kvtier.transport import connect
 from kvtier.transport.base import PoolError
-from kvtier.transport.connection import connect
+from kvtier.wire import pool as P
 from poolproc import PoolProcess, until
 
 BB = 4096

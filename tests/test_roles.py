@@ -24,9 +24,9 @@ from conftest import blocks_for
 from kvtier import wire
 from kvtier.auth import ClientKeys, generate
 from kvtier.client import MasterClient, MasterError, api
+from kvtier.transport import connect
 from kvtier.transport.base import PoolRefused
 from kvtier.transport.channel import Channel
-from kvtier.transport.connection import connect
 from masterproc import MasterProcess
 from poolproc import PoolProcess, until
 

@@ -14,7 +14,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 from kvtier.client import MasterClient  # noqa: E402
 from kvtier.connectors.vllm.paths import model_dir  # noqa: E402
-from kvtier.transport.connection import connect  # noqa: E402
+from kvtier.transport import connect  # noqa: E402
 from masterproc import MasterProcess  # noqa: E402
 from poolproc import PoolProcess, until  # noqa: E402
 from vllm_engine import (  # noqa: E402

@@ -82,7 +82,7 @@ class NodeAgent:
         self.incarnation = uuid.uuid4().hex
         self._used, self._verify, self._on_hints = used, verify, on_hints
         self._list_keys = list_keys
-        # A pool with hot-block replication: the heartbeat reply's copies and drops (kvtier/pool does them off
+        # A pool with hot-block replication: the heartbeat reply's copies and drops (kvtier.pool does them off
         # this thread; the callback must return at once).
         self._on_replicate = on_replicate
         self._goodbye_on_close = goodbye

@@ -45,8 +45,8 @@ from kvtier.tiers.base import EvictListener, RemoteTier, TierStats, WriteBehindS
 from kvtier.tiers.pool_recent import RecentlyHeld
 from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
 from kvtier.tiers.writebehind import WriteBehind, staging_of
+from kvtier.transport import connect
 from kvtier.transport.base import PoolConnection, PoolError, PoolProtocolError, PoolUnavailable
-from kvtier.transport.connection import connect
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _PoolEndpoint:
 
 class PoolTier(WriteBehindStaging, RemoteTier):
     """Blocks in one or more kvtier-pools. ``transport``: auto, stream, tcp, rdma or shm (see
-    kvtier.transport.connection.connect); ``copy_threads``: the shm transport's threads per copy (0: by batch
+    kvtier.transport.connect); ``copy_threads``: the shm transport's threads per copy (0: by batch
     size)."""
 
     name = "pool"

@@ -27,8 +27,8 @@ import numpy as np
 from kvtier import wire
 from kvtier.backoff import Backoff, Clock
 from kvtier.keys import rendezvous_order
-from kvtier.pool.protocol import POOL_LABELS
 from kvtier.transport.base import PoolUnavailable
+from kvtier.wire.pool import POOL_LABELS
 
 log = logging.getLogger(__name__)
 

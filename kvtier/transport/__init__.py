@@ -1,11 +1,11 @@
 """Pool transports: how block bytes move between this process and a kvtier-pool.
 
-``connect(endpoint, block_bytes)`` says hello and picks one (kvtier/transport/connection.py); each module is
+``connect(endpoint, block_bytes)`` says hello and picks one (kvtier/transport/dial.py); each module is
 one data path behind the PoolConnection protocol (base.py): stream.py (raw TCP received in place), tcp.py
 (zmq frames), shm.py (the node pool's shared-memory file), rdma.py (pyverbs, optional).
 """
 
 from kvtier.transport.base import PoolConnection, PoolError, PoolInfo, PoolProtocolError, PoolRefused, PoolUnavailable
-from kvtier.transport.connection import connect
+from kvtier.transport.dial import connect
 
 __all__ = ["PoolConnection", "PoolError", "PoolInfo", "PoolProtocolError", "PoolRefused", "PoolUnavailable", "connect"]

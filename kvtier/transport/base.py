@@ -51,7 +51,7 @@ class PoolProtocolError(PoolRefused):
 class PoolInfo:
     """What a pool says about itself in its hello reply. ``block_bytes`` is this connection's block size (the
     pool's; the client's own while the pool is unsized, ``sized`` False: its first put sizes it). ``session``:
-    the token this client's lease ops carry (kvtier/pool/clients.py)."""
+    the token this client's lease ops carry (pool/clients.py)."""
 
     endpoint: str
     node: str

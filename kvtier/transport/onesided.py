@@ -11,22 +11,22 @@ the next acquire (the last ones go after the batch, once its connections are fre
 waits for a connection, so concurrent calls cannot starve each other of them).
 
 Leases (never wrong bytes): the pool holds what it handed out for ``lease_s`` from when it got the request,
-then quarantines it for another ``lease_s`` before reusing the slots (kvtier/pool/leases.py). This side times
+then quarantines it for another ``lease_s`` before reusing the slots (pool/leases.py). This side times
 the lease from when it *sent* the request, which is earlier, so:
   * no copy starts later than ``START_FRACTION`` of the lease after the request was sent; those blocks are
     misses (get) or not stored (put, committed as failed);
   * a get's bytes count only if the read finished inside the lease (the pool cannot have reused the slots)
     *and* each slot's generation, read again after the copy, is the one the acquire named (no writer was
-    given the slot meanwhile: kvtier/pool/generations.py); otherwise its row is zeroed and the block is a miss;
+    given the slot meanwhile: kvtier/wire/generations.py); otherwise its row is zeroed and the block is a miss;
   * a put is stored only where the pool confirms the commit inside its lease (``valid``).
 Leases are bound to this connection's session (from its hello) and its client identity: nobody else can
-release or commit them (kvtier/pool/leases.py). What is left: a *writer* that stalls for over a lease and a
+release or commit them (pool/leases.py). What is left: a *writer* that stalls for over a lease and a
 half mid-copy (a SIGSTOPped process) can still scribble over a slot the pool has since given to another key;
 the next reader of that key sees an unchanged generation. Blocks carry no checksum on this path.
 
 Each request covers at most REQUEST_BYTES and the pool's request_bytes (an eighth of a client's share), and a
 batch keeps WINDOW (2) in flight on one lane: what a call holds at once (those and the chunk copied last, not
-committed yet) stays well inside one client's share of the pool (kvtier/pool/budget.py).
+committed yet) stays well inside one client's share of the pool (pool/budget.py).
 A call has one deadline (kvtier.transport.connection), shared by its batch and its final commit or release.
 
 Every reply carries the pool's epoch; ``_write``/``_read`` get the epoch the offsets belong to, so a
@@ -45,10 +45,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier import wire
-from kvtier.pool import protocol as P
 from kvtier.transport.base import PoolError, PoolProtocolError
 from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
+from kvtier.wire import pool as P
 
 log = logging.getLogger(__name__)
 

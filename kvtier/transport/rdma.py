@@ -6,10 +6,10 @@ picks RDMA automatically only when nothing is. Device spec: ``name[:port[:gid_in
 for RoCE v2 at GID index 3), or $KVTIER_RDMA_DEVICE; default: the first device, port 1, GID index 0.
 
     pool (RdmaServer)    registers its whole DRAM buffer once (remote read + write) and its slot generations
-                         (remote read), and for each client that asks (the ``rdma_connect`` op, over the usual
+                         (remote read: pool/rdma.py, the daemon's side), and for each client that asks (the ``rdma_connect`` op, over the usual
                          zmq control channel) makes an RC queue pair connected to the client's, answering with
                          its QP number, GID, LID, the buffer's address and rkey, and the generations' address
-                         and rkey (a get READs its slots' generations after its data: kvtier/pool/generations.py).
+                         and rkey (a get READs its slots' generations after its data: kvtier/wire/generations.py).
     client (RdmaConnection)  the lease protocol of OneSidedConnection (reserve/commit, acquire/release); the
                          bytes move by RDMA WRITE/READ work requests posted on its queue pair, runs of
                          consecutive rows on both sides merged into one request, completions polled with a
@@ -19,7 +19,7 @@ Local memory must be registered for the NIC: rows inside a region passed to ``re
 (e.g. the store's DRAM buffer, registered once) move zero-copy; other rows go through a registered bounce
 buffer (one host copy). After a pool restart (a new epoch) the client connects a new queue pair.
 Thread-safe: one transfer at a time per connection (its queue pair and completion queue are shared). The
-pyverbs pieces (device lookup, ports, queue pairs) are kvtier/transport/rdma_verbs.py.
+pyverbs pieces (device lookup, ports, queue pairs), which both ends build, are kvtier/wire/verbs.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import ctypes
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,68 +36,14 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import copy_rows
-from kvtier.pool import protocol as P
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.onesided import OneSidedConnection
-from kvtier.transport.rdma_verbs import (BOUNCE_BYTES, MAX_SERVER_QPS, MAX_WR_BYTES, Broken, Port, QueuePair,
-                                         remote_access)
-from kvtier.transport.rdma_verbs import unavailable_reason
+from kvtier.wire import pool as P
+from kvtier.wire.verbs import BOUNCE_BYTES, MAX_WR_BYTES, Broken, Port, QueuePair, unavailable_reason
 
-__all__ = ["RdmaConnection", "RdmaServer", "unavailable_reason"]  # unavailable_reason: where callers ask
+__all__ = ["RdmaConnection", "unavailable_reason"]  # unavailable_reason: where callers ask
 
 log = logging.getLogger(__name__)
-
-class RdmaServer:
-    """The pool's side: its DRAM buffer registered for remote read and write, one queue pair per client."""
-
-    def __init__(self, address: int, nbytes: int, device: str | None = None, *,
-                 generations: tuple[int, int] | None = None) -> None:
-        from pyverbs import enums as e
-        from pyverbs.mr import MR
-
-        self.port = Port.open(device)
-        self.mr = MR(self.port.pd, nbytes, remote_access(e), address=address)
-        self.address, self.nbytes = address, nbytes
-        self.gen_mr = None
-        self.generations = generations  # (address, nbytes) of the slots' generation counters
-        if generations is not None:
-            self.gen_mr = MR(self.port.pd, generations[1], e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ,
-                             address=generations[0])
-        self._qps: OrderedDict[int, QueuePair] = OrderedDict()
-        self._lock = threading.Lock()
-        log.info("pool RDMA: %d B registered on %s port %d (gid %s)", nbytes, self.port.ctx.name, self.port.port,
-                 self.port.gid)
-
-    def describe(self) -> dict[str, Any]:
-        return {"gid": self.port.gid, "lid": self.port.lid}
-
-    def connect(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The ``rdma_connect`` op: a queue pair for the client's, and where the buffer is."""
-        remote = {k: wire.field(body, k, str if k == "gid" else int) for k in ("qpn", "psn", "gid", "lid", "mtu")}
-        qp = QueuePair(self.port)
-        try:
-            qp.connect(remote)
-        except Exception as e:
-            qp.close()
-            raise wire.WireError(wire.ERR_BAD_REQUEST, f"cannot connect a queue pair to the client's: {e}") from None
-        with self._lock:
-            self._qps[qp.local()["qpn"]] = qp
-            while len(self._qps) > MAX_SERVER_QPS:
-                self._qps.popitem(last=False)[1].close()
-        gens = {} if self.gen_mr is None or self.generations is None else {
-            "gen_addr": self.generations[0], "gen_length": self.generations[1], "gen_rkey": int(self.gen_mr.rkey)}
-        return {**qp.local(), "rkey": int(self.mr.rkey), "addr": self.address, "length": self.nbytes, **gens}
-
-    def close(self) -> None:
-        with self._lock:
-            for qp in self._qps.values():
-                qp.close()
-            self._qps.clear()
-        if self.gen_mr is not None:
-            self.gen_mr.close()
-        self.mr.close()
-        self.port.close()
-
 
 @dataclass
 class _Session:

@@ -13,7 +13,7 @@ that has no block size yet has no file either: the connection maps it at its fir
 that sized the pool).
 
 Next to the DRAM file each mapping holds the pool's slot generations (``<file>.gen``, read-only): a get reads
-its slots' generations there after its copy (kvtier/pool/generations.py).
+its slots' generations there after its copy (kvtier/wire/generations.py).
 
 Thread-safe; offsets from the pool are bounds-checked against the mapping before any copy.
 """
@@ -30,10 +30,10 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import copy_rows, copy_threads
-from kvtier.pool.generations import GenerationView
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
+from kvtier.wire.generations import GenerationView
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ socket puts the kernel's one copy straight where the bytes belong:
           bytes, sent from its slots; here each run is recv_into()'d straight into the caller's rows
 
 The envelope is kvtier.wire's (same codec, same versions and error codes); only the framing is a length
-prefix instead of zmq's. Batches are cut into requests of ``REQUEST_BYTES`` spread over parallel sockets
-(``lanes``), one thread each. Every call has one deadline (the timeout plus its bytes at the slowest bandwidth
+prefix instead of zmq's (kvtier/wire/framing.py, which the pool's data port speaks too). Batches are cut into
+requests of ``REQUEST_BYTES`` spread over parallel sockets (``lanes``), one thread each. Every call has one deadline (the timeout plus its bytes at the slowest bandwidth
 a call may take) and every socket operation waits at most what is left of it, so a pool that goes silent or
 trickles its reply is PoolUnavailable by then and its socket is closed (a stream cannot be resynchronised
 mid-message; the pool closes it too after an error reply).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,107 +37,15 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
-from kvtier.pool import protocol as P
-from kvtier.transport import frames as F
 from kvtier.transport.base import PoolError, PoolInfo, PoolProtocolError, PoolRefused, PoolUnavailable
 from kvtier.transport.connection import MIN_BANDWIDTH, ConnectionBase, hello
+from kvtier.wire import frames as F
+from kvtier.wire import pool as P
+from kvtier.wire.framing import read_envelope, recv_rows, send_message, send_message_raw
 
 log = logging.getLogger(__name__)
 
 REQUEST_BYTES = 16 << 20
-HEADER = struct.Struct("<I")
-MAX_ENVELOPE = 16 << 20  # a 1M-key blob and change
-ENVELOPE_STEP = 64 << 10  # an envelope's body is received in steps from this size up, doubling
-IOV_MAX = 512  # buffers per sendmsg call
-
-
-# ---- framing (shared with the pool's side, kvtier/pool/stream.py) -----------------------------------------
-#
-# Every function takes ``deadline`` (time.monotonic()): before each system call the socket's timeout is set to
-# what is left of it, so the whole message ends by then (socket.timeout) however the peer paces its bytes; a
-# per-call timeout alone lets a peer sending a byte every 0.3 s hold a call for ever.
-
-def _left(sock: socket.socket, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise socket.timeout("deadline passed")
-    sock.settimeout(left)
-
-
-def send_message(sock: socket.socket, envelope: bytes, payload: Sequence[Any] = (), *, deadline: float) -> None:
-    """[u32 length][envelope] then the payload buffers, all of it (sendmsg, partial writes resumed)."""
-    buffers = [memoryview(HEADER.pack(len(envelope)) + envelope), *(memoryview(b).cast("B") for b in payload)]
-    while buffers:
-        _left(sock, deadline)
-        sent = sock.sendmsg(buffers[:IOV_MAX])
-        while sent and buffers:
-            if sent >= len(buffers[0]):
-                sent -= len(buffers[0])
-                buffers.pop(0)
-            else:
-                buffers[0] = buffers[0][sent:]
-                sent = 0
-
-
-def recv_exact(sock: socket.socket, view: memoryview, *, deadline: float) -> None:
-    """Fill ``view`` from the socket; ConnectionError on end of stream."""
-    got, n = 0, len(view)
-    while got < n:
-        _left(sock, deadline)
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError("the peer closed the connection")
-        got += k
-
-
-def read_envelope(sock: socket.socket, *, deadline: float, max_bytes: int = MAX_ENVELOPE,
-                  charge: Callable[[int], bool] | None = None) -> bytes | None:
-    """The next length-prefixed envelope, or None at a clean end of stream (before its first byte). The body
-    grows as its bytes arrive (a declared length allocates nothing by itself); ``charge(n)`` is asked before
-    each growth by ``n`` bytes, and a False ends the read (WireError ERR_TOO_LARGE: no memory for it now)."""
-    head = bytearray(HEADER.size)
-    _left(sock, deadline)
-    k = sock.recv_into(head, HEADER.size)
-    if k == 0:
-        return None
-    if k < HEADER.size:
-        recv_exact(sock, memoryview(head)[k:], deadline=deadline)
-    (length,) = HEADER.unpack(head)
-    if length > max_bytes:
-        raise wire.WireError(wire.ERR_TOO_LARGE, f"an envelope of {length} bytes, the limit is {max_bytes}")
-    body = bytearray()
-    while len(body) < length:
-        step = min(length - len(body), max(ENVELOPE_STEP, len(body)))  # doubling: few copies, no big promise
-        if charge is not None and not charge(step):
-            raise wire.WireError(P.ERR_BUSY, "no memory for this envelope now (the pool's budget is in use)")
-        part = bytearray(step)
-        recv_exact(sock, memoryview(part), deadline=deadline)
-        body += part
-    return bytes(body)
-
-
-def recv_views(sock: socket.socket, views: Sequence[memoryview], *, deadline: float) -> None:
-    """Fill ``views`` in order (recvmsg_into scatters into up to IOV_MAX of them per call, resumed after partial
-    reads); ConnectionError on end of stream."""
-    pending = [v for v in views if len(v)]
-    while pending:
-        _left(sock, deadline)
-        got = sock.recvmsg_into(pending[:IOV_MAX])[0]
-        if not got:
-            raise ConnectionError("the peer closed the connection")
-        while got and pending:
-            if got >= len(pending[0]):
-                got -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][got:]
-                got = 0
-
-
-def recv_rows(sock: socket.socket, rows: np.ndarray, block_bytes: int, *, deadline: float) -> None:
-    """Receive ``len(rows)`` blocks in order straight into the rows (runs of consecutive rows as one buffer)."""
-    recv_views(sock, [memoryview(F.view(addr, count * block_bytes)).cast("B")
-                      for addr, count in F.runs(rows, block_bytes, max_bytes=1 << 30)], deadline=deadline)
 
 
 # ---- the client --------------------------------------------------------------------------------------------
@@ -315,14 +222,6 @@ class StreamConnection(ConnectionBase):
             self.channel.epoch = info.epoch
             self._saw_epoch()
         return info
-
-
-def send_message_raw(sock: socket.socket, data: bytes, deadline: float) -> None:
-    """``data`` as it is (no length prefix), by the deadline."""
-    view = memoryview(data)
-    while view:
-        _left(sock, deadline)
-        view = view[sock.send(view):]
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

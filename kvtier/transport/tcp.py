@@ -1,7 +1,7 @@
 """TcpConnection: block bytes in zmq frames over TCP, zero-copy on the way out, one copy on the way in.
 
 A put sends the caller's rows as frames that point into the caller's memory (runs of consecutive rows
-coalesced; scattered small rows gathered into staging buffers instead, see ``kvtier.transport.frames``); the
+coalesced; scattered small rows gathered into staging buffers instead, see ``kvtier.wire.frames``); the
 pool copies them once, from zmq's receive buffers into the slots it reserved. A get's reply frames point into
 the pool's slots (or its staging buffers); here they are copied once, by one native batched copy, from zmq's
 receive buffers into the caller's rows. Batches are cut into requests of about
@@ -20,10 +20,10 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import copy_rows
-from kvtier.pool import protocol as P
-from kvtier.transport import frames as F
 from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
+from kvtier.wire import frames as F
+from kvtier.wire import pool as P
 
 REQUEST_BYTES = 16 << 20
 

@@ -9,12 +9,14 @@ port can still store first: give ``--block-bytes`` where strangers can reach it.
 another size is refused, naming both; blocks under MIN_BLOCK_BYTES are refused, and a client-chosen size
 gets at most ``max_slots`` slots so bookkeeping stays a small share of the memory. When the pool serves an
 ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir`` that
-clients map once (and ``<file>.gen``, the slots' generations, kvtier/pool/generations.py); the file name
+clients map once (and ``<file>.gen``, the slots' generations, kvtier/wire/generations.py); the file name
 carries the pool's epoch, so a restarted pool never reuses a file an old mapping still points into (stale
 files of earlier runs of the same endpoint are removed at start).
 
 With ``--master`` the node agent registers at start, sized or not (engines in distributed mode find pools
-only through the master, and their first put sizes it).
+only through the master, and their first put sizes it). There the pool is a client of the master, and uses the
+SDK's public entry for it, ``kvtier.client.NodeAgent``, as any node does (the only client-side import of the
+pool besides pool/replicas.py's ``kvtier.transport.connect``; tests/test_layering.py holds the line).
 
 Thread-safe: the pool's worker threads share it; the tier, the lease table and the budgets lock for
 themselves.
@@ -41,22 +43,23 @@ from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
 from kvtier.pool.budget import Budget
 from kvtier.pool.clients import Client, Sessions
-from kvtier.pool.generations import SlotGenerations
 from kvtier.pool.leases import ClientLeases
+from kvtier.pool.rdma import RdmaServer
 from kvtier.pool.replicas import Copier
-from kvtier.pool.protocol import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
+from kvtier.pool.sizing import METADATA_SHARE, MIN_BLOCK_BYTES, block_size_problem, max_slots
+from kvtier.store_types import StoreEvent
 from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
+from kvtier.wire.generations import SlotGenerations
+from kvtier.wire.pool import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
+from kvtier.wire.verbs import unavailable_reason
 
 log = logging.getLogger("kvtier.pool")
 
 TIER = "dram"  # the name the pool's tier is registered under with the master
-MIN_BLOCK_BYTES = 512  # smaller "blocks" are a client bug, and would turn the pool's memory into bookkeeping
-SLOT_OVERHEAD_BYTES = 256  # about what one slot costs in the tier's index, policy and key map
-METADATA_SHARE = 16  # slots are capped so their bookkeeping stays under 1/16 of the memory served
-STAGING_DEFAULT = (256 << 20, 4 << 30)
-REQUESTS_IN_SHARE = 8  # a client's share of the held budget holds this many of its largest requests  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
+STAGING_DEFAULT = (256 << 20, 4 << 30)  # --staging-bytes 0: capacity/8, at least 256 MiB, at most 4 GiB
+REQUESTS_IN_SHARE = 8  # a client's share of the held budget holds this many of its largest requests
 
 
 @dataclass
@@ -85,7 +88,7 @@ class PoolSettings:
     staging_bytes: int = 0  # memory beyond the capacity for clients' requests and replies; 0: auto
     client_share: float = 0.25  # of the capacity one client may hold unevictable (leases, replies in flight)
     handshake_s: float = 2.0  # a connection must finish its handshake (token, zmq greeting, CURVE) this fast
-    metrics_port: int | None = None  # Prometheus /metrics (kvtier/pool/metrics.py); None: off, 0: a free port
+    metrics_port: int | None = None  # Prometheus /metrics (pool/metrics.py); None: off, 0: a free port
     metrics_host: str = "127.0.0.1"
     heartbeat_s: float | None = None
     auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server keypair, authorized/, master.key; "" admits anyone
@@ -103,14 +106,14 @@ class PoolSettings:
 
 
 class PoolState:
-    """The pool's state; ``serve_*`` ops in kvtier/pool/ops.py read and change it."""
+    """The pool's state; ``serve_*`` ops in pool/ops.py read and change it."""
 
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.epoch = secrets.randbits(62)
         cap = settings.capacity
         # What clients may allocate beyond the capacity (half of it per client), and what they may hold
-        # unevictable (half the capacity, --client-share of it per client): kvtier/pool/budget.py.
+        # unevictable (half the capacity, --client-share of it per client): pool/budget.py.
         self.memory = Budget("memory", settings.staging_limit, settings.staging_limit // 2)
         share = max(1, int(cap * settings.client_share))
         self.held = Budget("held", max(cap // 2, share), share)
@@ -121,17 +124,17 @@ class PoolState:
         self.role_of: Any = None
         self.tier: DramTier | None = None
         self.agent: Any = None  # kvtier.client.NodeAgent when --master is given
-        self.rdma: Any = None  # kvtier.transport.rdma.RdmaServer when a device is there
+        self.rdma: RdmaServer | None = None  # when a device is there (pool/rdma.py)
         self.endpoints: list[str] = []  # what the server bound (ports resolved)
-        self.stream_port = 0  # the raw TCP data port (kvtier/pool/stream.py), 0: none
-        self.metrics_port = 0  # the Prometheus port (kvtier/pool/metrics.py), 0: none
+        self.stream_port = 0  # the raw TCP data port (pool/stream.py), 0: none
+        self.metrics_port = 0  # the Prometheus port (pool/metrics.py), 0: none
         self.dispatcher: Any = None  # kvtier.pool.dispatch.Dispatcher, for the metrics (requests waiting)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
         # With --auth-dir, a hello hands out a token the data port asks for (kvtier/auth/tokens.py).
         self.tokens = DataTokens() if settings.auth_dir else None
         self.master_keys = _master_keys(settings)  # read now: a bad master.key is a start-up error
-        # Pool-to-pool copies (hot-block replication, the copy_from op): kvtier/pool/replicas.py.
+        # Pool-to-pool copies (hot-block replication, the copy_from op): pool/replicas.py.
         self.copier = Copier(self)
         self.shm_path: Path | None = None
         if settings.ipc:
@@ -280,8 +283,6 @@ class PoolState:
         """Tell the master (through the node agent) that the tier gained or lost keys."""
         agent = self.agent
         if agent is not None and keys:
-            from kvtier.store import StoreEvent
-
             agent.on_event(StoreEvent(kind, TIER, keys))
 
     def count(self, **deltas: int) -> None:
@@ -340,18 +341,16 @@ class PoolState:
     def _start_rdma(self, tier: DramTier) -> None:
         if self.settings.rdma == "off":
             return
-        from kvtier.transport import rdma
-
-        reason = rdma.unavailable_reason(None if self.settings.rdma == "auto" else self.settings.rdma)
+        reason = unavailable_reason(None if self.settings.rdma == "auto" else self.settings.rdma)
         if reason:
             level = logging.INFO if self.settings.rdma == "auto" else logging.ERROR
             log.log(level, "pool %s: no RDMA (%s); serving tcp%s", self.node_id, reason,
                     " and shared memory" if self.shm_path else "")
             return
         gens = self.generations
-        self.rdma = rdma.RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
-                                    None if self.settings.rdma == "auto" else self.settings.rdma,
-                                    generations=(gens.address, gens.nbytes) if gens is not None else None)
+        self.rdma = RdmaServer(tier.buffer.ptr, tier.capacity_bytes,
+                               None if self.settings.rdma == "auto" else self.settings.rdma,
+                               generations=(gens.address, gens.nbytes) if gens is not None else None)
 
     def close(self) -> None:
         """Give back every lease, stop the agent (it says goodbye to the master), free the DRAM."""
@@ -367,22 +366,6 @@ class PoolState:
             self.generations.close()
         if self.shm_path is not None:
             self.shm_path.unlink(missing_ok=True)  # clients' mappings stay valid until they re-map
-
-
-def max_slots(capacity: int) -> int:
-    """The most slots a pool of ``capacity`` bytes keeps: each costs about SLOT_OVERHEAD_BYTES of bookkeeping
-    (index, policy, key map), held to 1/METADATA_SHARE of the memory served."""
-    return max(1, capacity // (SLOT_OVERHEAD_BYTES * METADATA_SHARE))
-
-
-def block_size_problem(block_bytes: int, capacity: int, minimum: int = MIN_BLOCK_BYTES) -> str | None:
-    """Why a pool of ``capacity`` bytes cannot hold blocks of ``block_bytes`` (naming the sizes), or None."""
-    if block_bytes < minimum:
-        return (f"blocks of {block_bytes} B are smaller than the pool's minimum of {minimum} B (a KV block "
-                "is kilobytes to megabytes; is block_bytes a count of something else?)")
-    if block_bytes > capacity:
-        return f"a block of {format_bytes(block_bytes)} does not fit the pool's capacity of {format_bytes(capacity)}"
-    return None
 
 
 def _short(text: str) -> str:

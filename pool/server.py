@@ -4,14 +4,14 @@
                                                                                               |
     client DEALER <--[envelope, *data]-- ROUTER <------------dispatcher---------- inproc <----+
 
-    client socket <--[length, envelope] + bytes--> data port (kvtier/pool/stream.py, a thread per connection)
+    client socket <--[length, envelope] + bytes--> data port (pool/stream.py, a thread per connection)
 
-The dispatcher (kvtier/pool/dispatch.py) tells each worker who sent a request, queues per client and hands
-requests out in turn. Workers decode a request, run its op (kvtier/pool/ops.py) and send the reply. Several
+The dispatcher (pool/dispatch.py) tells each worker who sent a request, queues per client and hands
+requests out in turn. Workers decode a request, run its op (pool/ops.py) and send the reply. Several
 workers copy at once (the batched copies release the GIL); zmq's I/O threads move bytes meanwhile. A get's
 reply frames point into the pool's slots (zero-copy send) or a copy sized to the reply; the worker keeps
 those blocks acquired (or the copy charged to the client) until zmq's tracker says the bytes are gone. The
-main thread expires leases and waits for a signal; ``metrics`` (kvtier/pool/metrics.py) serves Prometheus.
+main thread expires leases and waits for a signal; ``metrics`` (pool/metrics.py) serves Prometheus.
 
 A bad request gets an error reply naming the problem (a wrong protocol version is logged here too, so both
 sides say why); a bug in an op gets ERR_INTERNAL and a logged traceback; the pool keeps serving.
@@ -115,7 +115,7 @@ class PoolServer:
         raise_fd_limit()
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
-        # A frame is at most MAX_FRAME_BYTES of blocks, or one block (clients' frames, kvtier/transport/frames.py):
+        # A frame is at most MAX_FRAME_BYTES of blocks, or one block (clients' frames, kvtier/wire/frames.py):
         # zmq allocates a frame as its header declares it, so no larger one is taken in.
         frontend.setsockopt(zmq.MAXMSGSIZE, max(s.max_frame_bytes, s.block_bytes))
         frontend.setsockopt(zmq.RCVHWM, REQUEST_HWM)

@@ -1,13 +1,14 @@
-"""StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client and the framing).
+"""StreamServer: the pool's raw TCP data port (kvtier/transport/stream.py is the client, kvtier/wire/framing.py
+the framing both speak).
 
-Who gets a connection, and for how long, is kvtier/pool/admission.py's (pending connections apart from
+Who gets a connection, and for how long, is pool/admission.py's (pending connections apart from
 admitted ones, each limited and timed out on its own, so idle or unauthenticated peers cannot lock honest
 clients out). This module serves the messages of admitted connections, one thread each.
 
 Each message, from its first byte to the end of its reply, ends within ``message_timeout_s``, its envelope
 within ``handshake_s`` of that first byte (a client sends it at once: one that sends a byte and stalls holds
 its thread no longer): every socket
-operation waits at most what is left of that deadline (kvtier/transport/stream.py), so a peer that trickles
+operation waits at most what is left of that deadline (kvtier/wire/framing.py), so a peer that trickles
 bytes is cut off on time. An envelope is received as its bytes arrive, at most the pool's largest request,
 and its memory is charged to the pool's memory budget; its reservations and acquisitions to the held budget,
 within the client's quota (keys past it: not stored / a miss). Clients are known by their IP address here.
@@ -37,16 +38,16 @@ import numpy as np
 from kvtier import wire
 from kvtier.auth import DataTokens
 from kvtier.keys import KEY_BYTES
-from kvtier.pool import protocol as P
 from kvtier.pool.admission import Admitted, DataPortAdmission
 from kvtier.pool.budget import Budget
 from kvtier.pool.clients import Client
 from kvtier.pool.ops import check_fits
 from kvtier.pool.state import PoolSettings, PoolState
 from kvtier.ratelog import RateLimitedLog
-from kvtier.transport import frames as F
-from kvtier.transport.stream import read_envelope, recv_exact, recv_views, send_message
 from kvtier.wire import WireError
+from kvtier.wire import frames as F
+from kvtier.wire import pool as P
+from kvtier.wire.framing import read_envelope, recv_exact, recv_views, send_message
 
 log = logging.getLogger("kvtier.pool")
 
@@ -59,7 +60,7 @@ class StreamServer:
     """The data port of one pool. ``start()`` returns the port it listens on; ``close()`` stops everything.
     ``timeout_s``: how long an admitted connection may sit idle; ``message_timeout_s`` (default ``timeout_s``):
     the longest one message may take; ``max_connections`` / ``max_pending`` / ``handshake_s``: the
-    admission's (kvtier/pool/admission.py). Its threads are its admission's."""
+    admission's (pool/admission.py). Its threads are its admission's."""
 
     def __init__(self, state: PoolState, host: str, port: int = 0, timeout_s: float = 30.0, *,
                  message_timeout_s: float | None = None, max_connections: int = MAX_CONNECTIONS,

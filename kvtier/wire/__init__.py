@@ -1,4 +1,21 @@
-"""The master's wire format, shared by the kvtier-master daemon and the SDK (kvtier.client).
+"""kvtier.wire: what kvtier's daemons and their clients both speak, in one package both depend on (and neither
+on the other: tests/test_layering.py holds that line).
+
+* this module   the envelope and codec every zmq message uses (master and pool alike), the master's ops, the
+                ERR_* codes, WireError, key blobs and the typed field readers;
+* ``pool``      the pool protocol's ops and field layouts (bitmaps, offsets, the labels pools register under);
+* ``frames``    block rows <-> zmq frames (the tcp transport and the pool's get/put);
+* ``framing``   the stream data port's length-prefixed framing over raw sockets (both ends of it);
+* ``generations`` the shared-memory slot-generation file: the pool bumps, one-sided readers check;
+* ``verbs``     the RDMA queue pairs both ends build (pyverbs, optional), whose fields ride in ``rdma_connect``.
+
+Errors: a daemon raises and answers only WireError (its ``code`` is on the wire, so it is shared here); the
+client side turns an error reply into its own typed exceptions (kvtier.transport.PoolError and its
+subclasses, kvtier.client.MasterError), which stay the SDK's: they carry client-side facts (which endpoint,
+a timeout that never reached the wire) that a daemon never raises. Where a daemon acts as a client of another
+daemon (a pool copying from a pool) it catches the SDK's error at that edge and answers a WireError.
+
+The master's envelope:
 
 One zmq frame per message, msgpack-encoded (the ROUTER side adds and strips the peer's identity frame):
 

@@ -1,6 +1,6 @@
 """Budget: bytes in use against one limit for all clients together and a smaller one per client account.
 
-The pool keeps two (kvtier/pool/state.py):
+The pool keeps two (pool/state.py):
 
 * ``memory``: memory beyond the DRAM capacity, i.e. what the pool allocates for clients: request data waiting
   for a worker, get replies gathered into staging copies, envelopes arriving on the stream data port. Its
@@ -25,7 +25,7 @@ from collections import defaultdict
 
 
 class Budget:
-    """``limit`` bytes for everyone, ``per_account`` for each account (a client: kvtier/pool/clients.py)."""
+    """``limit`` bytes for everyone, ``per_account`` for each account (a client: pool/clients.py)."""
 
     def __init__(self, name: str, limit: int, per_account: int) -> None:
         if limit <= 0 or per_account <= 0:

@@ -15,12 +15,12 @@ a lease after it sent its request, see kvtier/transport/onesided.py) never reads
 block. A late ``commit``/``release`` of a quarantined lease ends its quarantine at once (that client is done
 copying). Only then does ``on_expire`` give the slots back.
 
-Every lease belongs to the client that took it (``owner``: its account and session, kvtier/pool/clients.py): a
+Every lease belongs to the client that took it (``owner``: its account and session, pool/clients.py): a
 commit or release from anyone else finds nothing, is counted (``foreign``) and leaves the lease alone. Lease
 numbers are drawn at random (62 bits from the OS's CSPRNG), so neither a stranger nor a client of the pool's
 previous run (same endpoint, new epoch) can name another client's lease.
 
-What a lease holds is charged to the pool's ``held`` budget (kvtier/pool/budget.py) by whoever adds it, for
+What a lease holds is charged to the pool's ``held`` budget (pool/budget.py) by whoever adds it, for
 ``nbytes``; the table gives that back when the lease leaves it (returned, or given back after quarantine).
 One account holds at most ``per_account`` leases at once (``full``): each costs a little bookkeeping, and a
 client taking one-block leases in a loop must not turn the quota of bytes into millions of entries.

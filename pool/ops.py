@@ -1,7 +1,7 @@
-"""The ops a kvtier-pool serves (kvtier/pool/protocol.py documents each): hello, contains, remove, put, get,
+"""The ops a kvtier-pool serves (kvtier/wire/pool.py documents each): hello, contains, remove, put, get,
 reserve/commit and acquire/release (one-sided clients), stats, clear, rdma_connect.
 
-Each takes the PoolState, the Client that sent it (kvtier/pool/clients.py: who, as far as the pool can
+Each takes the PoolState, the Client that sent it (pool/clients.py: who, as far as the pool can
 tell; roles hang off it), the decoded request body and the request's data frames, and returns a Reply, or
 raises WireError naming what is wrong. A put copies once, from the received frames into reserved slots (one
 native batched copy). A get's reply frames point into the slots, which stay acquired until zmq has sent them
@@ -28,12 +28,12 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.auth.roles import ADMIN, DATA, READ
-from kvtier.pool import protocol as P
 from kvtier.pool.clients import Client
-from kvtier.pool.state import MIN_BLOCK_BYTES, PoolState, block_size_problem
-from kvtier.transport import frames as F
-from kvtier.transport.base import PoolError
+from kvtier.pool.sizing import MIN_BLOCK_BYTES, block_size_problem
+from kvtier.pool.state import PoolState
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError
+from kvtier.wire import frames as F
+from kvtier.wire import pool as P
 
 Body = dict[str, Any]
 
@@ -220,7 +220,7 @@ def _int_list(body: Body, name: str, max_len: int) -> list[int]:
 def acquire(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
     """Acquire ``keys``; first release the leases a pipelined client piggybacks (``releases``: the chunks it
     finished copying), so a get never needs a connection of its own to release. ``generations`` are the
-    acquired slots' (kvtier/pool/generations.py): the client checks them again after its copy. Keys past the
+    acquired slots' (kvtier/wire/generations.py): the client checks them again after its copy. Keys past the
     client's share of the held budget are answered as misses."""
     client = _with_session(st, client, body)
     tier = st.tier_for(body)
@@ -334,10 +334,7 @@ def copy_from(st: PoolState, client: Client, body: Body, data: list[Any]) -> Rep
     if not isinstance(source, str) or not source or len(source) > 512:
         raise WireError(ERR_BAD_REQUEST, "copy_from needs 'source': the client endpoint of the pool to copy from")
     st.tier_for(body)
-    try:
-        copied, missing = st.copier.copy_from(source, st.keys(body))
-    except PoolError as e:
-        raise WireError(wire.ERR_UNAVAILABLE, f"copy_from {source[:128]}: {e}"[:500]) from None
+    copied, missing = st.copier.copy_from(source, st.keys(body))  # an unreachable source: ERR_UNAVAILABLE
     return Reply({"copied": copied, "missing": missing})
 
 
@@ -358,5 +355,5 @@ PERMISSIONS = {
 }
 
 # Ops that make a client hold more (memory or slots): the dispatcher holds them back while the client's
-# account is at a budget limit (kvtier/pool/dispatch.py). Leases ops grant within the quota themselves.
+# account is at a budget limit (pool/dispatch.py). Leases ops grant within the quota themselves.
 HOLDING_OPS = {P.GET}

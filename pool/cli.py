@@ -16,9 +16,11 @@ import sys
 import zmq
 
 from kvtier.auth.exposure import check_binds
+from kvtier.daemon_cli import add_start_options, parse_and_log, start_error
 from kvtier.policies import make_policy
 from kvtier.pool.server import PoolServer
-from kvtier.pool.state import PoolSettings, block_size_problem
+from kvtier.pool.sizing import block_size_problem
+from kvtier.pool.state import PoolSettings
 from kvtier.units import parse_bytes
 
 
@@ -90,15 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "public key; the data port then admits connections by a token handed out at hello (README "
                    "'Authenticated sockets'). Default: anyone who reaches the ports is served")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
-    p.add_argument("--ready-file", help="write {endpoints, node, pid, epoch, shm_path, stream_port, metrics_port} "
-                   "as JSON here once serving")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_start_options(p, "{endpoints, node, pid, epoch, shm_path, stream_port, metrics_port}")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_and_log(build_parser(), argv)
     try:
         if min(args.workers, args.max_keys, args.copy_threads, args.stream_max_connections,
                args.stream_pending_max) < 1:
@@ -134,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         PoolServer(settings, ready_file=args.ready_file).run()
     except (ValueError, OSError, zmq.ZMQError) as e:
-        print(f"kvtier-pool: error: {e}", file=sys.stderr)
-        return 2
+        return start_error("kvtier-pool", e)
     return 0
 
 

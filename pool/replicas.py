@@ -3,7 +3,7 @@
 The master (master/replication.py) hands a pool work in its heartbeat replies: "copy these keys from pool X"
 and "drop these replicas". ``Copier.on_replicate`` queues the copies for one background thread (the agent's
 heartbeat thread must not wait on another pool) and removes the drops at once. An operator can ask for the
-same copy with the pool op ``copy_from`` {source, keys} -> {copied, missing} (kvtier/pool/ops.py), which runs
+same copy with the pool op ``copy_from`` {source, keys} -> {copied, missing} (pool/ops.py), which runs
 it on the asking worker and answers when it is done.
 
 A copy is a client's get from the source pool (the usual client transports, so the same checks that make a
@@ -17,6 +17,13 @@ larger) and is charged to the pool's memory budget like a reply's; at most ``MAX
 ``timeout_s``. An unreachable or failing source costs that job only: logged (rate-limited), counted, the
 connection dropped and made again for the next job.
 
+Layering: here the pool is a client of another pool, so this module (and only it, on the pool's side) uses the
+SDK, through its public entries alone: ``kvtier.transport.connect`` and ``kvtier.transport.PoolError``. A
+failed source call leaves this module as the pool's own error, WireError ERR_UNAVAILABLE naming the source,
+so the ops (and the rest of the daemon) speak kvtier.wire's errors only. The master's replication work
+arrives as a NodeAgent heartbeat reply; ``ReplicationWork`` is the shape read from it (no import of the
+SDK's reply type).
+
 With ``--auth-dir`` a pool reads from another pool with its own keypair (the daemons' server.key): that key
 needs the data permission on the other pools (list it under their authorized/engines/ too).
 """
@@ -26,14 +33,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from kvtier import wire
 from kvtier.ratelog import RateLimitedLog
+from kvtier.transport import PoolConnection, PoolError, connect
 
 if TYPE_CHECKING:
-    from kvtier.client.api import NodeReply
     from kvtier.pool.state import PoolState
 
 log = logging.getLogger(__name__)
@@ -41,6 +50,14 @@ STAGE_BYTES = 8 << 20
 MAX_QUEUED = 64
 TIMEOUT_S = 5.0  # each call to a source pool
 ACCOUNT = "replication"  # what the staging buffer is charged to in the pool's memory budget
+
+
+class ReplicationWork(Protocol):
+    """What a heartbeat reply asks of a pool (kvtier.client.NodeAgent hands its reply to ``on_replicate``):
+    ``replicate`` (source node, source client endpoint, keys) triples to copy, ``drop`` replicas to remove."""
+
+    replicate: Sequence[tuple[str, str, Sequence[bytes]]]
+    drop: list[bytes]
 
 
 class Copier:
@@ -52,7 +69,7 @@ class Copier:
         self.timeout_s = timeout_s
         self._jobs: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue(MAX_QUEUED)
         self._lock = threading.Lock()  # one copy at a time: the staging bound holds for all callers
-        self._conns: dict[str, Any] = {}  # source address -> kvtier.transport.base.PoolConnection
+        self._conns: dict[str, PoolConnection] = {}  # source address -> a connection to it
         self._thread: threading.Thread | None = None
         self._bad = RateLimitedLog(log)
 
@@ -63,7 +80,7 @@ class Copier:
 
     # ---- the master's work ---------------------------------------------------------------------------
 
-    def on_replicate(self, reply: NodeReply) -> None:
+    def on_replicate(self, reply: ReplicationWork) -> None:
         """A heartbeat reply's replication work: queue its copies, remove its drops now."""
         for _source_node, address, keys in reply.replicate:
             try:
@@ -97,7 +114,14 @@ class Copier:
 
     def copy_from(self, source: str, keys: list[bytes]) -> tuple[int, int]:
         """Copy the blocks of ``keys`` the pool at ``source`` holds into this pool: (copied, missing). Keys held
-        here already count as copied. Raises PoolError when the source cannot be reached."""
+        here already count as copied. Raises WireError ERR_UNAVAILABLE (naming the source) when the source cannot
+        be reached or fails: the client side's PoolError ends here."""
+        try:
+            return self._copy_from(source, keys)
+        except PoolError as e:
+            raise wire.WireError(wire.ERR_UNAVAILABLE, f"copy_from {source[:128]}: {e}"[:500]) from None
+
+    def _copy_from(self, source: str, keys: list[bytes]) -> tuple[int, int]:
         st = self.state
         tier = st.tier
         if tier is None or not keys:
@@ -134,11 +158,9 @@ class Copier:
         st.count(replicate_copied=copied, replicate_missing=missing)
         return copied, missing
 
-    def _connection(self, source: str, block_bytes: int) -> Any:
+    def _connection(self, source: str, block_bytes: int) -> PoolConnection:
         conn = self._conns.get(source)
         if conn is None:
-            from kvtier.transport.connection import connect
-
             conn = connect(source, block_bytes, timeout_s=self.timeout_s, auth=self.state.peer_keys(source))
             self._conns[source] = conn
         return conn
@@ -165,4 +187,4 @@ class Copier:
                 self._forget(source)
 
 
-__all__ = ["Copier", "STAGE_BYTES", "TIMEOUT_S"]
+__all__ = ["Copier", "ReplicationWork", "STAGE_BYTES", "TIMEOUT_S"]

@@ -1,7 +1,10 @@
-"""The pyverbs parts of kvtier's RDMA transport (kvtier/transport/rdma.py): device lookup, an opened port, RC
-queue pairs and their transfers with a deadline. Optional: pyverbs is imported inside the functions that need
-it, so this module imports anywhere. Thread-safety: a QueuePair is used by one thread at a time (its owner's
-lock)."""
+"""The pyverbs parts of kvtier's RDMA data path, which both ends build: device lookup, an opened port, RC queue
+pairs and their transfers with a deadline. The client (kvtier/transport/rdma.py) and the pool
+(pool/rdma.py) each open a Port and connect QueuePairs whose fields (qpn, psn, gid, lid, mtu) ride in the
+pool protocol's ``rdma_connect`` op, with the access flags both must agree on (REMOTE_ACCESS): that agreement is
+part of the wire contract, so it lives in kvtier.wire and neither side imports the other for it. Optional:
+pyverbs is imported inside the functions that need it, so this module imports anywhere. Thread-safety: a
+QueuePair is used by one thread at a time (its owner's lock)."""
 
 from __future__ import annotations
 

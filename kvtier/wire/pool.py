@@ -21,7 +21,7 @@ Ops (request body -> reply body):
             fresh one per hello. ``session``: 32 bytes every lease op (reserve, commit, acquire, release)
             must carry: leases are bound to the client (its key or address) and this session.
             ``request_bytes``: the largest request a client should send (a batch's requests in flight then
-            fit in its share of what it may hold: kvtier/pool/budget.py).
+            fit in its share of what it may hold: pool/budget.py).
   contains  {keys}               -> {held: bitmap}
   remove    {keys}               -> {removed: int}
   put       {keys} + data        -> {held: bitmap}        data: the n blocks' bytes in key order, cut into
@@ -37,7 +37,7 @@ Ops (request body -> reply body):
             miss; the blocks stay put (not evicted, not reused) until their release, or until the lease
             expires (a pipelined client piggybacks the releases of the chunks it has copied: {keys,
             releases: [lease]}). ``generations``: little-endian uint64 per key, its slot's generation
-            (kvtier/pool/generations.py); after its copy the client reads them again (a changed one: a miss).
+            (kvtier/wire/generations.py); after its copy the client reads them again (a changed one: a miss).
             Reserve and acquire grant at most the client's share of the pool's held budget: keys past it are
             answered not held / -1, and ``skipped`` says how many.
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
@@ -46,13 +46,13 @@ Ops (request body -> reply body):
   stats     {}                   -> {tier, leases, counters}
   clear     {}                   -> {removed: int}       drop every block (an operator's reset; a policy's
             history, e.g. S3-FIFO's ghosts, stays)
-  rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/transport/rdma.py
+  rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/wire/verbs.py, pool/rdma.py
   copy_from {source, keys}       -> {copied, missing}     copy the keys' blocks from the pool at ``source``
-            (its client endpoint) into this one, pool to pool (kvtier/pool/replicas.py; hot-block replication
+            (its client endpoint) into this one, pool to pool (pool/replicas.py; hot-block replication
             asks for the same copy in a heartbeat reply); an operator's op, answered when the copy is done
 
 Leases expire after the pool's ``lease_s`` and are quarantined for another ``lease_s`` before their slots are
-reused (kvtier/pool/leases.py); lease numbers are random 62-bit values, and act only for the client and session
+reused (pool/leases.py); lease numbers are random 62-bit values, and act only for the client and session
 that took them; ``release`` and ``commit`` carry ``noreply`` True when the client does not wait for the answer.
 Errors use kvtier.wire's codes, and ERR_BUSY: the pool has too much waiting from this client (or from all of
 them) and answers at once instead of queueing; a put over the pool's capacity is ERR_TOO_LARGE naming the
@@ -84,7 +84,7 @@ COPY_FROM = "copy_from"
 
 # Clients cut batches into requests of at most the hello's request_bytes but no fewer than MIN_REQUEST_BLOCKS
 # blocks (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold
-# (reserve, acquire, have in flight) at least MIN_HELD_BLOCKS (kvtier/pool/budget.py), room for those few.
+# (reserve, acquire, have in flight) at least MIN_HELD_BLOCKS (pool/budget.py), room for those few.
 MIN_REQUEST_BLOCKS = 4
 MIN_HELD_BLOCKS = 4 * MIN_REQUEST_BLOCKS
 

@@ -7,7 +7,7 @@ It replaces zmq's own proxy for three reasons:
 
 * **Who sent it.** zmq's metadata (``Peer-Address``, and with CURVE ``User-Id``: the client's public key) is
   readable only on the socket a message arrived on; the dispatcher reads it and hands it to the worker with
-  the request (kvtier/pool/clients.py), so leases, quotas and roles know their client.
+  the request (pool/clients.py), so leases, quotas and roles know their client.
 * **Fairness.** Requests wait in one queue per client account (its key, or its IP address / ipc process), and
   an idle worker takes the next request of the next account in turn: a client that floods the pool gets its
   share of the workers, not all of them.
@@ -35,10 +35,10 @@ import zmq
 
 from kvtier import wire
 from kvtier.pool import clients
-from kvtier.pool import protocol as P
 from kvtier.pool.ops import HOLDING_OPS, NO_REPLY_OPS
 from kvtier.pool.state import PoolState
 from kvtier.ratelog import RateLimitedLog
+from kvtier.wire import pool as P
 
 log = logging.getLogger("kvtier.pool")
 

@@ -1,4 +1,4 @@
-"""DataPortAdmission: who gets onto the pool's raw TCP data port, and for how long (kvtier/pool/stream.py serves
+"""DataPortAdmission: who gets onto the pool's raw TCP data port, and for how long (pool/stream.py serves
 the messages of those admitted).
 
 Connections go through two stages, counted and limited apart, so idle or unauthenticated peers cannot lock
@@ -16,7 +16,7 @@ honest clients out:
   all are taken, the one idle the longest (between messages) is closed to make room (``stream_idle_closed``;
   clients replace a connection the pool closed while idle before their next request); only when every one
   is inside a message is a newcomer refused (``stream_refused``). An admitted connection idle for ``idle_s``
-  is closed; a message's envelope must arrive within ``handshake_s`` of its first byte (kvtier/pool/stream.py),
+  is closed; a message's envelope must arrive within ``handshake_s`` of its first byte (pool/stream.py),
   so a connection that sends a byte and stalls holds its thread no longer than that.
 
 Threads: one accept thread (this class's), one per admitted connection; ``begin``/``idle`` are called by a
