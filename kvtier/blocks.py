@@ -23,8 +23,9 @@ class BlockRows:
     owners: tuple[Any, ...]
 
     def take(self, index: Sequence[int]) -> BlockRows:
-        """The rows at ``index`` (this object itself when that is every row, in order)."""
-        if len(index) == len(self.ptrs) and list(index) == list(range(len(self.ptrs))):
+        """The rows at ``index``: ascending, distinct positions (so as many as there are rows is every row, and
+        this object itself comes back)."""
+        if len(index) == len(self.ptrs):
             return self
         return BlockRows(self.ptrs[list(index)], self.owners)
 

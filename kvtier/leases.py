@@ -107,71 +107,62 @@ class LeaseTable:
         Keys the store does not hold are not pinned (False). Keys already in the lease stay pinned once.
         The expiry and the priority only ever grow. Raises ValueError for ttl_s <= 0: every lease ends.
         """
-        if not ttl_s > 0:
-            raise ValueError(f"lease {name!r}: ttl_s must be > 0, got {ttl_s}")
-        self._release_expired()
-        now = self._clock()
+        now = self._start(name, ttl_s)
         # One lock over the pin call too: the store never calls back into this table, and two lease() calls
         # of one name must not both pin a key.
         with self._lock:
-            lease = self._leases.get(name)
-            if lease is None:
-                lease = self._leases[name] = Lease(name, now + ttl_s, priority)
-            fresh = list(dict.fromkeys(k for k in keys if k not in lease.keys))
+            have = self._leases.get(name)
+            fresh = list(dict.fromkeys(k for k in keys if have is None or k not in have.keys))
             held = self._store.pin(fresh) if fresh else []
-            pinned = [k for k, h in zip(fresh, held) if h]
-            lease.keys.update(pinned)
-            self._total += len(pinned)
-            lease.expires = max(lease.expires, now + ttl_s)
-            self._earliest = min(self._earliest, self._until(lease))
-            lease.priority = max(lease.priority, priority)
-            victims = self._over_budget()
-            for victim in victims:
-                self._unpin(victim)
+            lease = self._adopt(name, [k for k, h in zip(fresh, held) if h], now, ttl_s, priority)
             # This lease itself may have gone for the budget: then none of its keys is leased any more.
-            result = [k in lease.keys for k in keys] if self._leases.get(name) is lease else [False] * len(keys)
-        for victim in victims:
-            log.info("lease %r released early (%d keys, priority %s): leases held more than max_keys=%d keys",
-                     victim.name, len(victim.keys), victim.priority, self.max_keys)
-        return result
+            return [k in lease.keys for k in keys] if lease is not None else [False] * len(keys)
 
     def lease_prefix(self, name: str, keys: Sequence[bytes], ttl_s: float, priority: float = 0.0) -> StoreLookup:
         """Find the leading ``keys`` the store holds and pin them under ``name`` until now + ``ttl_s``, in one
-        pass over the tiers (``lookup_prefix(pin=True)``: pinned before they are looked for, so none found is
-        evicted before it is leased). Returns the prefix found and leased (length 0 if the budget dropped the
-        lease at once); keys already in the lease stay pinned once. No lease is made when nothing is held.
+        pass over the tiers (``lookup_prefix(pin=True)``: pinned before they are looked for). Returns the
+        prefix found and leased (length 0 if the budget dropped the lease at once); keys already in the lease
+        stay pinned once. No lease is made when nothing is held.
         """
+        now = self._start(name, ttl_s)
+        with self._lock:  # as in lease(): two leases of one name must not both keep a key's pin
+            found = self._store.lookup_prefix(keys, pin=True)
+            if not found.length:
+                return found
+            lease = self._adopt(name, list(keys[: found.length]), now, ttl_s, priority)
+            return found if lease is not None else StoreLookup(0, [])
+
+    def _start(self, name: str, ttl_s: float) -> float:
+        """What every new pin under a lease begins with: its ttl checked, the expired released; the time now."""
         if not ttl_s > 0:
             raise ValueError(f"lease {name!r}: ttl_s must be > 0, got {ttl_s}")
         self._release_expired()
-        now = self._clock()
-        with self._lock:  # as in lease(): two leases of one name must not both keep a key's pin
-            found = self._store.lookup_prefix(keys, pin=True)
-            prefix = keys[: found.length]
-            if not prefix:
-                return found
-            lease = self._leases.get(name)
-            if lease is None:
-                lease = self._leases[name] = Lease(name, now + ttl_s, priority)
-            extra = []  # pins the lease already holds (or a key repeated in the prefix): one per key is kept
-            for k in prefix:
-                if k in lease.keys:
-                    extra.append(k)
-                else:
-                    lease.keys.add(k)
-                    self._total += 1
-            lease.expires = max(lease.expires, now + ttl_s)
-            self._earliest = min(self._earliest, self._until(lease))
-            lease.priority = max(lease.priority, priority)
-            victims = self._over_budget()
-            kept = self._leases.get(name) is lease
+        return self._clock()
+
+    def _adopt(self, name: str, pinned: list[bytes], now: float, ttl_s: float, priority: float) -> Lease | None:
+        """Give lease ``name`` (made if new) the keys of ``pinned``, one store pin each taken by the caller (a
+        key the lease has already, or a repeat, gives its pin back), extend it, then keep the budget. Returns
+        the lease, or None when the budget released it at once. Lock held."""
+        lease = self._leases.get(name)
+        if lease is None:
+            lease = self._leases[name] = Lease(name, now + ttl_s, priority)
+        extra = []
+        for k in pinned:
+            if k in lease.keys:
+                extra.append(k)
+            else:
+                lease.keys.add(k)
+                self._total += 1
         if extra:
             self._store.unpin(extra)
-        for victim in victims:
+        lease.expires = max(lease.expires, now + ttl_s)
+        self._earliest = min(self._earliest, self._until(lease))
+        lease.priority = max(lease.priority, priority)
+        for victim in self._over_budget():
             self._unpin(victim)
             log.info("lease %r released early (%d keys, priority %s): leases held more than max_keys=%d keys",
                      victim.name, len(victim.keys), victim.priority, self.max_keys)
-        return found if kept else StoreLookup(0, [])
+        return lease if self._leases.get(name) is lease else None
 
     def release(self, name: str) -> int:
         """Unpin every key of lease ``name``; return how many (0 for an unknown or already released lease).

@@ -133,9 +133,8 @@ class TieredStore:
     def put(self, keys: Sequence[bytes], blocks: Any) -> PutResult:
         """Store blocks (one per key) in the top tier; keys the top or a local tier holds, or another put is
         writing, are skipped (``prepare_put``)."""
-        check_keys(keys)
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
-        with self.prepare_put(keys) as plan:
+        with self.prepare_put(keys) as plan:  # checks the keys
             return plan.skipping(plan.put(plan.fresh, rows.take(plan.fresh)))
 
     @property
@@ -155,6 +154,8 @@ class TieredStore:
         the top tier publishes nothing, every slot is freed and the exception propagates. TypeError where
         ``writes_in_place`` is False (use put).
         """
+        if self._slots is None:  # before any tier is asked or any key claimed
+            raise TypeError(f"the top tier {self.tiers[0].name!r} has no addressable slots to fill in place; use put")
         with self.prepare_put(keys) as plan:
             return plan.skipping(plan.put_in_place(plan.fresh, fill))
 
@@ -227,7 +228,9 @@ class TieredStore:
 
         ``pin``: the prefix found comes back pinned, one pin per key (the caller unpins them, e.g. a lease that
         adopts them: LeaseTable.lease_prefix). Every key is pinned before any tier is asked, so no block found
-        can be evicted between the answer and the pin; the keys past the prefix are unpinned at once.
+        can be chosen for eviction after the answer; one a tier had already chosen is still on its way down
+        (DRAM hands it to the tier below, where it stays held unless that tier refuses it: then the load finds
+        it missing and the engine recomputes). The keys past the prefix are unpinned at once.
         """
         if pin:
             self.pins.pin(keys)
@@ -258,14 +261,16 @@ class TieredStore:
     # ---- pins ------------------------------------------------------------------------------------------
 
     def pin(self, keys: Sequence[bytes]) -> list[bool]:
-        """Add one pin to each held key (pinned blocks are never evicted); True where the key was held.
+        """Add one pin to each held key (pinned blocks are never evicted); True where the key was held by a
+        tier the pins protect: the top tier and the local ones. A pool below evicts by its own rules, so it is
+        not asked (no round trip: a save's session lease costs no master RPC) and its blocks are not pinned.
 
         Unheld keys are not pinned. Each successful pin needs one ``unpin``. Pinned first, then asked (one
-        pass over the tiers), so a block reported held cannot be evicted before its pin.
+        pass over the tiers), so a block reported held can no longer be chosen for eviction.
         """
         check_keys(keys)
         self.pins.pin(keys)
-        held = self.contains(keys)
+        held = self.contains(keys, local_only=True)
         self.pins.unpin([k for k, h in zip(keys, held) if not h])
         return held
 

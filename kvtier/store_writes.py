@@ -79,8 +79,7 @@ class TopWrites:
                 if not todo or len(reservations) == 2 or not self._reclaim():  # expired leases held the space
                     break
             index = [i for _, reserved in reservations for i in reserved]
-            by_position = dict(zip(positions, keys))
-            new_keys = [by_position[i] for i in index]
+            new_keys = [k for r, _ in reservations for k in r.keys]  # the reserved keys, in index's order
             if index:
                 slots = BlockRows(np.concatenate([r.addresses for r, _ in reservations]), (top,))
                 fill(index, slots)

@@ -87,7 +87,7 @@ def test_admission_off_where_dram_has_a_tier_under_it(tmp_path):
     with_ssd = TieredStore.from_config({"dram_capacity": 64 * BB, "ssd_path": str(tmp_path),
                                         "ssd_capacity": 4096 * 64, "ssd_direct_io": "false"}, BB)
     try:
-        assert only.tiers[0]._admission and not with_ssd.tiers[0]._admission
+        assert only.tiers[0]._table._admission == "enforce" and with_ssd.tiers[0]._table._admission == "advice"
     finally:
         only.close()
         with_ssd.close()

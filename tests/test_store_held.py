@@ -177,10 +177,12 @@ def test_a_distributed_save_asks_the_master_nothing(tmp_path):
                 assert plan.fresh == list(range(16, 32))
                 assert plan.put(plan.fresh, data[16:]).stored == 16
             assert store.flush(10)
+            # An agent's session lease over the saved blocks (the connector's hints) pins the local copies only.
+            store.tiers[0].remove(KEYS[28:32])  # now in the pool only
+            assert store.leases.lease("session:s", KEYS[:32], ttl_s=60) == [True] * 28 + [False] * 4
             assert locates() == before  # nothing asked to decide what is held
             assert store.stats()["offloads"]["pool"]["written"] == 32  # and the write-through still went
             # Negative control: a lookup does ask the master (the pool tier is remote).
             # (The pools tell the master what they hold on their heartbeat: wait until it knows.)
-            store.tiers[0].remove(KEYS[:4])
-            wait_for(lambda: store.lookup_prefix(KEYS[:4]).length == 4, 15.0, "the master knows the pool's blocks")
+            wait_for(lambda: store.lookup_prefix(KEYS[28:32]).length == 4, 15.0, "the master knows the pool's blocks")
             assert locates() > before

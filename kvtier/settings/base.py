@@ -12,6 +12,8 @@ from typing import Any
 
 from kvtier.units import parse_bytes
 
+OFFLOADS = ("write_through", "on_evict", "second_hit")  # when a lower tier gets DRAM's blocks (offload.py)
+
 # (key, its value, the bytes it must hold at least): a size that depends on the block, known with the layout.
 BlockSize = tuple[str, int, int]
 

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.settings.base import (BlockSize, ConfigError, bytes_field, check_range, endpoint_list, key_field,
+from kvtier.settings.base import (OFFLOADS, BlockSize, ConfigError, bytes_field, check_range, endpoint_list, key_field,
                                   switch_field)
-from kvtier.settings.ssd import OFFLOADS
 
 MODES = ("embedded", "standalone", "distributed")
 

@@ -6,13 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.settings.base import (BlockSize, bytes_field, check_policy_name, check_positive, check_range,
+from kvtier.settings.base import (OFFLOADS, BlockSize, bytes_field, check_policy_name, check_positive, check_range,
                                   key_field, switch_field)
 
 if TYPE_CHECKING:  # kvtier.policies loads every policy module: only when a check needs it
     from kvtier.policies import Clock
 
-OFFLOADS = ("write_through", "on_evict", "second_hit")  # when a lower tier gets DRAM's blocks (offload.py)
 DIRECT_IO_ALIGN = 4096  # O_DIRECT slots are rounded up to this (kvtier/tiers/ssd_io.py)
 
 

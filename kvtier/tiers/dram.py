@@ -67,7 +67,6 @@ class DramTier(AddressableSlots):
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)  # removes wait here for keys being handed down
         self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
-        self._admission = admission  # False: what the policy declines is stored too, after the rest
         # Under the lock. ``busy`` counts in-flight copies per slot; ``leaving``: evicted, being handed down
         # (key -> its slot, reserved for a new key), readable until the hand-down ends.
         self._table = t = SlotTable(num_slots, policy, clock, stats=self._stats, block_bytes=block_bytes,

@@ -73,7 +73,7 @@ class DiskSlots(SlotTable):
         self.on_evict: EvictListener | None = None
         self.counts: Counter[str] = Counter()
         self.stopped = ""  # why the tier stopped admitting; "" while it admits
-        self._where = where
+        self._dir = where  # (SlotTable's own _where is its log label)
 
     def held_or_pending(self, key: bytes) -> bool:
         """Committed, or being written now (lock held): what write-behind does not stage again."""
@@ -88,7 +88,7 @@ class DiskSlots(SlotTable):
                 self.stopped = f"{errno.errorcode.get(err.errno or 0, err.errno)} on {what}: {err.strerror}"
         if first:
             log.error("SSD tier at %s stopped admitting blocks after %s; it keeps serving the blocks it holds "
-                      "and the store keeps serving from DRAM. Cause: %s", self._where, what, err)
+                      "and the store keeps serving from DRAM. Cause: %s", self._dir, what, err)
 
     def report_gone(self, keys: list[bytes]) -> None:
         """Tell the store's eviction listener that ``keys`` are no longer held (evicted, or dropped as damaged):
