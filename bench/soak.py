@@ -25,7 +25,7 @@ What counts (the JSON's fields):
   and ``no_pool_blocks``: blocks not placed while the master or a pool was down or too slow).
 * ``rss``: per daemon, [seconds since start, MiB] samples (``traffic_from_s``: when the clients began);
   ``rss_growth_pct``: per daemon, its RSS over the last tenth of its traffic against the second fifth of it
-  (after warm-up: an unsized pool allocates its DRAM at the first put; a restarted daemon counts from its
+  (after warm-up; the pools are sized at start, so their DRAM is in it; a restarted daemon counts from its
   restart), and the largest of those as ``rss_growth_pct`` itself.
 
 Runs in the calling process (the daemons and clients are subprocesses it owns; all are stopped on exit).
@@ -199,7 +199,7 @@ class _Daemon:
 
     def growth_pct(self, since: float) -> float | None:
         """RSS over the last tenth of each incarnation's traffic (samples from ``since`` on) against its second
-        fifth (after warm-up: a pool's DRAM is allocated at its first put), the largest."""
+        fifth (after warm-up: imports, first connections), the largest."""
         out = []
         for whole in self.lives:
             life = [x for x in whole if x[0] >= since]
@@ -229,8 +229,12 @@ def soak(duration_s: float, clients: int, faults: bool, *, block_bytes: int = 16
     try:
         master.start(t_start)
         for i in range(2):
+            # Sized at start (--block-bytes), so each incarnation's DRAM is allocated and prefaulted before it
+            # reports ready: an unsized pool restarted while the master is down allocated it at the first put
+            # after the master's return, past the warm-up window, and read as 30% growth.
             pools.append(_Daemon(f"pool-{i}", [py, "-m", "kvtier.pool", "--master", master.bind, "--capacity",
-                                               str(pool_capacity), "--heartbeat-s", "0.5", "--rdma", "off", "--prefault",
+                                               str(pool_capacity), "--block-bytes", str(block_bytes),
+                                               "--heartbeat-s", "0.5", "--rdma", "off", "--prefault",
                                                "--shm-dir", str(tmp), "--log-level", "warning"],
                                  "tcp://127.0.0.1:*", tmp).start(t_start))
         daemons = [master, *pools]
