@@ -65,7 +65,7 @@ def test_a_trickled_envelope_is_put_together_and_a_clean_end_is_none():
     a, b = _pair()
     try:
         message = HEADER.pack(5) + b"hello"
-        t = threading.Thread(target=lambda: [send_message_raw(a, message[i : i + 1], time.monotonic() + 5)
+        t = threading.Thread(target=lambda: [send_message_raw(a, message[i : i + 1], deadline=time.monotonic() + 5)
                                              for i in range(len(message))])
         t.start()
         assert read_envelope(b, deadline=time.monotonic() + 5) == b"hello"
@@ -80,7 +80,7 @@ def test_a_trickled_envelope_is_put_together_and_a_clean_end_is_none():
 def test_a_peer_that_stops_mid_message_ends_by_the_deadline_or_as_closed():
     a, b = _pair()
     try:
-        send_message_raw(a, HEADER.pack(10) + b"abc", time.monotonic() + 5)  # 7 bytes short
+        send_message_raw(a, HEADER.pack(10) + b"abc", deadline=time.monotonic() + 5)  # 7 bytes short
         t0 = time.monotonic()
         with pytest.raises(socket.timeout):
             read_envelope(b, deadline=time.monotonic() + 0.3)
@@ -95,11 +95,11 @@ def test_a_peer_that_stops_mid_message_ends_by_the_deadline_or_as_closed():
 def test_an_envelope_over_the_limit_or_past_the_budget_is_refused_before_its_body():
     a, b = _pair()
     try:
-        send_message_raw(a, HEADER.pack(1 << 30), time.monotonic() + 5)
+        send_message_raw(a, HEADER.pack(1 << 30), deadline=time.monotonic() + 5)
         with pytest.raises(wire.WireError) as err:
             read_envelope(b, deadline=time.monotonic() + 5, max_bytes=1 << 20)
         assert err.value.code == wire.ERR_TOO_LARGE
-        send_message_raw(a, HEADER.pack(100) + b"x" * 100, time.monotonic() + 5)
+        send_message_raw(a, HEADER.pack(100) + b"x" * 100, deadline=time.monotonic() + 5)
         with pytest.raises(wire.WireError) as err:
             read_envelope(b, deadline=time.monotonic() + 5, charge=lambda n: False)
         assert err.value.code == "busy"

@@ -204,7 +204,7 @@ class PageStore:
         """Saves where the top tier has no slots to fill: only pages the store lacks are gathered (one
         ``prepare_put`` answers that once per page, and claims the rest until they are written)."""
         ok = [True] * len(keys)
-        stored = skipped = 0
+        stored = 0
         with self.store.prepare_put(keys) as plan, self._save_staging.lend() as rows:
             todo = plan.fresh
             for lo in range(0, len(todo), len(rows)):
@@ -213,12 +213,10 @@ class PageStore:
                 self.pages.to_blocks(segments[part], staging.ptrs)
                 result = plan.put(part, staging)
                 stored += result.stored
-                skipped += result.skipped
                 rejected = set(result.rejected)
                 for i in part:
                     ok[i] = keys[i] not in rejected
-            skipped += plan.skipped
-        self._count(saved_staged=stored, skipped=skipped, rejected=ok.count(False))
+        self._count(saved_staged=stored, skipped=plan.skipped, rejected=ok.count(False))
         self._lease(keys, hints)
         return ok
 

@@ -246,7 +246,7 @@ class Transfers:
     def _save(self, job: SaveJob) -> None:
         start = time.perf_counter()
         try:
-            stored = rejected = skipped = 0
+            stored = rejected = 0
             rows = self._chunk_rows
             # One answer per key, given once: what the store holds (or another save is writing) is skipped
             # before any gather, and the rest is claimed until its chunks are written.
@@ -264,8 +264,7 @@ class Transfers:
                             result = plan.put(part, staging)
                     stored += result.stored
                     rejected += len(result.rejected)
-                    skipped += result.skipped
-                skipped += plan.skipped
+                skipped = plan.skipped  # a plan's writes skip nothing: it decided what to skip
             job.gathered.set()
             if job.hints is not None:
                 self.store.leases.lease(session_lease(job.hints.session), job.keys, job.hints.ttl_s,

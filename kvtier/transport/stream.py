@@ -204,7 +204,7 @@ class StreamConnection(ConnectionBase):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         token = self._token()
         if token is not None:  # a pool with --auth-dir: the token from our (encrypted) hello opens the port
-            send_message_raw(sock, token, deadline)
+            send_message_raw(sock, token, deadline=deadline)
         return sock
 
     def _token(self) -> bytes | None:

@@ -53,8 +53,17 @@ def send_message(sock: socket.socket, envelope: bytes, payload: Sequence[Any] = 
     """[u32 length][envelope] then the payload buffers, all of it (sendmsg, partial writes resumed)."""
     # Empty buffers are left out: sendmsg moves 0 bytes of one at the front, which would never be dropped (the
     # loop would spin to the deadline).
-    buffers = [memoryview(HEADER.pack(len(envelope)) + envelope), *(v for v in (memoryview(b).cast("B")
-                                                                               for b in payload) if len(v))]
+    _send_all(sock, [memoryview(HEADER.pack(len(envelope)) + envelope),
+                     *(v for v in (memoryview(b).cast("B") for b in payload) if len(v))], deadline)
+
+
+def send_message_raw(sock: socket.socket, data: bytes, *, deadline: float) -> None:
+    """``data`` as it is (no length prefix), by the deadline."""
+    _send_all(sock, [memoryview(data)] if data else [], deadline)
+
+
+def _send_all(sock: socket.socket, buffers: list[memoryview], deadline: float) -> None:
+    """Every byte of ``buffers`` (none of them empty), partial writes resumed, by the deadline."""
     while buffers:
         _left(sock, deadline)
         _advance(buffers, sock.sendmsg(buffers[:IOV_MAX]))
@@ -109,9 +118,3 @@ def recv_rows(sock: socket.socket, rows: np.ndarray, block_bytes: int, *, deadli
                       for addr, count in F.runs(rows, block_bytes, max_bytes=1 << 30)], deadline=deadline)
 
 
-def send_message_raw(sock: socket.socket, data: bytes, deadline: float) -> None:
-    """``data`` as it is (no length prefix), by the deadline."""
-    view = memoryview(data)
-    while view:
-        _left(sock, deadline)
-        view = view[sock.send(view):]
