@@ -11,6 +11,10 @@ Only *live* nodes are answered from: a syncing node's placements are incomplete,
 stale, a dead one's are gone. A dead node is kept (``nodes`` shows it) for ``forget_dead_s``, then forgotten,
 here and on disk; a restarted master forgets the ones whose grace ran out while it was down.
 
+An address (the node's endpoint) belongs to the node that registered it while that node is not dead: a
+register naming an address another node holds is refused (ERR_NODE_OWNED), so the endpoints the master hands
+out (replication's copy sources, locate's holders) are each one registered node's.
+
 A node id belongs to the registration that holds it while it is not dead: only a request carrying that
 registration's incarnation (a random id the node draws at start and never shows; ``nodes`` shows a digest)
 and, with keys, coming from the same key may act as the node (heartbeat, events, inventory, goodbye) or
@@ -120,6 +124,7 @@ class NodeRegistry:
         old = self.nodes.get(node_id)
         if old is not None and old.state != DEAD:
             self.check_owner(old, incarnation, owner, keyed, "register")
+        self._check_address(node_id, address, owner)
         if old is None:
             self._make_room(owner)
         tier_states = {name: TierState(name, cap) for name, cap in tiers}
@@ -157,6 +162,20 @@ class NodeRegistry:
                                              f"{', key ' + node.owner[:12] if keyed else ''}); a {op} for it "
                                              "must come from that node. It is free once that node says goodbye "
                                              f"or stays silent for its lease ({self.lease_s:g} s)")
+
+    def _check_address(self, node_id: str, address: str, owner: str) -> None:
+        """ERR_NODE_OWNED when another node that is not dead registered ``address``: an endpoint is one node's,
+        so a stranger cannot register a real pool's endpoint under a name of its own (and have the master send
+        other pools there to copy, or clients to read). The server logs the refusal and counts it
+        (kvtier_master_requests{op="register",status="node_owned"}); the message names who and whose."""
+        if not address:
+            return
+        holder = next((n for n in self.nodes.values()
+                       if n.address == address and n.node_id != node_id and n.state != DEAD), None)
+        if holder is not None:
+            raise WireError(wire.ERR_NODE_OWNED, f"node {node_id[:64]!r} (client {owner[:12]}) may not register "
+                                                 f"address {address[:128]!r}: node {holder.node_id!r} "
+                                                 f"({holder.state}) holds it; a node registers its own endpoint")
 
     def _make_room(self, owner: str) -> None:
         if self.max_nodes_per_client and owner != ANONYMOUS_QUOTA:

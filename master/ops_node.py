@@ -31,6 +31,7 @@ from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.nodes import DEAD, LIVE, PENDING, SYNCING, Node
 from kvtier.master.service import MasterState
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError, field, float_field, int_field, keys_field
+from kvtier.wire.pool import ENDPOINT_SCHEMES
 
 Body = Mapping[str, Any]
 MAX_SEQ = (1 << 63) - 1
@@ -51,6 +52,9 @@ def _known_node(st: MasterState, body: Body, caller: Caller) -> Node:
 def register(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:
     node_id = limits.name(body, "node")
     address = limits.text(body, "address", limits.MAX_ADDRESS, default="", empty=True)
+    if address and not address.startswith(ENDPOINT_SCHEMES):
+        raise WireError(ERR_BAD_REQUEST, f"field 'address': a node's endpoint is {' or '.join(ENDPOINT_SCHEMES)}"
+                                         f"..., got {address[:64]!r}")
     incarnation = limits.text(body, "incarnation", limits.MAX_INCARNATION)
     seq = int_field(body, "seq", 0, MAX_SEQ)
     raw_tiers = field(body, "tiers", list)

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtier.pool.ops import OPS
+from kvtier.pool.replicas import REFUSALS
 from kvtier.pool.state import PoolState
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
@@ -150,6 +151,12 @@ class _StateCollector(Collector):
                                   value=st.leases.expired)
         yield CounterMetricFamily("kvtier_pool_foreign_lease_ops", "Commits/releases naming another client's lease",
                                   value=st.leases.foreign)
+        copies = CounterMetricFamily("kvtier_pool_copies_refused", "Pool-to-pool copies refused (copy_from or the "
+                                     "master's work), by reason: not_cluster, bad_source, wrong_node",
+                                     labels=["reason"])
+        for reason in REFUSALS:
+            copies.add_metric([reason], c.get("copy_refused_" + reason, 0))
+        yield copies
         errors = CounterMetricFamily("kvtier_pool_errors", "Requests refused with an error, by code", labels=["code"])
         for name, n in sorted(c.items()):
             if name.startswith("error_"):

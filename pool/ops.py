@@ -20,6 +20,7 @@ thread-safe.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
+from kvtier.auth.peercred import ipc_cred
 from kvtier.auth.roles import ADMIN, DATA, READ
 from kvtier.pool.clients import Client
 from kvtier.pool.sizing import MIN_BLOCK_BYTES, block_size_problem
@@ -330,12 +332,36 @@ def check_fits(n: int, block_bytes: int, capacity: int) -> None:
 
 
 def copy_from(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
+    """Copy blocks from another pool (pool/replicas.py): the cluster's op, never a stranger's (a copy makes this
+    pool dial an endpoint the caller names and store what comes back under keys the caller names). With keys
+    the role check let only an operator key through (ADMIN); without keys see ``cluster_caller_problem``."""
     source = body.get("source")
     if not isinstance(source, str) or not source or len(source) > 512:
         raise WireError(ERR_BAD_REQUEST, "copy_from needs 'source': the client endpoint of the pool to copy from")
+    keys = st.keys(body)
+    why = cluster_caller_problem(st, client)
+    if why:
+        st.copier.refuse(source, len(keys), "not_cluster", why, client.account)
     st.tier_for(body)
-    copied, missing = st.copier.copy_from(source, st.keys(body))  # an unreachable source: ERR_UNAVAILABLE
+    copied, missing = st.copier.copy_from(source, keys)  # an unreachable source: ERR_UNAVAILABLE
     return Reply({"copied": copied, "missing": missing})
+
+
+def cluster_caller_problem(st: PoolState, client: Client) -> str | None:
+    """Why ``client`` is not proven to be the cluster (None: it is). With ``--auth-dir`` the per-op role check
+    already admitted only keys whose role grants ADMIN (operators). Without keys the one identity a pool has
+    is the kernel's: a process of this pool's own uid on its ipc:// socket (SO_PEERCRED, as zmq reports it:
+    kvtier/auth/peercred.py), which could read this pool's memory anyway; a tcp:// caller (no credentials)
+    or another uid is refused."""
+    if st.settings.auth_dir:
+        return None
+    cred = ipc_cred(client.peer)
+    if cred is None:
+        return ("a pool without --auth-dir takes copy_from only from a process of its own user on its ipc:// "
+                f"socket; this caller came from {client.peer[:64]} (no kernel credentials)")
+    if cred.uid != os.geteuid():
+        return f"the caller runs as uid {cred.uid}, this pool as uid {os.geteuid()}"
+    return None
 
 
 Op = Callable[[PoolState, Client, Body, list[Any]], Reply]
@@ -346,8 +372,9 @@ OPS: dict[str, Op] = {
 }
 NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
 # What each op needs when the pool requires keys (kvtier/auth/roles.py; checked per message by PoolServer.serve
-# before a worker sees it): engines move blocks, only operators clear. hello needs DATA because its
-# reply carries the data port's token, which admits puts and gets.
+# before a worker sees it): engines move blocks, only operators clear and ask for copies (copy_from: without
+# keys, only a process of the pool's own uid on its ipc socket: ops.cluster_caller_problem). hello needs DATA
+# because its reply carries the data port's token, which admits puts and gets.
 PERMISSIONS = {
     P.HELLO: DATA, P.CONTAINS: READ, P.STATS: READ, P.REMOVE: DATA, P.PUT: DATA, P.GET: DATA, P.RESERVE: DATA,
     P.COMMIT: DATA, P.ACQUIRE: DATA, P.RELEASE: DATA, P.RDMA_CONNECT: DATA, P.CLEAR: ADMIN,

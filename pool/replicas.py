@@ -6,10 +6,17 @@ heartbeat thread must not wait on another pool) and removes the drops at once. A
 same copy with the pool op ``copy_from`` {source, keys} -> {copied, missing} (pool/ops.py), which runs
 it on the asking worker and answers when it is done.
 
-A copy is a client's get from the source pool (the usual client transports, so the same checks that make a
-get's bytes its key's: a torn or reused one-sided slot is a miss there, never copied) into a staging buffer,
-then the same reserve/copy/commit a put runs here, with its "stored" event: the directory learns of the copy
-as of any block this pool stores. Keys this pool already holds are not fetched.
+A copy is a client's get from the source pool into a staging buffer, then the same reserve/copy/commit a put
+runs here, with its "stored" event: the directory learns of the copy as of any block this pool stores. Keys
+this pool already holds are not fetched.
+
+**The pool never maps a peer's memory.** The get comes as bytes on a socket (``connect(shared_memory=False)``:
+zmq frames over an ipc:// source, the stream, RDMA or zmq frames over tcp://), never through a shared file
+the source's hello names: a process posing as a pool could name any file this pool's user can open (root's
+0600 secrets) and have it copied into a block anyone can get. A source must be a tcp:// or ipc:// endpoint,
+and when the master names the source node, the pool there must answer hello as that node. Each refusal is
+one log line (the source, the keys' count, why) and ``copy_refused_<reason>`` (the metric
+``kvtier_pool_copies_refused{reason}``). Who may ask for a copy at all is the op's check (pool/ops.py).
 
 Bounds: one copy runs at a time (a lock), staging is at most ``STAGE_BYTES`` (or one block, when a block is
 larger) and is charged to the pool's memory budget like a reply's; at most ``MAX_QUEUED`` copy jobs wait
@@ -34,13 +41,14 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import numpy as np
 
 from kvtier import wire
 from kvtier.ratelog import RateLimitedLog
 from kvtier.transport import PoolConnection, PoolError, connect
+from kvtier.wire import pool as P
 
 if TYPE_CHECKING:
     from kvtier.pool.state import PoolState
@@ -50,6 +58,9 @@ STAGE_BYTES = 8 << 20
 MAX_QUEUED = 64
 TIMEOUT_S = 5.0  # each call to a source pool
 ACCOUNT = "replication"  # what the staging buffer is charged to in the pool's memory budget
+# Why a copy is refused (the counter copy_refused_<reason>, the metric's label): the caller is not proven to be
+# the cluster (pool/ops.py), the source is no tcp:// or ipc:// endpoint, the source is not the node named.
+REFUSALS = ("not_cluster", "bad_source", "wrong_node")
 
 
 class ReplicationWork(Protocol):
@@ -67,7 +78,7 @@ class Copier:
     def __init__(self, state: PoolState, timeout_s: float = TIMEOUT_S) -> None:
         self.state = state
         self.timeout_s = timeout_s
-        self._jobs: queue.Queue[tuple[str, list[bytes]] | None] = queue.Queue(MAX_QUEUED)
+        self._jobs: queue.Queue[tuple[str, list[bytes], str] | None] = queue.Queue(MAX_QUEUED)
         self._lock = threading.Lock()  # one copy at a time: the staging bound holds for all callers
         self._conns: dict[str, PoolConnection] = {}  # source address -> a connection to it
         self._thread: threading.Thread | None = None
@@ -82,9 +93,9 @@ class Copier:
 
     def on_replicate(self, reply: ReplicationWork) -> None:
         """A heartbeat reply's replication work: queue its copies, remove its drops now."""
-        for _source_node, address, keys in reply.replicate:
+        for source_node, address, keys in reply.replicate:
             try:
-                self._jobs.put_nowait((address, list(keys)))
+                self._jobs.put_nowait((address, list(keys), source_node))
             except queue.Full:
                 self.state.count(replicate_jobs_dropped=1)
         if reply.drop:
@@ -107,21 +118,34 @@ class Copier:
                 return
             try:
                 self.copy_from(*job)
+            except wire.WireError as e:  # refused or unreachable: this job's one log line (an op's: the server's)
+                self._bad("copier:" + e.code, logging.WARNING, "the master's copy from %s: %s", job[0][:128], e)
             except Exception:  # noqa: BLE001 -- a bug in one copy must not end the thread
                 self._bad("copier", logging.ERROR, "pool copy from %s failed", job[0], exc_info=True)
 
     # ---- one copy ------------------------------------------------------------------------------------
 
-    def copy_from(self, source: str, keys: list[bytes]) -> tuple[int, int]:
-        """Copy the blocks of ``keys`` the pool at ``source`` holds into this pool: (copied, missing). Keys held
-        here already count as copied. Raises WireError ERR_UNAVAILABLE (naming the source) when the source cannot
-        be reached or fails: the client side's PoolError ends here."""
+    def copy_from(self, source: str, keys: list[bytes], node: str | None = None) -> tuple[int, int]:
+        """Copy the blocks of ``keys`` the pool at ``source`` holds into this pool: (copied, missing); ``node``:
+        the node the pool there must say it is (the master's work names it). Keys held here already count as
+        copied. Raises WireError ERR_UNAVAILABLE (naming the source) when the source cannot be reached or fails:
+        the client side's PoolError ends here; ERR_FORBIDDEN when the source is refused (see the module doc)."""
+        if not source.startswith(P.ENDPOINT_SCHEMES):
+            self.refuse(source, len(keys), "bad_source", f"not a {' or '.join(P.ENDPOINT_SCHEMES)} endpoint")
         try:
-            return self._copy_from(source, keys)
+            return self._copy_from(source, keys, node)
         except PoolError as e:
             raise wire.WireError(wire.ERR_UNAVAILABLE, f"copy_from {source[:128]}: {e}"[:500]) from None
 
-    def _copy_from(self, source: str, keys: list[bytes]) -> tuple[int, int]:
+    def refuse(self, source: str, nkeys: int, reason: str, why: str, asker: str = "the master") -> NoReturn:
+        """Count a refused copy and raise ERR_FORBIDDEN naming who asked, the source, how many keys and why: its
+        one log line is the caller's (the server's for the op, ``_run``'s for the master's work)."""
+        assert reason in REFUSALS, reason
+        self.state.count(**{f"copy_refused_{reason}": 1})
+        raise wire.WireError(wire.ERR_FORBIDDEN, f"copy_from {source[:128]!r} ({nkeys} keys) asked by "
+                                                 f"{asker[:128]} refused: {why}"[:500])
+
+    def _copy_from(self, source: str, keys: list[bytes], node: str | None) -> tuple[int, int]:
         st = self.state
         tier = st.tier
         if tier is None or not keys:
@@ -140,6 +164,10 @@ class Copier:
             try:
                 stage = np.empty((stage_rows, bb), np.uint8)
                 conn = self._connection(source, bb)
+                if node is not None and conn.info.node != node:
+                    self._forget(source)
+                    self.refuse(source, len(keys), "wrong_node", f"the pool there says it is node "
+                                f"{conn.info.node[:64]!r}, the master named {node[:64]!r}")
                 for i in range(0, len(wanted), per):
                     chunk = wanted[i : i + per]
                     rows = stage.ctypes.data + np.arange(len(chunk), dtype=np.uint64) * np.uint64(bb)
@@ -161,7 +189,8 @@ class Copier:
     def _connection(self, source: str, block_bytes: int) -> PoolConnection:
         conn = self._conns.get(source)
         if conn is None:
-            conn = connect(source, block_bytes, timeout_s=self.timeout_s, auth=self.state.peer_keys(source))
+            conn = connect(source, block_bytes, timeout_s=self.timeout_s, auth=self.state.peer_keys(source),
+                           shared_memory=False)  # bytes on a socket: never map a file a peer names
             self._conns[source] = conn
         return conn
 
@@ -187,4 +216,4 @@ class Copier:
                 self._forget(source)
 
 
-__all__ = ["Copier", "ReplicationWork", "STAGE_BYTES", "TIMEOUT_S"]
+__all__ = ["REFUSALS", "Copier", "ReplicationWork", "STAGE_BYTES", "TIMEOUT_S"]

@@ -34,11 +34,11 @@ def on_reply(conn, op: str, attack) -> None:
     handle = conn.channel._handle
     done = []
 
-    def hooked(req, ok, body, data):
+    def hooked(req, ok, body, data, peer):
         if req.op == op and not done:
             done.append(True)
             attack(body)
-        return handle(req, ok, body, data)
+        return handle(req, ok, body, data, peer)
     conn.channel._handle = hooked
 
 

@@ -49,10 +49,10 @@ def hold_replies(conn, op: str, release: threading.Event, timeout: float = 30.0)
     wakes once the test has done what it needed meanwhile); at most ``timeout``."""
     handle = conn.channel._handle
 
-    def held(req, ok, body, data):
+    def held(req, ok, body, data, peer):
         if req.op == op:
             release.wait(timeout)
-        return handle(req, ok, body, data)
+        return handle(req, ok, body, data, peer)
     conn.channel._handle = held
 
 

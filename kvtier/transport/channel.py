@@ -36,6 +36,7 @@ import zmq
 
 from kvtier import wire
 from kvtier.auth import ClientKeys, silence_hint
+from kvtier.auth.peercred import peer_address
 from kvtier.transport.base import PoolError, PoolProtocolError, PoolRefused, PoolUnavailable
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,15 @@ TRACKER_WAIT_S = 5.0  # after closing a lane, zmq releases the frames it held wi
 @dataclass
 class Answer:
     """A reply: its body and data frames, the pool's epoch, and when (time.monotonic()) its request was last
-    handed to zmq, i.e. no later than the pool began serving it (a lease it grants runs from after this)."""
+    handed to zmq, i.e. no later than the pool began serving it (a lease it grants runs from after this).
+    ``peer``: zmq's Peer-Address of the connection it came on (over ipc:// the pool process's kernel-reported
+    uid, gid and pid: kvtier/auth/peercred.py)."""
 
     body: dict[str, Any]
     data: list[Any]
     epoch: int
     sent: float = 0.0
+    peer: str = ""
 
 
 @dataclass
@@ -160,7 +164,7 @@ class Channel:
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _handle(self, req: Request, ok: bool, body: dict[str, Any], data: list[Any]) -> None:
+    def _handle(self, req: Request, ok: bool, body: dict[str, Any], data: list[Any], peer: str) -> None:
         epoch = body.get("epoch")
         if isinstance(epoch, int):
             self.epoch = epoch
@@ -171,7 +175,7 @@ class Channel:
             return
         if req.on_reply is not None:
             try:
-                req.on_reply(Answer(body, data, epoch if isinstance(epoch, int) else -1, req.sent))
+                req.on_reply(Answer(body, data, epoch if isinstance(epoch, int) else -1, req.sent, peer))
             except PoolError as e:
                 req.error = e
             except (wire.WireError, KeyError, TypeError, ValueError) as e:
@@ -313,7 +317,7 @@ class _Run:
         self.load[id(entry[0])] -= 1
         self.progress = time.monotonic()
         entry[1].done = True
-        self.ch._handle(entry[1], ok, body, frames[1:])
+        self.ch._handle(entry[1], ok, body, frames[1:], peer_address(frames[0]))
 
 
 __all__ = ["Answer", "Channel", "Request"]

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvtier import wire
+from kvtier.auth.peercred import ipc_cred
 from kvtier.transport.base import PoolError, PoolInfo, PoolRefused, PoolUnavailable
 from kvtier.transport.channel import Answer, Channel, Request
 from kvtier.wire import pool as P
@@ -198,7 +199,9 @@ def hello(channel: Channel, block_bytes: int, timeout_s: float | None = None, se
     if session:
         body["session"] = session
     answer = channel.call(P.HELLO, body, timeout_s=timeout_s)
-    return PoolInfo.from_wire(channel.endpoint, {**answer.body, "epoch": answer.epoch}, block_bytes)
+    cred = ipc_cred(answer.peer)
+    return PoolInfo.from_wire(channel.endpoint, {**answer.body, "epoch": answer.epoch}, block_bytes,
+                              cred.uid if cred is not None else None)
 
 
 __all__ = ["ConnectionBase", "hello"]

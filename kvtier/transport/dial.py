@@ -47,18 +47,24 @@ def shared_context() -> zmq.Context[Any]:
 
 
 def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout_s: float = 0.5,
-            lanes: int = 4, auth: ClientKeys | None = None, copy_threads: int = 0) -> PoolConnection:
+            lanes: int = 4, auth: ClientKeys | None = None, copy_threads: int = 0,
+            shared_memory: bool = True) -> PoolConnection:
     """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``; ``auth`` for a pool that requires
     CurveZMQ keys (kvtier.auth.ClientKeys.load(auth_dir, endpoint)); ``copy_threads``: threads per host copy of
     the shm transport (0: by batch size, kvtier.hostcopy.copy_threads; the other transports copy no host
-    memory themselves). Raises PoolError (unreachable, refused, another protocol version) or ValueError (an
-    unknown transport)."""
+    memory themselves). ``shared_memory`` False: never map a file the pool names (a daemon dialing a pool: the
+    blocks come as bytes on a socket; "auto" picks tcp on an ipc:// endpoint, "shm" is refused). Raises
+    PoolError (unreachable, refused, another protocol version) or ValueError (an unknown transport, or "shm"
+    without shared memory)."""
     if transport != "auto" and transport not in TRANSPORTS:
         raise ValueError(f"unknown pool transport {transport!r}; known: auto, {', '.join(TRANSPORTS)}")
+    if transport == "shm" and not shared_memory:
+        raise ValueError("transport 'shm' maps the pool's memory, and this connection may not (shared_memory "
+                         "False)")
     channel = Channel(endpoint, shared_context(), max_lanes=2 * lanes, timeout_s=timeout_s, auth=auth)
     try:
         info = hello(channel, block_bytes)
-        kind = choose_transport(transport, endpoint, info)
+        kind = choose_transport(transport, endpoint, info, shared_memory)
         module, _, name = TRANSPORTS[kind].partition(":")
         cls = getattr(importlib.import_module(module), name)
         extra = {"copy_threads": copy_threads} if kind == "shm" else {}
@@ -71,11 +77,11 @@ def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout
     return conn
 
 
-def choose_transport(transport: str, endpoint: str, info: PoolInfo) -> str:
+def choose_transport(transport: str, endpoint: str, info: PoolInfo, shared_memory: bool = True) -> str:
     offered = info.transports
     if transport == "auto":
         if endpoint.startswith("ipc://"):
-            transport = "shm"
+            transport = "shm" if shared_memory else "tcp"  # tcp: block bytes in zmq frames, over the ipc socket
         elif "rdma" in offered and _rdma_reason() is None:
             transport = "rdma"
         elif "stream" in offered:

@@ -15,6 +15,12 @@ that sized the pool).
 Next to the DRAM file each mapping holds the pool's slot generations (``<file>.gen``, read-only): a get reads
 its slots' generations there after its copy (kvtier/wire/generations.py).
 
+Only the pool's own memory is mapped: the DRAM and generation files must be regular files owned by the uid
+the kernel reports for the pool's end of the ipc socket (kvtier/auth/peercred.py). A process squatting on a
+pool's socket path can make a client map only files it could read and write itself; a file it names that it
+does not own (another user's secret, a file of the client's own) is refused (PoolProtocolError), never
+opened for a copy.
+
 Thread-safe; offsets from the pool are bounds-checked against the mapping before any copy.
 """
 
@@ -29,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
+from kvtier.auth.peercred import NotPeersFile, open_peers_file
 from kvtier.hostcopy import copy_rows, copy_threads
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
@@ -40,11 +47,14 @@ log = logging.getLogger(__name__)
 
 class Mapping:
     """The pool's DRAM file of one epoch, mapped shared into this process, and its slot generations; unmapped
-    when the last user drops it."""
+    when the last user drops it. Both files must be regular files owned by ``uid``, the pool process's uid the
+    kernel reported for the ipc connection (kvtier/auth/peercred.py): a pool, or anything squatting on its
+    socket, can make this process map only files it owns itself (NotPeersFile otherwise)."""
 
-    def __init__(self, path: str, nbytes: int, epoch: int, generations: str, block_bytes: int) -> None:
+    def __init__(self, path: str, nbytes: int, epoch: int, generations: str, block_bytes: int,
+                 uid: int | None) -> None:
         self.path, self.nbytes, self.epoch = path, nbytes, epoch
-        fd = os.open(path, os.O_RDWR)
+        fd = open_peers_file(path, os.O_RDWR, uid, "the pool's shared file")
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
@@ -56,7 +66,11 @@ class Mapping:
         self._array = np.frombuffer(self._mm, dtype=np.uint8)
         self.base = int(self._array.ctypes.data)
         self.block_bytes = block_bytes
-        self.generations = GenerationView(generations, nbytes // block_bytes)
+        fd = open_peers_file(generations, os.O_RDONLY, uid, "the pool's generation file")
+        try:
+            self.generations = GenerationView(fd, generations, nbytes // block_bytes)
+        finally:
+            os.close(fd)
 
     def generations_at(self, offsets: np.ndarray) -> np.ndarray:
         return self.generations.of(offsets.astype(np.int64) // self.block_bytes)
@@ -108,9 +122,14 @@ class ShmConnection(OneSidedConnection):
             raise PoolProtocolError(self.endpoint, "the pool named no shared file", wire.ERR_BAD_MESSAGE)
         try:
             mapping = Mapping(str(shm["path"]), int(shm["nbytes"]), info.epoch, str(shm.get("generations") or ""),
-                              info.block_bytes)
+                              info.block_bytes, info.uid)
+        except NotPeersFile as e:  # not the pool's own memory: never mapped, whatever else the pool offers
+            log.warning("pool %s: refused to map the file it named: %s", self.endpoint, e)
+            raise PoolProtocolError(self.endpoint, f"refused to map the file the pool named: {e}",
+                                    wire.ERR_BAD_MESSAGE) from None
         except (OSError, ValueError) as e:
-            raise PoolUnavailable(self.endpoint, f"cannot map the pool's shared file {shm['path']}: {e.strerror} "
+            raise PoolUnavailable(self.endpoint, f"cannot map the pool's shared file {shm['path']}: "
+                                                 f"{e.strerror if isinstance(e, OSError) else e} "
                                                  "(is the pool on another host, or in another container?)",
                                   "no_shm") from None
         log.info("pool %s: mapped its DRAM %s (%d B, epoch %x)", self.endpoint, mapping.path, mapping.nbytes,

@@ -74,16 +74,13 @@ class SlotGenerations:
 
 
 class GenerationView:
-    """A client's read-only mapping of a pool's generation file (shm transport)."""
+    """A client's read-only mapping of a pool's generation file (shm transport), from an fd the caller opened
+    (and checked: kvtier/transport/shm.py maps only a file the pool's own uid owns) and still owns."""
 
-    def __init__(self, path: str, num_slots: int) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if os.fstat(fd).st_size < num_slots * 8:
-                raise ValueError(f"{path}: smaller than {num_slots} slot generations")
-            self._mm = mmap.mmap(fd, num_slots * 8, mmap.MAP_SHARED, mmap.PROT_READ)
-        finally:
-            os.close(fd)
+    def __init__(self, fd: int, name: str, num_slots: int) -> None:
+        if os.fstat(fd).st_size < num_slots * 8:
+            raise ValueError(f"{name}: smaller than {num_slots} slot generations")
+        self._mm = mmap.mmap(fd, num_slots * 8, mmap.MAP_SHARED, mmap.PROT_READ)
         self._gen = np.frombuffer(self._mm, dtype=np.uint64)
         self.num_slots = num_slots
 

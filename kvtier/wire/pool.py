@@ -90,6 +90,8 @@ MIN_HELD_BLOCKS = 4 * MIN_REQUEST_BLOCKS
 
 # Pools register with the master under these labels; clients place and look up blocks among them only.
 POOL_LABELS = {"role": "pool"}
+# Where a pool may be (a node's registered address, a copy's source): no inproc://, no other zmq transport.
+ENDPOINT_SCHEMES = ("tcp://", "ipc://")
 
 ERR_WRONG_SIZE = wire.ERR_BAD_REQUEST  # a client whose blocks differ in size from the pool's
 ERR_NOT_READY = "not_ready"  # a data op (other than a put) before any put sized the pool
