@@ -2,7 +2,7 @@
 stores in distributed mode. A hot prefix held by one pool gets a copy on another, pool to pool; kill -9 of the
 pool that held the first copy and the prefix is still served, bit-exact, while a cold prefix that lived only
 there is a miss (the control); once the prefix cools the replica is dropped; an operator can ask a pool for a
-copy with the pool op itself."""
+copy with the pool op itself (a keyless pool: from its own user's process on its ipc socket)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_a_replica_is_dropped_when_its_prefix_cools(cluster, make_keys):
 def test_an_operator_asks_a_pool_to_copy_blocks_from_another(tmp_path, make_keys):
     keys = make_keys(8, start=3000)
     with PoolProcess(tmp_path, name="src", capacity="4MiB", block_bytes=BB) as src, \
-            PoolProcess(tmp_path, name="dst", capacity="4MiB", block_bytes=BB) as dst:
+            PoolProcess(tmp_path, name="dst", ipc=True, capacity="4MiB", block_bytes=BB) as dst:
         from kvtier.transport import connect
 
         c = connect(src.tcp, BB, timeout_s=2.0)
@@ -104,7 +104,9 @@ def test_an_operator_asks_a_pool_to_copy_blocks_from_another(tmp_path, make_keys
         rows = torch.arange(8, dtype=torch.int64) * BB + data.data_ptr()
         assert all(c.put(keys, rows.numpy().astype("uint64")))
         c.close()
-        ch = Channel(dst.tcp, shared_context(), timeout_s=5.0)
+        # A keyless pool takes copy_from from a process of its own user on its ipc socket only
+        # (test_copy_from_hostile.py: a tcp caller is refused).
+        ch = Channel(dst.ipc, shared_context(), timeout_s=5.0)
         from kvtier import wire
 
         answer = ch.call(P.COPY_FROM, {"source": src.tcp, "keys": wire.pack_keys(keys + make_keys(2, start=9000))})
@@ -130,8 +132,8 @@ def test_a_copy_from_a_dead_source_ends_by_its_deadline_and_the_pool_serves_on(t
         s.bind(("127.0.0.1", 0))
         dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     keys = make_keys(4, start=7000)
-    with PoolProcess(tmp_path, name="dst", capacity="4MiB", block_bytes=BB) as dst:
-        ch = Channel(dst.tcp, shared_context(), timeout_s=TIMEOUT_S + 5.0)
+    with PoolProcess(tmp_path, name="dst", ipc=True, capacity="4MiB", block_bytes=BB) as dst:
+        ch = Channel(dst.ipc, shared_context(), timeout_s=TIMEOUT_S + 5.0)
         t0 = time.monotonic()
         with pytest.raises(Exception) as err:
             ch.call(P.COPY_FROM, {"source": dead, "keys": wire.pack_keys(keys)})

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,9 @@ def forbidden(call, needs: str) -> str:
 
 
 def register(m: MasterClient, node: str) -> None:
-    m.call(api.register(node, uuid.uuid4().hex, 0, [("dram", 1 << 30)], "tcp://10.9.9.9:1", {"role": "pool"}))
+    """Register ``node`` at an endpoint of its own (an address is one node's: master/nodes.py)."""
+    address = f"tcp://10.9.9.9:{1 + zlib.crc32(node.encode()) % 65535}"
+    m.call(api.register(node, uuid.uuid4().hex, 0, [("dram", 1 << 30)], address, {"role": "pool"}))
 
 
 def test_an_engine_key_moves_blocks_and_looks_up_but_cannot_register_clear_or_forget(cluster, keys, make_keys):
@@ -157,6 +160,19 @@ def test_an_operator_key_clears_a_pool_and_forgets_a_node(cluster, keys, make_ke
     assert admin.call(api.forget("pool-c")) is True
     assert "pool-c" not in [n["node"] for n in admin.nodes()]
     forbidden(lambda: register(admin, "pool-d"), "daemon")  # an operator is not a pool either
+
+
+def test_only_an_operator_key_asks_a_pool_for_a_copy(cluster, keys, make_keys):
+    """copy_from makes a pool dial an endpoint the caller names and store what comes back: engine, daemon and
+    legacy keys are refused (the role check, before the op runs); an operator's is admitted (the copy then
+    runs: here from the pool itself, whose daemon key may not read it, so the source is unavailable)."""
+    master, pool, admin = cluster
+    body = {"source": pool.tcp, "keys": wire.pack_keys(make_keys(2, start=900))}
+    for who in ("engine", "daemon_client", "legacy"):
+        forbidden(lambda who=who: pool_call(keys, who, pool.tcp, "copy_from", body), "operator")
+    with pytest.raises(PoolRefused) as e:
+        pool_call(keys, "operator", pool.tcp, "copy_from", body)
+    assert e.value.code == wire.ERR_UNAVAILABLE, e.value
 
 
 def test_a_key_straight_in_authorized_is_an_engine(cluster, keys, make_keys):
