@@ -21,7 +21,9 @@ Off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` co
 files.py reads and writes the key files, client.py is the client side (a socket's keys, and what to say when
 a daemon stays silent), server.py the daemons' gate (CURVE server + ZAP), roles.py what each key may do (the
 per-op check both daemons make), gate.py the pool's per-op check in front of its workers, exposure.py the
---insecure-bind rule for daemons without keys, tokens.py the data-port tokens.
+--insecure-bind rule for daemons without keys, tokens.py the data-port tokens, peercred.py the kernel's
+credentials of an ipc:// peer (a keyless pool's one identity for a local caller; the proof a file a pool names
+is the pool's own).
 """
 
 from kvtier.auth.client import ClientKeys, silence_hint
