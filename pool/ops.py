@@ -343,7 +343,7 @@ def copy_from(st: PoolState, client: Client, body: Body, data: list[Any]) -> Rep
     if why:
         st.copier.refuse(source, len(keys), "not_cluster", why, client.account)
     st.tier_for(body)
-    copied, missing = st.copier.copy_from(source, keys)  # an unreachable source: ERR_UNAVAILABLE
+    copied, missing = st.copier.copy_from(source, keys, asker=client.account)  # unreachable: ERR_UNAVAILABLE
     return Reply({"copied": copied, "missing": missing})
 
 

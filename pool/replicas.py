@@ -125,13 +125,16 @@ class Copier:
 
     # ---- one copy ------------------------------------------------------------------------------------
 
-    def copy_from(self, source: str, keys: list[bytes], node: str | None = None) -> tuple[int, int]:
+    def copy_from(self, source: str, keys: list[bytes], node: str | None = None, asker: str = "the master"
+                  ) -> tuple[int, int]:
         """Copy the blocks of ``keys`` the pool at ``source`` holds into this pool: (copied, missing); ``node``:
-        the node the pool there must say it is (the master's work names it). Keys held here already count as
+        the node the pool there must say it is (the master's work names it); ``asker``: who asked, for the
+        refusal's message (the op passes its client's account). Keys held here already count as
         copied. Raises WireError ERR_UNAVAILABLE (naming the source) when the source cannot be reached or fails:
         the client side's PoolError ends here; ERR_FORBIDDEN when the source is refused (see the module doc)."""
         if not source.startswith(P.ENDPOINT_SCHEMES):
-            self.refuse(source, len(keys), "bad_source", f"not a {' or '.join(P.ENDPOINT_SCHEMES)} endpoint")
+            self.refuse(source, len(keys), "bad_source", f"not a {' or '.join(P.ENDPOINT_SCHEMES)} endpoint",
+                        asker)
         try:
             return self._copy_from(source, keys, node)
         except PoolError as e:

@@ -140,7 +140,11 @@ def test_an_admitted_copy_never_maps_the_file_the_source_names(tmp_path, secret,
             PoolProcess(tmp_path, name="victim", ipc=True, capacity="4MiB", block_bytes=BB) as pool:
         ch = Channel(pool.ipc, shared_context(), timeout_s=10.0)
         answer = ch.call(P.COPY_FROM, {"source": fake.endpoint, "keys": wire.pack_keys(keys)})
+        with pytest.raises(PoolError) as err:  # admitted caller, but a source no pool can be at
+            ch.call(P.COPY_FROM, {"source": "inproc://kvtier-pool", "keys": wire.pack_keys(keys)})
         ch.close()
+        assert err.value.code == wire.ERR_FORBIDDEN and f":{os.getpid()} refused" in err.value.message, err.value
+        assert counters(pool.ipc).get("copy_refused_bad_source") == 1
         assert (answer.body["copied"], answer.body["missing"]) == (0, 2)
         assert_not_leaked(pool.tcp, keys, data)
         assert path.read_bytes() == data
