@@ -222,6 +222,9 @@ def test_a_node_cannot_register_an_endpoint_another_node_holds(tmp_path, make_ke
         with pytest.raises(MasterError) as err:
             m.call(api.register("thief", "i-thief", 0, [("dram", 1 << 20)], address, P.POOL_LABELS))
         assert err.value.code == wire.ERR_NODE_OWNED and "'thief'" in err.value.message, err.value
+        with pytest.raises(MasterError) as err:  # nor an endpoint no pool can be at
+            m.call(api.register("thief", "i-thief", 0, [("dram", 1 << 20)], "inproc://pool", P.POOL_LABELS))
+        assert err.value.code == wire.ERR_BAD_REQUEST and "address" in err.value.message, err.value
         assert [(n["node"], n["address"]) for n in m.nodes()] == [(pa.info["node"], address)]
         text = urllib.request.urlopen(f"http://127.0.0.1:{mp.metrics_port}/metrics", timeout=5).read().decode()
         assert 'kvtier_master_requests_total{op="register",status="node_owned"} 1.0' in text
