@@ -128,8 +128,8 @@ class MetricsServer:
         async with server:
             await self._stop.wait()
             tasks = [c.task for c in self._open.values()]
-            for t in tasks:
-                t.cancel()
+            for c in self._open.values():
+                c.writer.transport.abort()  # each task's read or drain then ends, and the task with it
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -181,7 +181,8 @@ class MetricsServer:
                 del self._open[key]
                 self._refuse(c.peer, "made_room", "an unfinished request head", f"the port is full "
                              f"({self.limits.connections} connections) and it was the oldest still sending")
-                c.task.cancel()
+                # Not task.cancel(): asyncio logs a cancelled connection task as an error. The abort ends its
+                # read at once (an incomplete read: the task returns quietly).
                 c.writer.transport.abort()
                 return True
         return False

@@ -117,6 +117,7 @@ def test_a_thousand_slow_clients_hold_few_threads_and_a_scrape_still_answers(tmp
         log = daemon.log()
         assert "127.0.0.1:" in log and "head_timeout: no whole head within 3 s" in log, log[-3000:]
         assert "made_room: the port is full" in log and "more like it" in log, log[-3000:]
+        assert "Traceback" not in log, log[log.index("Traceback") - 300:][:3000]
         assert daemon.proc.poll() is None
     finally:
         for s in socks:
