@@ -61,7 +61,9 @@ class _BadRequest(ValueError):
 
 
 class MetricsServer:
-    """Serves ``registry`` on an HTTP port from one thread; ``start`` binds it, ``close`` ends it."""
+    """Serves ``registry`` on an HTTP port from one thread of its own (a daemon thread running an asyncio loop;
+    the collectors run in it). ``start`` and ``close`` are called from the daemon's thread; ``open`` may be
+    read from any thread."""
 
     def __init__(self, registry: CollectorRegistry, refused: Callable[[str], None], log: logging.Logger,
                  limits: HttpLimits = HttpLimits()) -> None:
