@@ -9,12 +9,13 @@ no longer start threads at all (issue 23). This server is one thread running its
   slowest), or is closed at once when every open connection is already being answered;
 * a request head must arrive whole within ``head_s`` (one deadline for the whole head, not per read: a client
   sending a byte a second gets no more time) and fit in ``head_bytes``;
-* the answer must be taken within ``send_s``;
+* the answer must be taken within ``send_s``, and the answers not yet taken, all together, fit in
+  ``answer_bytes`` (a request past it is answered 503 at once: slow readers cannot pile up expositions);
 * one request per connection (HTTP/1.0, like prometheus_client's server), answered by prometheus_client's own
   WSGI app, so the paths, formats (OpenMetrics by ``Accept``), gzip and ``name[]`` filter are its.
 
-So the port holds one thread, at most ``connections`` sockets, and at most ``connections`` x (``head_bytes``
-x 2, asyncio's read-ahead, + one exposition) of memory. Every refusal calls ``refused(reason)`` (the daemon
+So the port holds one thread, at most ``connections`` sockets, and at most ``connections`` x ``head_bytes``
+x 2 (asyncio's read-ahead) + ``answer_bytes`` + the exposition being built of memory. Every refusal calls ``refused(reason)`` (the daemon
 counts it in its metrics, ``REASONS`` lists them) and logs one line naming the peer, what it sent and why
 (rate-limited per reason: a flood logs one line a second with the count held back).
 """
@@ -35,7 +36,7 @@ from prometheus_client.registry import CollectorRegistry
 from kvtier.ratelog import RateLimitedLog
 
 # Why a connection was closed unanswered (the ``reason`` label of the daemons' refused-connection counters).
-REASONS = ("too_many", "made_room", "head_timeout", "head_too_large", "bad_request", "send_timeout")
+REASONS = ("too_many", "made_room", "head_timeout", "head_too_large", "bad_request", "send_timeout", "answers_full")
 BACKLOG = 128  # the kernel's accept queue: connections past it wait in SYN retries, holding nothing here
 START_S = 10.0  # the serving thread has this long to bind its loop (it only starts a loop and a listener)
 
@@ -46,6 +47,9 @@ class HttpLimits:
     head_s: float = 3.0  # the whole request head, from accept
     send_s: float = 10.0  # the answer, from the head's end (an exposition is some 100 KiB)
     head_bytes: int = 8192  # request line and headers (a scraper sends some 300 B)
+    # Answers written and not yet taken by their readers, all connections together (an exposition is 6-8 KiB
+    # here, some 4 MiB for a master at 1,024 nodes of 8 tiers); past it a request is answered 503 at once.
+    answer_bytes: int = 32 << 20
 
 
 class _Connection:
@@ -72,6 +76,7 @@ class MetricsServer:
         self._log = RateLimitedLog(log)
         self.limits = limits
         self._open: dict[int, _Connection] = {}  # insertion order: oldest first
+        self._unsent = 0  # bytes of answers written to connections still being answered (answer_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
@@ -81,6 +86,11 @@ class MetricsServer:
     def open(self) -> int:
         """Connections open now (read from another thread: a len, safe)."""
         return len(self._open)
+
+    @property
+    def answering(self) -> int:
+        """Open connections past their request head, being answered (the rest are still sending it)."""
+        return sum(not c.reading for c in list(self._open.values()))
 
     def start(self, host: str, port: int) -> int:
         """Bind ``host:port`` (``port`` 0 picks a free one) and serve from a thread; returns the port bound."""
@@ -145,6 +155,7 @@ class MetricsServer:
             return
         key = id(task)
         me = self._open[key] = _Connection(peer, task, writer)
+        writing = 0  # bytes this connection adds to _unsent
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.limits.head_s)
@@ -164,15 +175,24 @@ class MetricsServer:
             except _BadRequest as e:
                 self._refuse(peer, "bad_request", repr(head[:80]), str(e))
                 status, headers, body = "400 Bad Request", [("Content-Type", "text/plain")], f"{e}\n".encode()
-            writer.write(_response(status, headers, body))
+            answer = _response(status, headers, body)
+            if self._unsent + len(answer) > self.limits.answer_bytes:
+                self._refuse(peer, "answers_full", f"a request for {len(answer)} B", f"{self._unsent} B of "
+                             f"answers not yet taken by other readers; the limit is {self.limits.answer_bytes} B")
+                answer = _response("503 Service Unavailable", [("Content-Type", "text/plain")],
+                                   b"too many answers not yet read by their clients; retry\n")
+            writing = len(answer)
+            self._unsent += writing
+            writer.write(answer)
             try:
                 await asyncio.wait_for(writer.drain(), self.limits.send_s)
             except TimeoutError:
-                self._refuse(peer, "send_timeout", f"an answer of {len(body)} B",
+                self._refuse(peer, "send_timeout", f"an answer of {len(answer)} B",
                              f"not read within {self.limits.send_s:g} s")
         except ConnectionError:
             pass
         finally:
+            self._unsent -= writing
             self._open.pop(key, None)
             writer.transport.abort()  # one request per connection; abort: nothing unsent is kept for a slow peer
 

@@ -113,9 +113,11 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvtier_pool_block_bytes", "Block size (0: not set yet)", value=bb)
 
         conns = GaugeMetricFamily("kvtier_pool_connections", "Client connections open, by port and stage (zmq: "
-                                  "open, handshaking; stream: admitted, pending; metrics: open)",
+                                  "open, handshaking; stream: admitted, pending; metrics: reading, answering)",
                                   labels=["port", "stage"])
-        conns.add_metric(["metrics", "open"], self.http.open)
+        answering = self.http.answering
+        conns.add_metric(["metrics", "reading"], self.http.open - answering)
+        conns.add_metric(["metrics", "answering"], answering)
         if self.zmq_port is not None:
             conns.add_metric(["zmq", "open"], self.zmq_port.open)
             conns.add_metric(["zmq", "handshaking"], self.zmq_port.handshaking)

@@ -12,6 +12,7 @@ import resource
 import select
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -163,3 +164,103 @@ def test_the_port_still_speaks_prometheus_clients_formats(tmp_path):
         assert "kvtier_master_nodes" not in text
     finally:
         daemon.kill()
+
+
+SERIES = 20_000
+
+
+class _Big:
+    """A collector whose exposition is some 4.5 MiB: more than loopback's socket buffers take for a non-reader."""
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("kvtier_test_big", "padding", labels=["i"])
+        for i in range(SERIES):
+            g.add_metric([f"{i:0200d}"], i)
+        yield g
+
+
+def test_readers_that_never_take_the_answer_are_cut_and_a_full_port_refuses_newcomers():
+    """The port's own module in-process (a real socket): an answer not taken within send_s is cut
+    (send_timeout); while every open connection is being answered, a newcomer is closed at once (too_many)."""
+    refused: list[str] = []
+    server = _big_server(refused, HttpLimits(connections=2, head_s=2.0, send_s=1.5))
+    port = server.port
+    readers = []
+    try:
+        readers = _non_readers(server, 2)  # their answers stall in the socket buffers
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as late:
+            late.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            assert _recv_all(late) == b""  # closed unanswered: every slot is busy answering
+        assert refused == ["too_many"]
+        time.sleep(2.5)  # past send_s: both non-readers cut
+        assert sorted(refused) == ["send_timeout", "send_timeout", "too_many"] and server.open == 0
+        # and the port serves again
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        assert body.count(b"kvtier_test_big{") == SERIES
+    finally:
+        for s in readers:
+            s.close()
+        server.close()
+
+
+def test_answers_slow_readers_have_not_taken_are_bounded_in_bytes():
+    """Past ``answer_bytes`` of answers not yet taken, a request is answered 503 at once (answers_full),
+    until the slow readers are cut (send_timeout); then the port answers again."""
+    refused: list[str] = []
+    server = _big_server(refused, HttpLimits(connections=8, send_s=1.5, answer_bytes=6 << 20))
+    readers = []
+    try:
+        readers = _non_readers(server, 1)  # 4.5 MiB of 6 not taken
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10)
+        assert e.value.code == 503 and refused == ["answers_full"]
+        time.sleep(2.0)  # past send_s
+        assert refused == ["answers_full", "send_timeout"]
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read()
+        assert body.count(b"kvtier_test_big{") == SERIES
+    finally:
+        for s in readers:
+            s.close()
+        server.close()
+
+
+def _big_server(refused: list[str], limits: HttpLimits):
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.metrics_http import MetricsServer
+
+    registry = CollectorRegistry()
+    registry.register(_Big())
+    server = MetricsServer(registry, refused.append, logging.getLogger("test-metrics-http"), limits)
+    server.start("127.0.0.1", 0)
+    return server
+
+
+def _non_readers(server, n: int) -> list[socket.socket]:
+    """``n`` clients that ask for the metrics and never read, once the server is answering all of them."""
+    readers = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        readers.append(s)
+    deadline = time.monotonic() + 20
+    while server.answering < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.answering == n
+    return readers
+
+
+def _recv_all(s: socket.socket) -> bytes:
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionError:
+        pass
+    return out
