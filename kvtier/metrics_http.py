@@ -14,10 +14,10 @@ no longer start threads at all (issue 23). This server is one thread running its
 * one request per connection (HTTP/1.0, like prometheus_client's server), answered by prometheus_client's own
   WSGI app, so the paths, formats (OpenMetrics by ``Accept``), gzip and ``name[]`` filter are its.
 
-So the port holds one thread, at most ``connections`` sockets, and at most ``connections`` x ``head_bytes``
-x 2 (asyncio's read-ahead) + ``answer_bytes`` + the exposition being built of memory. Every refusal calls ``refused(reason)`` (the daemon
-counts it in its metrics, ``REASONS`` lists them) and logs one line naming the peer, what it sent and why
-(rate-limited per reason: a flood logs one line a second with the count held back).
+So the port holds one thread, at most ``connections`` sockets, and of memory at most ``connections`` x
+``head_bytes`` x 2 (asyncio's read-ahead) + ``answer_bytes`` + the exposition being built. Every refusal calls
+``refused(reason)`` (the daemon counts it in its metrics, ``REASONS`` lists them) and logs one line naming the
+peer, what it sent and why (rate-limited per reason: a flood logs one line a second with the count held back).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from prometheus_client.registry import CollectorRegistry
 from kvtier.ratelog import RateLimitedLog
 
 # Why a connection was closed unanswered (the ``reason`` label of the daemons' refused-connection counters).
-REASONS = ("too_many", "made_room", "head_timeout", "head_too_large", "bad_request", "send_timeout", "answers_full")
+REASONS = ("too_many", "made_room", "head_timeout", "head_too_large", "bad_request", "send_timeout",
+           "answers_full")
 BACKLOG = 128  # the kernel's accept queue: connections past it wait in SYN retries, holding nothing here
 START_S = 10.0  # the serving thread has this long to bind its loop (it only starts a loop and a listener)
 
@@ -45,7 +46,7 @@ START_S = 10.0  # the serving thread has this long to bind its loop (it only sta
 class HttpLimits:
     connections: int = 64  # open at once (each a socket and at most 2 x head_bytes read ahead)
     head_s: float = 3.0  # the whole request head, from accept
-    send_s: float = 10.0  # the answer, from the head's end (an exposition is some 100 KiB)
+    send_s: float = 10.0  # the answer, from the head's end
     head_bytes: int = 8192  # request line and headers (a scraper sends some 300 B)
     # Answers written and not yet taken by their readers, all connections together (an exposition is 6-8 KiB
     # here, some 4 MiB for a master at 1,024 nodes of 8 tiers); past it a request is answered 503 at once.
@@ -66,8 +67,8 @@ class _BadRequest(ValueError):
 
 class MetricsServer:
     """Serves ``registry`` on an HTTP port from one thread of its own (a daemon thread running an asyncio loop;
-    the collectors run in it). ``start`` and ``close`` are called from the daemon's thread; ``open`` may be
-    read from any thread."""
+    the collectors run in it). ``start`` and ``close`` are called from the daemon's thread; ``open`` and
+    ``answering`` may be read from any thread."""
 
     def __init__(self, registry: CollectorRegistry, refused: Callable[[str], None], log: logging.Logger,
                  limits: HttpLimits = HttpLimits()) -> None:
@@ -160,7 +161,7 @@ class MetricsServer:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.limits.head_s)
             except TimeoutError:
-                self._refuse(peer, "head_timeout", f"{len(reader._buffer)} B of a request head",  # noqa: SLF001
+                self._refuse(peer, "head_timeout", "an unfinished request head",
                              f"no whole head within {self.limits.head_s:g} s")
                 return
             except asyncio.LimitOverrunError:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import resource
-import select
 import socket
 import time
 import urllib.error
@@ -108,7 +107,7 @@ def test_a_thousand_slow_clients_hold_few_threads_and_a_scrape_still_answers(tmp
         deadline = time.monotonic() + LIMITS.head_s + 5
         open_ = socks
         while open_ and time.monotonic() < deadline:
-            select.select(open_[:500], [], [], 0.2)
+            time.sleep(0.2)
             open_ = [s for s in open_ if not _closed_by_peer(s)]
         assert not open_, f"{len(open_)} slow clients still connected {LIMITS.head_s + 5:g} s on"
         samples = _scrape(port, timeout=1.0)

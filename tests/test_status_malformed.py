@@ -205,3 +205,18 @@ def test_the_sdk_names_a_malformed_reply_for_every_caller(fake):
     with MasterClient(fake.endpoint, timeout_s=5.0) as m, pytest.raises(MasterError) as e:
         m.top(3)
     assert e.value.code == wire.ERR_BAD_MESSAGE and f"top: malformed reply from {fake.endpoint}" in str(e.value)
+
+
+def test_the_async_sdk_names_a_malformed_reply_too(fake):
+    import asyncio
+
+    from kvtier.client import AsyncMasterClient
+
+    async def nodes() -> None:
+        async with AsyncMasterClient(fake.endpoint, timeout_s=5.0) as m:
+            await m.nodes()
+
+    fake.answers = _broken(wire.NODES, ("nodes",))
+    with pytest.raises(MasterError) as e:
+        asyncio.run(nodes())
+    assert e.value.code == wire.ERR_BAD_MESSAGE and f"nodes: malformed reply from {fake.endpoint}" in str(e.value)
