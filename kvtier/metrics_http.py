@@ -23,6 +23,7 @@ peer, what it sent and why (rate-limited per reason: a flood logs one line a sec
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import threading
@@ -37,7 +38,10 @@ from kvtier.ratelog import RateLimitedLog
 
 # Why a connection was closed unanswered (the ``reason`` label of the daemons' refused-connection counters).
 REASONS = ("too_many", "made_room", "head_timeout", "head_too_large", "bad_request", "send_timeout",
-           "answers_full")
+           "answers_full", "accept_failed")
+# accept() failing for want of files or memory: asyncio stops accepting for a second and retries (the
+# connections wait in the kernel's backlog); counted once per failure, logged rate-limited, no traceback.
+ACCEPT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 BACKLOG = 128  # the kernel's accept queue: connections past it wait in SYN retries, holding nothing here
 START_S = 10.0  # the serving thread has this long to bind its loop (it only starts a loop and a listener)
 
@@ -122,6 +126,7 @@ class MetricsServer:
 
     def _run(self, sock: socket.socket, ready: threading.Event, failed: list[BaseException]) -> None:
         loop = self._loop = asyncio.new_event_loop()
+        loop.set_exception_handler(self._loop_error)
         try:
             loop.run_until_complete(self._serve(sock, ready))
         except BaseException as e:  # noqa: BLE001 - reported to start(), or logged if it happens later
@@ -131,6 +136,15 @@ class MetricsServer:
             ready.set()
         finally:
             loop.close()
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        e = context.get("exception")
+        if isinstance(e, OSError) and e.errno in ACCEPT_ERRNOS:
+            self._refused("accept_failed")
+            self._log("accept_failed", logging.WARNING, "metrics port %d: accept failed: %s: accept_failed: out of "
+                      "files or memory (the open-files limit?); accepting again in 1 s", self.port, e)
+            return
+        loop.default_exception_handler(context)
 
     async def _serve(self, sock: socket.socket, ready: threading.Event) -> None:
         self._stop = asyncio.Event()

@@ -263,3 +263,24 @@ def _recv_all(s: socket.socket) -> bytes:
     except ConnectionError:
         pass
     return out
+
+
+@pytest.mark.slow  # some 12 s: waves of slow clients time out before the scrape gets a file
+def test_a_daemon_out_of_files_counts_the_failed_accepts_and_serves_again(tmp_path):
+    """The master under an open-files limit of 40 (23 in use at start): slow clients take the rest, accept()
+    fails with EMFILE: counted and logged once a second without a traceback; once the slow ones time out,
+    a scrape is answered."""
+    master = MasterProcess(tmp_path, prefix=("prlimit", "--nofile=40:40", "--")).start()
+    socks: list[socket.socket] = []
+    try:
+        socks = _slow_clients(master.metrics_port, 30)
+        time.sleep(1.5)  # asyncio retries accept() once a second
+        samples = _scrape(master.metrics_port, timeout=LIMITS.head_s * 3 + 5)  # after a wave or two of slow ones
+        assert _refused(samples, "master", "accept_failed") >= 1
+        log = master.log()
+        assert ": accept_failed: out of files" in log and "Traceback" not in log, log[-3000:]
+        assert master.proc.poll() is None
+    finally:
+        for s in socks:
+            s.close()
+        master.kill()
