@@ -48,7 +48,7 @@ def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "
                     check(PING, p, "ping", endpoint)
                     masters.append({"endpoint": endpoint, "up": True, "rtt_s": time.perf_counter() - t0,
                                     "uptime_s": p.get("uptime_s", 0), "backend": p.get("backend", {})})
-                except MasterError as e:
+                except (MasterError, MalformedStatus) as e:  # shown on its row; the cluster's view goes on
                     masters.append({"endpoint": endpoint, "up": False, "error": str(e)})
     with MasterClient(endpoints, timeout_s=timeout_s, auth=auth) as m:
         t0 = time.perf_counter()

@@ -220,3 +220,17 @@ def test_the_async_sdk_names_a_malformed_reply_too(fake):
     with pytest.raises(MasterError) as e:
         asyncio.run(nodes())
     assert e.value.code == wire.ERR_BAD_MESSAGE and f"nodes: malformed reply from {fake.endpoint}" in str(e.value)
+
+
+def test_one_malformed_master_of_several_is_shown_on_its_row(fake):
+    """With several masters, one answering garbage is flagged on its own row; the others' view is shown."""
+    good = FakeMaster()
+    try:
+        fake.answers = _broken(wire.PING, ("uptime_s",), "soon")
+        data = gather(f"{good.endpoint},{fake.endpoint}", top=3, timeout_s=5.0)
+        rows = {m["endpoint"]: m for m in data["masters"]}
+        assert rows[good.endpoint]["up"] and not rows[fake.endpoint]["up"]
+        assert "ping.uptime_s: expected seconds" in rows[fake.endpoint]["error"]
+        assert data["master"] == good.endpoint and "pool-a" in render(data)
+    finally:
+        good.close()
