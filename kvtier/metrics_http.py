@@ -199,8 +199,11 @@ class MetricsServer:
             writing = len(answer)
             self._unsent += writing
             writer.write(answer)
+            # One request per connection: close() sends what asyncio still buffers, then a FIN; once closed, the
+            # whole answer is with the kernel (an abort would drop asyncio's unsent tail).
+            writer.close()
             try:
-                await asyncio.wait_for(writer.drain(), self.limits.send_s)
+                await asyncio.wait_for(writer.wait_closed(), self.limits.send_s)
             except TimeoutError:
                 self._refuse(peer, "send_timeout", f"an answer of {len(answer)} B",
                              f"not read within {self.limits.send_s:g} s")
@@ -209,7 +212,7 @@ class MetricsServer:
         finally:
             self._unsent -= writing
             self._open.pop(key, None)
-            writer.transport.abort()  # one request per connection; abort: nothing unsent is kept for a slow peer
+            writer.transport.abort()  # refused or cut: nothing unsent is kept for a slow peer (no-op once closed)
 
     def _make_room(self) -> bool:
         """Evict the oldest connection still reading its head; False when every open one is being answered."""

@@ -13,10 +13,9 @@ connections and deadlines, its refusals counted here with port="metrics") collec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
-
-import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -115,15 +114,15 @@ class _StateCollector(Collector):
         conns = GaugeMetricFamily("kvtier_pool_connections", "Client connections open, by port and stage (zmq: "
                                   "open, handshaking; stream: admitted, pending; metrics: reading, answering)",
                                   labels=["port", "stage"])
-        answering = self.http.answering
-        conns.add_metric(["metrics", "reading"], self.http.open - answering)
-        conns.add_metric(["metrics", "answering"], answering)
         if self.zmq_port is not None:
             conns.add_metric(["zmq", "open"], self.zmq_port.open)
             conns.add_metric(["zmq", "handshaking"], self.zmq_port.handshaking)
         if self.stream is not None:
             conns.add_metric(["stream", "admitted"], self.stream.admitted)
             conns.add_metric(["stream", "pending"], self.stream.pending)
+        answering = self.http.answering
+        conns.add_metric(["metrics", "reading"], self.http.open - answering)
+        conns.add_metric(["metrics", "answering"], answering)
         yield conns
         yield GaugeMetricFamily("kvtier_pool_clients", "Client accounts (a key, an address or a local process) "
                                 "holding memory or slots now", value=max(st.memory.accounts(), st.held.accounts()))
