@@ -13,20 +13,24 @@ seconds (a master that stops answering is shown as such, and the watch keeps try
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import sys
 import time
 from typing import Any
 
+from kvtier.status_shape import NODES, PING, TOP, MalformedStatus, check
 from kvtier.units import format_bytes
 
-EXIT_UNREACHABLE = 1
+EXIT_UNREACHABLE = 1  # no answer, or an error answer
+EXIT_MALFORMED = 3  # an answer that is not a status (another version, not a master): nothing shown
 
 
 def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "") -> dict[str, Any]:
     """Everything the screen shows, as plain data (what ``--json`` prints). Raises MasterError (MasterTimeout
-    when the master does not answer within ``timeout_s``)."""
+    when the master does not answer within ``timeout_s``), or MalformedStatus when an answer is not the shape
+    the screen reads (kvtier/status_shape.py: checked here, once, before anything reads it)."""
     from kvtier.auth.client import ClientKeys
     from kvtier.client import MasterClient
 
@@ -41,9 +45,10 @@ def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "
                 try:
                     t0 = time.perf_counter()
                     p = one.ping()
+                    check(PING, p, "ping", endpoint)
                     masters.append({"endpoint": endpoint, "up": True, "rtt_s": time.perf_counter() - t0,
                                     "uptime_s": p.get("uptime_s", 0), "backend": p.get("backend", {})})
-                except MasterError as e:
+                except (MasterError, MalformedStatus) as e:  # shown on its row; the cluster's view goes on
                     masters.append({"endpoint": endpoint, "up": False, "error": str(e)})
     with MasterClient(endpoints, timeout_s=timeout_s, auth=auth) as m:
         t0 = time.perf_counter()
@@ -52,6 +57,10 @@ def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "
         nodes = m.nodes()
         hot = m.top(top) if top > 0 else None
         master = m.endpoint
+    check(PING, ping, "ping", master)
+    check(NODES, nodes, "nodes", master)
+    if hot is not None:
+        check(TOP, dataclasses.asdict(hot), "top", master)
     hottest = [] if hot is None else [
         {"key": k.hex(), "heat": round(h, 3), "count": c, "last": last}
         for k, h, c, last in zip(hot.keys, hot.heat, hot.count, hot.last)]
@@ -175,6 +184,21 @@ def unreachable(master: str, error: Exception) -> str:
             "  is kvtier-master running and reachable there? (started with --auth-dir: pass --auth-dir)")
 
 
+def failure(master: str, error: Exception) -> tuple[str, int]:
+    """What to print (on stderr) and the exit status when ``gather`` raised ``error``: one line naming the
+    master and what was wrong for an answer that is not a status; for silence, the line and a hint."""
+    from kvtier import wire
+    from kvtier.client.master import MasterError, MasterTimeout
+
+    if isinstance(error, MalformedStatus):
+        return f"kvtier status: {error}", EXIT_MALFORMED
+    if isinstance(error, MasterError) and error.code in (wire.ERR_BAD_MESSAGE, wire.ERR_BAD_VERSION):
+        return f"kvtier status: master {master} answered a malformed status: {error}", EXIT_MALFORMED
+    if isinstance(error, MasterTimeout):
+        return unreachable(master, error), EXIT_UNREACHABLE
+    return f"kvtier status: master {master} answered with an error: {error}", EXIT_UNREACHABLE
+
+
 # ---- the command ---------------------------------------------------------------------------------------------
 
 
@@ -199,8 +223,8 @@ def run(args: argparse.Namespace) -> int:
             data = gather(args.master, args.top, args.timeout, args.auth_dir)
             text = json.dumps(data, indent=1, default=str) if args.json else render(data)
             rc = 0
-        except MasterError as e:
-            text, rc = unreachable(args.master, e), EXIT_UNREACHABLE
+        except (MasterError, MalformedStatus) as e:
+            text, rc = failure(args.master, e)
         if not args.watch:
             print(text, file=sys.stdout if rc == 0 else sys.stderr)
             return rc

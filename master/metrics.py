@@ -5,15 +5,19 @@ per op, keys per op, nodes per state, directory size and memory, and per node an
 utilization, measured bandwidth, plus per node RPC latency and resyncs. Op labels are only the known op
 names ("unknown" otherwise): a client must not be able to blow up label cardinality.
 
-Updated from the master's event loop; prometheus_client serves them from its own HTTP thread (its metric
-objects are thread-safe).
+Updated from the master's event loop; the metrics port's own thread serves them (kvtier/metrics_http.py:
+bounded connections and deadlines; prometheus_client's metric objects are thread-safe).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtier import wire
+from kvtier.metrics_http import REASONS as HTTP_REASONS
+from kvtier.metrics_http import MetricsServer
 
 KNOWN_OPS = frozenset({
     wire.PING, wire.LOOKUP, wire.COST, wire.ROUTE_PUT, wire.HEAT, wire.TOP, wire.NODES, wire.PIN, wire.UNPIN,
@@ -77,6 +81,12 @@ class MasterMetrics:
         self.reloads = Counter("kvtier_master_reloads", "Reloads of the shared directory from its snapshot "
                                "(a gap, redis restarted behind this master, a new epoch)", registry=r)
         self.snapshots = Counter("kvtier_master_snapshots", "Shared snapshots this master wrote", registry=r)
+        self.refused_connections = Counter("kvtier_master_refused_connections", "Connections closed or refused, "
+                                           "by port (metrics) and reason", ["port", "reason"], registry=r)
+        for reason in HTTP_REASONS:  # every reason's series from the start: rate() sees the first refusal
+            self.refused_connections.labels("metrics", reason)
+        self.http = MetricsServer(r, lambda reason: self.refused_connections.labels("metrics", reason).inc(),
+                                  logging.getLogger("kvtier.master"))
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
@@ -113,5 +123,7 @@ class MasterMetrics:
 
     def serve(self, port: int, host: str) -> int:
         """Start the HTTP endpoint; returns the port it bound (``port`` 0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        return self.http.start(host, port)
+
+    def close(self) -> None:
+        self.http.close()

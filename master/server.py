@@ -211,6 +211,7 @@ class MasterServer:
                 timer.cancel()
         finally:
             sock.close(linger=0)
+            self.metrics.close()  # its port's thread (started only once serving; a no-op otherwise)
             if auth is not None:
                 auth.stop()
             ctx.term()

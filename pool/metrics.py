@@ -7,18 +7,22 @@ clients, evictions, hits and misses, connections per port and stage, refused con
 memory and held budgets, leases, requests waiting in the dispatcher, errors per code. README "Metrics of
 kvtier-pool" lists every name.
 
-Thread-safe: the workers observe requests, prometheus_client's HTTP thread collects.
+Thread-safe: the workers observe requests, the metrics port's thread (kvtier/metrics_http.py: bounded
+connections and deadlines, its refusals counted here with port="metrics") collects.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.metrics_http import REASONS as HTTP_REASONS
+from kvtier.metrics_http import MetricsServer
 from kvtier.pool.ops import OPS
 from kvtier.pool.replicas import REFUSALS
 from kvtier.pool.state import PoolState
@@ -32,6 +36,7 @@ REFUSED = (
     ("stream_refused", "stream", "all_busy"), ("stream_pending_dropped", "stream", "pending_full"),
     ("stream_pending_timeouts", "stream", "handshake_timeout"), ("stream_auth_refused", "stream", "bad_token"),
     ("stream_idle_closed", "stream", "idle_made_room"), ("stream_overdue", "stream", "message_deadline"),
+    *((f"metrics_{reason}", "metrics", reason) for reason in HTTP_REASONS),
 )
 BYTES = (("bytes_in_zmq", "in", "zmq"), ("bytes_in_stream", "in", "stream"), ("bytes_in_onesided", "in", "onesided"),
          ("bytes_out_zmq", "out", "zmq"), ("bytes_out_stream", "out", "stream"),
@@ -47,9 +52,10 @@ class PoolMetrics:
                                 ["op", "status"], registry=self.registry)
         self.latency = Histogram("kvtier_pool_request_seconds", "Time to serve a zmq request inside the pool, by "
                                  "op", ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_StateCollector(state, zmq_port, stream))
+        self.http = MetricsServer(self.registry, lambda reason: state.count(**{f"metrics_{reason}": 1}),
+                                  logging.getLogger("kvtier.pool"))
+        self.registry.register(_StateCollector(state, zmq_port, stream, self.http))
         self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
-        self._server: Any = None
 
     def observe(self, op: str, status: str, seconds: float) -> None:
         label = op if op in OPS else "unknown"
@@ -61,18 +67,15 @@ class PoolMetrics:
 
     def serve(self, port: int, host: str) -> int:
         """Start the HTTP endpoint; the port it bound (``port`` 0 picks a free one)."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_port)
+        return self.http.start(host, port)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+        self.http.close()
 
 
 class _StateCollector(Collector):
-    def __init__(self, state: PoolState, zmq_port: Any, stream: Any) -> None:
-        self.state, self.zmq_port, self.stream = state, zmq_port, stream
+    def __init__(self, state: PoolState, zmq_port: Any, stream: Any, http: MetricsServer) -> None:
+        self.state, self.zmq_port, self.stream, self.http = state, zmq_port, stream, http
 
     def collect(self) -> Iterator[Any]:
         st = self.state
@@ -110,13 +113,17 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily("kvtier_pool_block_bytes", "Block size (0: not set yet)", value=bb)
 
         conns = GaugeMetricFamily("kvtier_pool_connections", "Client connections open, by port and stage (zmq: "
-                                  "open, handshaking; stream: admitted, pending)", labels=["port", "stage"])
+                                  "open, handshaking; stream: admitted, pending; metrics: reading, answering)",
+                                  labels=["port", "stage"])
         if self.zmq_port is not None:
             conns.add_metric(["zmq", "open"], self.zmq_port.open)
             conns.add_metric(["zmq", "handshaking"], self.zmq_port.handshaking)
         if self.stream is not None:
             conns.add_metric(["stream", "admitted"], self.stream.admitted)
             conns.add_metric(["stream", "pending"], self.stream.pending)
+        answering = self.http.answering
+        conns.add_metric(["metrics", "reading"], self.http.open - answering)
+        conns.add_metric(["metrics", "answering"], answering)
         yield conns
         yield GaugeMetricFamily("kvtier_pool_clients", "Client accounts (a key, an address or a local process) "
                                 "holding memory or slots now", value=max(st.memory.accounts(), st.held.accounts()))

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from kvtier import wire
+from kvtier.client.failover import MasterError
 
 T = TypeVar("T")
 KeysLike = Sequence[bytes] | np.ndarray | bytes
@@ -26,6 +27,16 @@ class Call(Generic[T]):
     op: str
     body: dict[str, Any]
     parse: Callable[[dict[str, Any]], T]
+
+    def result(self, body: dict[str, Any], master: str) -> T:
+        """The answer ``master`` sent, parsed. An answer without the fields or types this op answers (a master
+        of another version, something that is not a master) is MasterError ERR_BAD_MESSAGE naming the master
+        and the op, not a KeyError or TypeError from inside the parse."""
+        try:
+            return self.parse(body)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise MasterError(wire.ERR_BAD_MESSAGE, f"{self.op}: malformed reply from {master}: "
+                                                    f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 # ---- results ---------------------------------------------------------------------------------------------

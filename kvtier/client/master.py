@@ -103,7 +103,7 @@ class MasterClient(_Masters):
         for i in attempts.order:
             body = attempts.settle(i, self._call_one(i, c, timeout))
             if body is not None:
-                return c.parse(body)
+                return c.result(body, self.endpoints[i])
         raise attempts.exhausted()
 
     def _call_one(self, i: int, c: Call[T], timeout: float) -> Reply | MasterError:
@@ -217,7 +217,7 @@ class AsyncMasterClient(_Masters):
         for i in attempts.order:
             body = attempts.settle(i, await self._call_one(i, c, timeout))
             if body is not None:
-                return c.parse(body)
+                return c.result(body, self.endpoints[i])
         raise attempts.exhausted()
 
     async def _call_one(self, i: int, c: Call[T], timeout: float) -> Reply | MasterError:
