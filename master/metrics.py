@@ -77,6 +77,12 @@ class MasterMetrics:
         self.reloads = Counter("kvtier_master_reloads", "Reloads of the shared directory from its snapshot "
                                "(a gap, redis restarted behind this master, a new epoch)", registry=r)
         self.snapshots = Counter("kvtier_master_snapshots", "Shared snapshots this master wrote", registry=r)
+        self.directory_losses = Counter("kvtier_master_directory_losses", "Times this master found the shared "
+                                        "directory had lost writes it applied, so a new epoch began and every node "
+                                        "resyncs, by what it found: empty (redis holds no epoch: restarted without "
+                                        "its data, or flushed), behind (redis's log counter behind this master), "
+                                        "rewritten (the log entry it applied last gone or another)", ["found"],
+                                        registry=r)
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
