@@ -205,6 +205,9 @@ class SharedBackend:
         st.activity = self.state.activity
         self.state, self.last_n, self.last_id = st, n, last
         self._proposed.clear()
+        # The previous snapshot may be of a history Redis no longer holds: trimming behind its stream id could
+        # cut entries of the current one that no snapshot covers yet. The next snapshot trims nothing.
+        self._prev_snapshot_id = None
 
     # ---- the driver: tail the log; on trouble read-only, then recover --------------------------------
 

@@ -93,13 +93,16 @@ def test_the_issue_sequence_a_short_restart_that_lost_nothing(tmp_path, redis, m
         assert epochs(clients) == before and losses(ms) == 0
 
 
-@pytest.mark.parametrize("loss", ["older_copy", "last_writes_lost", "empty", "flushall"])
-def test_every_loss_of_the_directory_reaches_the_node_as_a_full_resync(tmp_path, redis, make_keys, loss):
+@pytest.mark.parametrize("loss,snapshots", [("older_copy", False), ("older_copy", True), ("last_writes_lost", False),
+                                            ("empty", False), ("flushall", False)])
+def test_every_loss_of_the_directory_reaches_the_node_as_a_full_resync(tmp_path, redis, make_keys, loss, snapshots):
     """The node's events went in (both masters listed them) and then Redis lost them: restored to a copy from
     before them, or with its last writes lost (what a kill -9 with appendfsync everysec or an OS crash loses),
     restarted empty, or flushed under the running masters. The node is told at its next contact, sends a full
-    inventory, and both masters list exactly what it holds, under one new epoch."""
-    with cluster(tmp_path, redis, make_keys) as (ms, s, agent, clients, keys):
+    inventory, and both masters list exactly what it holds, under one new epoch. ``snapshots``: the masters
+    snapshot (and trim the log) every 0.3 s throughout, across the rollback."""
+    args = ("--snapshot-interval-s", "0.3") if snapshots else ()
+    with cluster(tmp_path, redis, make_keys, args) as (ms, s, agent, clients, keys):
         if loss == "older_copy":
             copy_data(redis, tmp_path / "copy")
         s.remove(keys[:5])
