@@ -170,19 +170,28 @@ def test_a_rollback_to_a_node_mid_inventory_is_not_a_node_left_waiting(tmp_path,
         assert agent.counters["inventories"] >= 2
 
 
-def test_a_master_that_sees_the_rollback_later_follows_the_new_epoch(tmp_path, redis, make_keys):
-    """One master is stopped (SIGSTOP) while Redis is rolled back to an older copy and the other master starts
-    a new epoch; resumed, it must not serve or append its old history: it reloads, and both masters list exactly
-    what the node holds."""
+@pytest.mark.parametrize("loss", ["older_copy", "flushall"])
+def test_a_master_that_sees_the_rollback_later_follows_the_new_epoch(tmp_path, redis, make_keys, loss):
+    """One master is stopped (SIGSTOP) while Redis is rolled back to an older copy (or flushed: then its
+    connections to Redis survive, and nothing but the log itself tells it) and the other master starts a new
+    epoch; resumed, it must not serve or append its old history: it follows the new epoch, and both masters
+    list exactly what the node holds."""
     with cluster(tmp_path, redis, make_keys) as (ms, s, agent, clients, keys):
-        copy_data(redis, tmp_path / "copy")
-        wait_for(lambda: all(c.ping()["backend"]["state"] == "ok" for c in clients), 20.0)
+        if loss == "older_copy":
+            copy_data(redis, tmp_path / "copy")
+            wait_for(lambda: all(c.ping()["backend"]["state"] == "ok" for c in clients), 20.0)
         s.remove(keys[:5])
         assert agent.wait_synced(10.0)
         wait_for(lambda: exactly(clients, keys[5:], keys[:5]), 10.0, "the removal applied")
         inventories = agent.counters["inventories"]
         ms[1].pause()
-        restart(redis, data=tmp_path / "copy")
+        if loss == "older_copy":
+            restart(redis, data=tmp_path / "copy")
+        else:
+            import redis as redis_py
+
+            with redis_py.Redis.from_url(redis.url) as r:
+                r.flushall()
         s.remove(keys[5:15])  # the node's events go to master 0 (master 1 does not answer)
         wait_for(lambda: agent.counters["inventories"] > inventories, 15.0, "the node's full resync")
         assert agent.wait_synced(20.0)
