@@ -10,7 +10,8 @@ Fields were bounded by zmq's message limit before the append and are checked by 
 
 Besides client writes, masters log what their own clocks decide, so that it happens at one point of the log
 for everyone (``INTERNAL``): a node's lease expiry (``_expire``: only if the node was not heard from since the
-proposer looked), hint expiry, forgetting dead nodes. Heat and route_put's promised bytes are additive and
+proposer looked), hint expiry, forgetting dead nodes, and a new epoch (``_rebase``: the log lost entries a master
+had applied, so every node resyncs). Heat and route_put's promised bytes are additive and
 order-free: the master that counts them applies them at once and logs the sums (``_heat``, ``_promise``); the
 others apply them when they read them, and the origin skips its own.
 
@@ -36,6 +37,7 @@ from kvtier.master.table import as_key_array
 
 OPS = {**ops_router.OPS, **ops_node.OPS}
 EXPIRE, EXPIRE_HINTS, FORGET_DEAD, HEAT, PROMISE = "_expire", "_expire_hints", "_forget_dead", "_heat", "_promise"
+REBASE = "_rebase"
 ORIGIN_APPLIED = frozenset({HEAT, PROMISE})  # the master that logged these applied them already
 
 # The settings that decide how an entry applies: masters of one cluster must agree on all of them.
@@ -89,6 +91,21 @@ def _forget_dead(st: MasterState, body: dict[str, Any]) -> dict[str, Any]:
     return {"forgotten": st.registry.forget_dead()}
 
 
+def resync_all(st: MasterState, why: str) -> int:
+    """A new history of the directory begins (``_rebase``, or a re-seed of an emptied Redis): every node's
+    placements go, and each node is answered ``resync`` at its next contact. The number of such nodes."""
+    before = sum(n.state != DEAD for n in st.registry.nodes.values())
+    st.retire(st.registry.lose_sync_all(why))
+    return before
+
+
+def _rebase(st: MasterState, body: dict[str, Any]) -> dict[str, Any]:
+    """Logged (with a new epoch) by the master that found the log lost or rewrote entries it had applied:
+    writes its nodes were told of are gone, so every node sends a full inventory."""
+    return {"resyncing": resync_all(st, f"the shared directory's history was rolled back: {body['why']}; new "
+                                        f"epoch {body['epoch']}")}
+
+
 def _heat(st: MasterState, body: dict[str, Any]) -> dict[str, Any]:
     keys = as_key_array(body["keys"])
     counts = np.frombuffer(body["counts"], "<u4")
@@ -108,6 +125,7 @@ def _promise(st: MasterState, body: dict[str, Any]) -> dict[str, Any]:
 
 INTERNAL: dict[str, Callable[[MasterState, dict[str, Any]], dict[str, Any]]] = {
     EXPIRE: _expire, EXPIRE_HINTS: _expire_hints, FORGET_DEAD: _forget_dead, HEAT: _heat, PROMISE: _promise,
+    REBASE: _rebase,
 }
 
 

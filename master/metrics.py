@@ -87,6 +87,12 @@ class MasterMetrics:
             self.refused_connections.labels("metrics", reason)
         self.http = MetricsServer(r, lambda reason: self.refused_connections.labels("metrics", reason).inc(),
                                   logging.getLogger("kvtier.master"))
+        self.directory_losses = Counter("kvtier_master_directory_losses", "Times this master found the shared "
+                                        "directory had lost writes it applied, so a new epoch began and every node "
+                                        "resyncs, by what it found: empty (redis holds no epoch: restarted without "
+                                        "its data, or flushed), behind (redis's log counter behind this master), "
+                                        "rewritten (the log entry it applied last gone or another)", ["found"],
+                                        registry=r)
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:

@@ -237,12 +237,27 @@ class NodeRegistry:
         """The node's placements can no longer be trusted (an event gap): stop answering from them."""
         log.warning("node %s out of sync (%s): its placements are dropped until it sends a full inventory",
                     node.node_id, why)
+        retired = self._unsync(node)
+        self._changed()
+        return retired
+
+    def lose_sync_all(self, why: str) -> list[int]:
+        """No node's placements can be trusted (the shared directory's history was lost or rolled back): every
+        node not dead is answered ``resync`` at its next contact (one log line for all of them)."""
+        syncing = [n for n in self.nodes.values() if n.state != DEAD]
+        retired = [loc for n in syncing for loc in self._unsync(n)]
+        if syncing:
+            log.warning("all %d nodes out of sync (%s): their placements are dropped until each sends a full "
+                        "inventory", len(syncing), why)
+        self._changed()
+        return retired
+
+    def _unsync(self, node: Node) -> list[int]:
+        """Syncing, no inventory under way (so its next heartbeat or events are answered ``resync``)."""
         node.state = SYNCING
         node.applied_seq = None
         node.next_part = None
-        retired = self._retire(node)
-        self._changed()
-        return retired
+        return self._retire(node)
 
     def expire(self, now: float) -> list[int]:
         """Mark nodes silent for longer than their lease dead; returns their retired locations."""

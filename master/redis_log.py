@@ -5,8 +5,10 @@ Keys (under ``kvtier:`` in the URL's database, so one Redis can hold clusters in
 * ``log``: a stream; one entry per state change a master accepted, fields ``n`` (1, 2, 3, ...: a counter
   incremented in the same script as the XADD, so a reader sees a gap or a step back at once) and ``c`` (the
   command, msgpack);
-* ``n``: that counter; ``epoch``: a random id set when the cluster's state was seeded; a Redis that restarted
-  without its data has none, one re-seeded by another master has another;
+* ``n``: that counter; ``epoch``: a random id naming the history the log holds. Set when the cluster's state
+  is seeded, and replaced (``rebase``) when a master finds the log lost or rewrote entries it had applied
+  (Redis restarted behind its last writes, an older copy restored): a Redis that restarted without its data,
+  or was flushed, has none; one re-seeded or rebased by another master has another;
 * ``config``: the master settings that decide how commands apply (bounds, lease, heat half-life): every
   master of a cluster must have the same, or they would apply the same log differently;
 * ``snap:current`` -> a generation; ``snap:GEN:meta`` (msgpack: the log position, nodes, hints) and
@@ -14,6 +16,8 @@ Keys (under ``kvtier:`` in the URL's database, so one Redis can hold clusters in
   next one.
 
 Appends run one Lua script per batch (epoch check, counter, XADD for each command): atomic, one round trip.
+So do a seed (only where there is no epoch), a rebase (only under the epoch the master followed) and a
+snapshot's publication (only under the epoch it was taken in).
 The stream is trimmed (MINID) behind the previous snapshot and capped (MAXLEN ~ ``max_entries``) as a memory
 bound; a master that falls behind a trim sees the gap in ``n`` and reloads from the snapshot.
 
@@ -59,6 +63,25 @@ redis.call('SET', KEYS[5], ARGV[3])
 redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
+# KEYS: epoch, n, log; ARGV: the epoch the caller followed, a new epoch, maxlen, command. The log lost or
+# rewrote entries a master had applied: a new epoch, and the command (``_rebase``) appended under it, in one
+# step; 0 if the epoch is no longer the one the caller followed (another master rebased or seeded first).
+_REBASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+local n = redis.call('INCR', KEYS[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'n', n, 'c', ARGV[4])
+return n
+"""
+# KEYS: epoch, snap:current; ARGV: epoch, generation. Publishes a snapshot only under the epoch it was taken in
+# (a master that has not yet seen a rebase or a re-seed must not replace the new epoch's state with its own);
+# returns the generation replaced, false if the epoch is another.
+_PUBLISH = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+local old = redis.call('GET', KEYS[2])
+redis.call('SET', KEYS[2], ARGV[2])
+return old or ''
+"""
 
 
 class EpochChanged(RuntimeError):
@@ -87,6 +110,8 @@ class RedisLog:
         self.reader = Redis.from_url(url, **{**opts, "socket_timeout": timeout_s + block_ms / 1000})
         self._append = self.redis.register_script(_APPEND)
         self._seed = self.redis.register_script(_SEED)
+        self._rebase = self.redis.register_script(_REBASE)
+        self._publish = self.redis.register_script(_PUBLISH)
 
     def key(self, name: str) -> str:
         return PREFIX + name
@@ -115,10 +140,21 @@ class RedisLog:
     async def seed(self, generation: str, config: dict[str, Any]) -> str | None:
         """Make a written snapshot ``generation`` the cluster's start under a new epoch; the epoch, or None if
         another master seeded first."""
-        epoch = secrets.token_hex(8)
+        epoch = self.new_epoch()
         keys = [self.key(k) for k in ("epoch", "n", "log", "snap:current", "config")]
         won = await self._seed(keys=keys, args=[epoch, generation, pack(config)])
         return epoch if int(won) else None
+
+    async def rebase(self, followed: str, epoch: str, command: bytes) -> int | None:
+        """Replace the epoch ``followed`` by ``epoch`` (``new_epoch()``) and append ``command`` under it,
+        atomically: the command's counter, or None if the cluster's epoch is not ``followed`` any more."""
+        n = int(await self._rebase(keys=[self.key("epoch"), self.key("n"), self.key("log")],
+                                   args=[followed, epoch, self.max_entries, command]))
+        return n or None
+
+    @staticmethod
+    def new_epoch() -> str:
+        return secrets.token_hex(8)
 
     # ---- the log --------------------------------------------------------------------------------------
 
@@ -141,6 +177,16 @@ class RedisLog:
         if not got:
             return []
         return [(eid, int(f[b"n"]), f[b"c"]) for eid, f in got[0][1]]
+
+    async def entry_n(self, eid: bytes) -> int | None:
+        """The counter of the entry with stream id ``eid``; None if the log holds no such entry."""
+        got = await self.redis.xrange(self.key("log"), min=eid, max=eid, count=1)
+        return int(got[0][1][b"n"]) if got else None
+
+    async def first_id(self) -> bytes | None:
+        """The stream id of the oldest entry the log still holds (None: the log is empty)."""
+        got = await self.redis.xrange(self.key("log"), count=1)
+        return got[0][0] if got else None
 
     async def trim(self, before: bytes) -> None:
         """Drop log entries older than stream id ``before`` (a snapshot covers them)."""
@@ -173,13 +219,17 @@ class RedisLog:
         await pipe.execute()
         return gen, total + len(body)
 
-    async def publish_snapshot(self, gen: str) -> str | None:
-        """Make ``gen`` current; returns the generation it replaced (deleted here)."""
-        old = await self.redis.set(self.key("snap:current"), gen, get=True)
-        old_gen = old.decode() if old is not None else None
+    async def publish_snapshot(self, gen: str, epoch: str) -> bool:
+        """Make ``gen`` current if the cluster's epoch is still ``epoch`` (the generation it replaced is deleted);
+        False (``gen`` deleted) if not."""
+        old = await self._publish(keys=[self.key("epoch"), self.key("snap:current")], args=[epoch, gen])
+        if old is None:
+            await self.drop_snapshot(gen)
+            return False
+        old_gen = old.decode()
         if old_gen and old_gen != gen:
             await self.drop_snapshot(old_gen)
-        return old_gen
+        return True
 
     async def drop_snapshot(self, gen: str) -> None:
         keys = [k async for k in self.redis.scan_iter(match=self.key(f"snap:{gen}:*"), count=1000)]

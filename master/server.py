@@ -130,7 +130,9 @@ class MasterServer:
 
     def _answered(self, op: str, t0: float, req_id: int, reply: bytes, status: str, error: str, answer: Any) -> None:
         """A write the shared backend applied (or refused): count it and send its reply."""
-        if status not in ("ok", wire.ERR_INTERNAL, wire.ERR_UNAVAILABLE):  # unavailable: logged once, by the backend
+        if status == wire.ERR_UNAVAILABLE:  # the backend logs why once; each refusal, rate-limited, here
+            self._bad(status, logging.WARNING, "write refused (op %s): %s", op[:64], error)
+        elif status not in ("ok", wire.ERR_INTERNAL):
             self._bad(status, logging.WARNING, "bad request (op %s): %s", op[:64], error)
         self._count(op, status, error, t0)
         answer(req_id, reply)

@@ -22,10 +22,19 @@ The design, and why:
   before it accepts a request.
 * **Redis unreachable or restarted.** The master serves its view read-only (writes get ERR_UNAVAILABLE at once:
   nothing recorded, retry, maybe on another master), logs it once, sets ``kvtier_master_backend_state``, and
-  freezes leases (no master can log a death). When Redis answers again: same epoch and counter -> go on; a
-  counter behind this master (Redis lost its last writes) or another epoch -> reload from Redis's snapshot;
-  no epoch (Redis lost everything) -> re-seed it with this master's view (one master wins; the others reload
-  that). Nodes whose writes were refused resync with a full inventory (their sequence numbers tell).
+  freezes leases (no master can log a death). When Redis answers again: same epoch, and the entry this master
+  applied last still there as it was -> go on; another epoch -> reload from Redis's snapshot. Nodes whose
+  writes were refused resync with a full inventory (their sequence numbers tell).
+* **Redis lost or rolled back the directory's history: the epoch.** Writes this master applied (and answered:
+  nodes were told their events were in) may be gone: Redis restarted without its data or behind its last
+  writes, an older RDB/AOF was restored, FLUSHALL. The epoch names the history; each master checks it, with
+  the log position it applied, whenever Redis comes back and whenever its tail steps back, and a master that
+  finds its last entry gone (the counter behind it, the entry missing or another) starts a new history:
+  no epoch -> it re-seeds Redis with its view (one master wins; the others reload that); the same epoch ->
+  it replaces the epoch and appends ``_rebase`` in one script (one master wins), then reloads. Either way the
+  new history begins with every node out of sync, so every node is answered ``resync`` at its next contact
+  and sends a full inventory; a master that never applied the lost entries (it trailed) just applies the
+  ``_rebase`` entry as it follows the log. ``kvtier_master_directory_losses`` counts what each master found.
 
 Runs on the master's event loop; the Redis calls are asyncio (redis.asyncio).
 
@@ -70,6 +79,15 @@ class _Resync(Exception):
     """This master's view no longer follows the log (a gap, a step back, another epoch): reload it."""
 
 
+# What a master found when it checked the directory's history (the kvtier_master_directory_losses label).
+EMPTY, BEHIND, REWRITTEN = "empty", "behind", "rewritten"
+
+
+def _stream_id(eid: bytes) -> tuple[int, int]:
+    ms, _, seq = eid.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
 class SharedBackend:
     """The state of one master of a cluster sharing ``settings.directory`` (see the module doc)."""
 
@@ -99,6 +117,7 @@ class SharedBackend:
         self._next_snapshot = time.monotonic() + settings.snapshot_interval_s
         self._snapshot_running = False
         self._prev_snapshot_id: bytes | None = None
+        self._stepped_back = False  # the tail read an entry at or before the one applied last
         self._closing = False
 
     def _fresh(self) -> MasterState:
@@ -141,7 +160,9 @@ class SharedBackend:
                              "masters sharing a directory must apply its log alike")
 
     async def _seed(self, st: MasterState) -> bool:
-        """Make ``st`` (at a fresh log) the cluster's state under a new epoch; False if another master did."""
+        """Make ``st`` (at a fresh log) the cluster's state under a new epoch; False if another master did. A
+        new history: every node in ``st`` resyncs (this view may trail what another master told a node)."""
+        commands.resync_all(st, "redis lost the shared directory; re-seeding it")
         meta, arrays = commands.export_state(st)
         gen, _ = await self.log.write_snapshot({**meta, "n": 0, "id": b"0-0", "by": self.id}, arrays)
         epoch = await self.log.seed(gen, commands.cluster_config(self.settings))
@@ -184,6 +205,9 @@ class SharedBackend:
         st.activity = self.state.activity
         self.state, self.last_n, self.last_id = st, n, last
         self._proposed.clear()
+        # The previous snapshot may be of a history Redis no longer holds: trimming behind its stream id could
+        # cut entries of the current one that no snapshot covers yet. The next snapshot trims nothing.
+        self._prev_snapshot_id = None
 
     # ---- the driver: tail the log; on trouble read-only, then recover --------------------------------
 
@@ -210,23 +234,69 @@ class SharedBackend:
                 delay = min(delay * 2, 2.0)
 
     async def _recover(self) -> None:
-        """Redis answers again (or the view fell out of step): decide whether to go on, reload or re-seed."""
+        """Redis answers again (or the view fell out of step): decide whether to go on, reload, rebase or re-seed
+        (the module doc's last two points)."""
         epoch = await self.log.epoch()
         if epoch is None:  # Redis lost everything: this master's view is the best left
+            self._lost(EMPTY, "redis holds no epoch (restarted without its data, or flushed)")
             if await self._seed(self.state):
                 self.last_n, self.last_id = 0, b"0-0"
+                self._stepped_back = False
                 self._refresh_leases()
                 self._set_mode(OK, "re-seeded redis with this master's view")
                 return
             epoch = await self.log.epoch()
-        if epoch == self.epoch and self.mode == READ_ONLY and await self.log.counter() >= self.last_n:
-            self._refresh_leases()
-            self._set_mode(OK, "redis answers again")
-            return
+        if epoch == self.epoch:
+            lost = await self._history_lost()
+            if lost is not None:
+                self._lost(*lost)
+                await self._rebase(lost[1])
+            elif self.mode == READ_ONLY:
+                self._refresh_leases()
+                self._set_mode(OK, "redis answers again")
+                return
+        self._stepped_back = False
         self._set_mode(CATCHING_UP, "reloading from redis" if epoch == self.epoch else f"new epoch {epoch}")
         state, n, last = await self._load()
         self._swap(state, n, last)
         self._set_mode(OK, "reloaded")
+
+    async def _history_lost(self) -> tuple[str, str] | None:
+        """(what, why) if the log under this master's epoch no longer holds the entry it applied last as it
+        was (Redis restarted behind its last writes, an older copy restored, entries appended after either);
+        None if it does, or if a trim behind a snapshot took it (this master fell behind: a plain reload)."""
+        counter = await self.log.counter()
+        if counter < self.last_n:
+            return BEHIND, f"redis's log counter is {counter}, behind entry {self.last_n} this master applied"
+        if self._stepped_back:
+            return REWRITTEN, f"the log stepped back to an entry at or before {self.last_n}, which this master applied"
+        if self.last_n == 0:
+            return None
+        n = await self.log.entry_n(self.last_id)
+        if n == self.last_n:
+            return None
+        if n is None:
+            first = await self.log.first_id()
+            if first is not None and _stream_id(first) > _stream_id(self.last_id):
+                return None  # trimmed behind a snapshot taken past this master
+        what = "gone" if n is None else f"entry {n} now"
+        return REWRITTEN, f"entry {self.last_n} this master applied last (id {self.last_id.decode()}) is {what}"
+
+    def _lost(self, what: str, why: str) -> None:
+        self.metrics.directory_losses.labels(what).inc()
+        log.warning("kvtier-master: the shared directory in %s lost writes this master applied (%s): starting a "
+                    "new epoch; every node resyncs with a full inventory", self.url, why)
+
+    async def _rebase(self, why: str) -> None:
+        """Replace the epoch this master followed and log ``_rebase`` under the new one (the reload that follows
+        applies it); nothing if another master did first (the reload applies theirs)."""
+        epoch = self.log.new_epoch()
+        e = commands.entry(commands.REBASE, {"epoch": epoch, "why": why}, None, self.state.wall(), self.id, 0)
+        n = await self.log.rebase(self.epoch or "", epoch, pack(e))
+        if n is None:
+            log.info("kvtier-master: another master started a new epoch first")
+        else:
+            log.warning("kvtier-master: new epoch %s from log entry %d", epoch, n)
 
     def _refresh_leases(self) -> None:
         """After a time when no master could log a death, every node gets a lease from now."""
@@ -241,7 +311,8 @@ class SharedBackend:
             batch = await self.log.read(self.last_id, READ_BATCH, block=True)
             for eid, n, raw in batch:
                 if n != self.last_n + 1:
-                    what = "a gap" if n > self.last_n else "a step back"
+                    self._stepped_back = n <= self.last_n
+                    what = "a step back" if self._stepped_back else "a gap"
                     raise _Resync(f"log entry {n} after {self.last_n} ({what})")
                 self._apply(self.state, raw)
                 self.last_n, self.last_id = n, eid
@@ -259,6 +330,8 @@ class SharedBackend:
             self.metrics.log_staleness.observe(max(0.0, time.time() - float(t)))
         if mine and op in commands.ORIGIN_APPLIED and not reload:
             return
+        if op == commands.REBASE:
+            self.epoch = e[1]["epoch"]  # the history this view follows from here on (appends go under it)
         try:
             ok, body, status, error = True, commands.apply(st, e), "ok", ""
         except WireError as err:
@@ -372,10 +445,12 @@ class SharedBackend:
             if not await self.log.take_snapshot_turn(self.id, self.settings.snapshot_interval_s * 0.9):
                 return
             t0 = time.perf_counter()
-            n, last = self.last_n, self.last_id
+            n, last, epoch = self.last_n, self.last_id, self.epoch or ""
             meta, arrays = commands.export_state(self.state)  # on the loop, between two entries: consistent
             gen, nbytes = await self.log.write_snapshot({**meta, "n": n, "id": last, "by": self.id}, arrays)
-            await self.log.publish_snapshot(gen)
+            if not await self.log.publish_snapshot(gen, epoch):
+                log.info("kvtier-master: shared snapshot at entry %d not published: the epoch changed", n)
+                return
             if self._prev_snapshot_id is not None:
                 await self.log.trim(self._prev_snapshot_id)  # one interval of slack for masters behind
             self._prev_snapshot_id = last

@@ -288,7 +288,8 @@ def test_redis_restarted_without_its_data_is_reseeded_by_a_master(tmp_path, make
                 wait_for(lambda: all(backend_state(m) == "ok" for m in ms), 20.0)
                 logs = ms[0].log() + ms[1].log()
                 assert logs.count("kvtier-master: seeded redis") == 2  # the first start, and the re-seed by one master
-                # The re-seeding master's view is the cluster's now: blocks and hints survived Redis's loss.
+                # The re-seeding master's view is the cluster's now: hints survived Redis's loss, and the blocks
+                # are listed again once the node resynced (a re-seed is a new epoch: every node sends an inventory).
                 for m in ms:
                     with MasterClient(m.endpoint) as one:
                         wait_for(lambda one=one: one.lookup(keys, touch=False).any == 25)

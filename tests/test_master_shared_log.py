@@ -2,7 +2,7 @@
 reaches the same state and gives the same answers, whether it applied them all from the start or loaded a
 snapshot taken at any point and replayed the rest (what a new or restarted master does), and whatever its own
 clock says. Random sequences of registrations, inventories, events, heartbeats, goodbyes, hints, logged
-expiries and heat, applied in-process to MasterStates (no Redis: the log's transport is tested with real
+expiries, heat and new epochs, applied in-process to MasterStates (no Redis: the log's transport is tested with real
 processes in test_master_redis.py)."""
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def entry_for(action: tuple, t: float) -> list:
         op, body = commands.EXPIRE_HINTS, {}
     elif kind == "forget_dead":
         op, body = commands.FORGET_DEAD, {}
+    elif kind == "rebase":
+        op, body = commands.REBASE, {"epoch": f"e{x}", "why": "test"}
     else:
         counts = np.full(len(keys), y % 5 + 1, "<u4")
         op, body = commands.HEAT, {"keys": wire.pack_keys(keys), "counts": counts.tobytes()}
@@ -62,7 +64,8 @@ def entry_for(action: tuple, t: float) -> list:
 
 
 actions = st.lists(st.tuples(st.sampled_from(["register", "inventory", "events", "heartbeat", "goodbye", "pin",
-                                              "unpin", "expire", "expire_hints", "forget_dead", "heat"]),
+                                              "unpin", "expire", "expire_hints", "forget_dead", "heat",
+                                              "rebase"]),
                              st.sampled_from(NODES), st.integers(0, 1), st.integers(0, 30), st.integers(0, 30)),
                    min_size=1, max_size=60)
 
@@ -118,3 +121,24 @@ def test_a_master_loaded_from_any_snapshot_reaches_the_same_state_as_one_that_ap
     commands.import_state(loaded, meta, {k: v.copy() for k, v in arrays.items()})
     assert apply_all(loaded, entries[cut:]) == answers[cut:]
     assert view(loaded) == view(whole) == view(other)
+
+
+@settings(max_examples=60, deadline=None)
+@given(actions, st.floats(1e6, 2e6))
+def test_after_a_new_epoch_no_node_is_answered_from_and_every_node_is_told_to_resync(seq, t0):
+    """``_rebase`` (the directory's history was lost): whatever state the log had reached (nodes live, syncing
+    mid-inventory, dead), no placement is listed any more, and every node not dead that heartbeats or sends
+    events, at any sequence number, is answered ``resync`` until its next full inventory."""
+    entries = [entry_for(a, t0 + i) for i, a in enumerate(seq)]
+    state = fresh(0.0)
+    apply_all(state, entries + [commands.entry(commands.REBASE, {"epoch": "new", "why": "test"}, None,
+                                               t0 + len(entries), "origin", 0)])
+    assert view(state)["placements"] == {}
+    assert not state.live_mask().any()
+    for node in list(state.registry.nodes.values()):
+        if node.state == "dead":
+            continue
+        for op, body in ((wire.HEARTBEAT, {"seq": 3, "used": {}, "bw": {}, "path_bw": {}}),
+                         (wire.EVENTS, {"seq": 4, "events": []})):
+            e = commands.entry(op, {"node": node.node_id, "incarnation": node.incarnation, **body}, None, t0, "o", 0)
+            assert commands.apply(state, e)["resync"] is True
