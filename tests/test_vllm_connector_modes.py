@@ -66,7 +66,7 @@ def test_tp_ranks_get_their_own_ssd_and_shm_paths_and_a_restart_finds_their_bloc
     second = engine(**opts)  # a restarted server: empty DRAM, the same directories
     for rank in (0, 1):
         store = worker_side(second, rank).store
-        assert store.tiers[0].contains(keys_of(second, b, rank)[:5]) == [False] * 5
+        assert list(store.tiers[0].contains(keys_of(second, b, rank)[:5])) == [False] * 5
     sources = record_hit_sources(second)
     second.add(b)
     second.run([b])  # each rank's blocks verified bit-exact (a rank's KV differs from the other's)

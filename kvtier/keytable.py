@@ -10,8 +10,9 @@ The table also owns the per-slot *columns* of its users (placement masks, heat, 
 column with its key, so a slot index is a stable handle until the next call that may rehash (insert,
 reserve, delete); ``generation`` counts rehashes.
 
-Runs inside the master's event loop; not thread-safe (one owner). Keys given to and returned from it are
-(n, 2) uint64 arrays (a 16-byte key read as two little-endian words), never copied per key.
+Not thread-safe: its owner serializes every call (the master's event loop; the DRAM tier's lock, where it
+indexes the keys the tier holds). Keys given to and returned from it are (n, 2) uint64 arrays (a 16-byte key
+read as two little-endian words), never copied per key; ``key_array`` makes one from a list of bytes keys.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import ctypes
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.config import ENV_NATIVE_CPU
+from kvtier.keys import KEY_BYTES, check_keys
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,20 @@ def as_key_array(blob: bytes | bytearray | memoryview | np.ndarray) -> np.ndarra
         raise ValueError(f"a key array must be (n, 2) uint64, got {blob.dtype} {blob.shape}")
     if len(blob) % 16:
         raise ValueError(f"a key blob must be a multiple of 16 bytes, got {len(blob)}")
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+
+
+def key_array(keys: Sequence[bytes]) -> np.ndarray:
+    """The (n, 2) uint64 array of a batch of 16-byte ``bytes`` keys: one join, no per-key Python work.
+
+    ValueError (naming the first bad key) unless the batch joins to 16 bytes per key. What the join cannot
+    see, a short key beside a long one whose lengths still sum to 16 each, is read in 16-byte chunks that
+    straddle them: a caller's bug that costs that batch its answers (a chunk is some key only by chance).
+    """
+    blob = b"".join(keys)
+    if len(blob) != KEY_BYTES * len(keys):
+        check_keys(keys)  # raises, naming the first key of the wrong length or type
+        raise ValueError(f"{len(keys)} keys join to {len(blob)} bytes, not {KEY_BYTES} each")
     return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
 
 
@@ -126,6 +142,14 @@ class KeyTable:
 
     def set_column_maker(self, name: str, make: Callable[[int], np.ndarray]) -> None:
         self._columns[name] = (self._columns[name][0], make)
+
+    def clear(self) -> None:
+        """Forget every key (the columns are rebuilt empty, at the smallest capacity)."""
+        makers = {name: make for name, (_, make) in self._columns.items()}
+        self._alloc(MIN_CAPACITY)
+        self._columns = {name: (make(MIN_CAPACITY), make) for name, make in makers.items()}
+        self.live = self.tombstones = 0
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:
