@@ -81,7 +81,10 @@ def key_array(keys: Sequence[bytes]) -> np.ndarray:
     see, a short key beside a long one whose lengths still sum to 16 each, is read in 16-byte chunks that
     straddle them: a caller's bug that costs that batch its answers (a chunk is some key only by chance).
     """
-    blob = b"".join(keys)
+    try:
+        blob = b"".join(keys)
+    except TypeError:
+        blob = b""  # not bytes-like: check_keys names it
     if len(blob) != KEY_BYTES * len(keys):
         check_keys(keys)  # raises, naming the first key of the wrong length or type
         raise ValueError(f"{len(keys)} keys join to {len(blob)} bytes, not {KEY_BYTES} each")
