@@ -222,6 +222,14 @@ class KeyTable:
         is_new[missing[first]] = True
         return slots, is_new
 
+    def add(self, q: np.ndarray) -> None:
+        """Insert distinct keys (those present already stay as they are): ``insert`` without its pass that
+        groups repeats within the batch (a sort), for a caller whose batch has none (the DRAM tier's commit)."""
+        missing = q[self.find(q) < 0]
+        if len(missing):
+            self.reserve(len(missing))
+            self._place(missing)
+
     def delete(self, slots: np.ndarray) -> None:
         """Turn live slots into tombstones (columns are left as they are; reused slots are reset on insert)."""
         slots = np.unique(slots[slots >= 0])

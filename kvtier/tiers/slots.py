@@ -152,6 +152,8 @@ class SlotTable:
         first occurrences only, evicting by the rules above. ``res.held[i]`` is False where key i was refused
         or declined; the reserved keys are pending and their slots busy until ``publish``."""
         n = len(keys)
+        if self.index is not None:
+            key_array(keys)  # a batch that is not 16 bytes per key fails here, before any state changes
         res = Reservation([True] * n)
         victims: list[bytes] = []
         vslots: list[int] = []
@@ -210,7 +212,7 @@ class SlotTable:
                 lost.append(k)
         self.policy.insert(published)
         if self.index is not None and published:
-            self.index.insert(key_array(published))
+            self.index.add(key_array(published))
         self.free_idle_doomed()
         self.stats.puts += len(published)
         self.stats.put_bytes += len(published) * self._block_bytes
@@ -223,6 +225,7 @@ class SlotTable:
         index no longer points at it)."""
         removed: list[bytes] = []
         freed: list[int] = []
+        idle: list[int] = []  # freed at once, in one batch (a free per key cost a numpy round per key)
         slot_of, pending, busy, doomed = self.slot_of, self.pending, self.busy, self.doomed
         for k in keys:
             s = slot_of.pop(k, None)
@@ -235,10 +238,11 @@ class SlotTable:
                 elif busy[s]:
                     doomed.add(s)
                 else:
-                    self.alloc.free([s])
+                    idle.append(s)
             s = pending.pop(k, None)
             if s is not None:
                 doomed.add(s)
+        self.alloc.free(idle)
         self.policy.remove(removed)
         self._unindex(removed, self.leaving)
         return removed, freed
