@@ -421,8 +421,11 @@ class TieredStore:
 
     def _stored(self, keys: Sequence[bytes], new_keys: list[bytes]) -> PutResult:
         """Count, log and announce what one write of a plan stored in the top tier (``keys``: those it wrote)."""
-        held = set(new_keys)
-        result = PutResult(len(new_keys), 0, [k for k in keys if k not in held])
+        if len(new_keys) == len(keys):  # all stored (the common case): no set of them to build
+            result = PutResult(len(new_keys), 0, [])
+        else:
+            held = set(new_keys)
+            result = PutResult(len(new_keys), 0, [k for k in keys if k not in held])
         if result.rejected:
             log.debug("put: %d of %d blocks rejected (no evictable space in %s)", len(result.rejected),
                       len(keys), self.tiers[0].name)

@@ -157,6 +157,22 @@ def test_prepare_put_answers_once_and_claims_until_written(two_tiers):
     assert store.stats()["inflight_puts"] == 0
 
 
+def test_a_plan_written_whole_out_of_order_or_in_one_go_stores_each_block_under_its_key(two_tiers):
+    """A write of every fresh position in another order than ``fresh`` maps each block to its own key (a whole
+    put in batch order skips the plan's checks; a permutation must not take that path); one in order, too."""
+    store = two_tiers[0]
+    data = blocks_for(KEYS[:8], BB)
+    with store.prepare_put(KEYS[:4]) as plan:
+        order = [3, 1, 0, 2]
+        assert plan.put(order, data[order]).stored == 4
+        with pytest.raises(ValueError, match="fresh positions, each once"):
+            plan.put(plan.fresh, data[:4])  # all written already
+    with store.prepare_put(KEYS[4:8]) as plan:
+        assert plan.put(plan.fresh, data[4:8]).stored == 4
+    out = torch.zeros(8, BB, dtype=torch.uint8)
+    assert store.get(KEYS[:8], out) == [True] * 8 and torch.equal(out, data)
+
+
 def test_a_distributed_save_asks_the_master_nothing(tmp_path):
     """Before: every save chunk asked the master (locate) twice only to decide what was held."""
     with MasterProcess(tmp_path, lease_s=5.0) as mp, \
