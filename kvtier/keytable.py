@@ -119,6 +119,8 @@ class KeyTable:
         # Two contiguous word columns, not one (cap, 2) array: take() on a strided view copies the whole column.
         self.k0 = np.zeros(cap, np.uint64)
         self.k1 = np.zeros(cap, np.uint64)
+        # Their addresses for the native probes, read once (``.ctypes`` builds an object per read).
+        self._columns_at = (self.k0.ctypes.data, self.k1.ctypes.data, self.state.ctypes.data)
 
     # ---- columns ---------------------------------------------------------------------------------------
 
@@ -173,8 +175,7 @@ class KeyTable:
             return out
         if self.native is not None:
             q = np.ascontiguousarray(q, dtype=np.uint64)
-            self.native.kvtier_keytable_find(self.k0.ctypes.data, self.k1.ctypes.data, self.state.ctypes.data,
-                                             self._imask, q.ctypes.data, n, out.ctypes.data)
+            self.native.kvtier_keytable_find(*self._columns_at, self._imask, _address(q), n, _address(out))
             return out
         q0, q1 = np.ascontiguousarray(q[:, 0]), np.ascontiguousarray(q[:, 1])
         k0, k1, state, imask = self.k0, self.k1, self.state, self._imask
@@ -263,9 +264,7 @@ class KeyTable:
         out = np.empty(n, np.int64)
         if self.native is not None:
             q = np.ascontiguousarray(q, dtype=np.uint64)
-            reused = self.native.kvtier_keytable_place(self.k0.ctypes.data, self.k1.ctypes.data,
-                                                       self.state.ctypes.data, self._imask, q.ctypes.data, n,
-                                                       out.ctypes.data)
+            reused = self.native.kvtier_keytable_place(*self._columns_at, self._imask, _address(q), n, _address(out))
             if reused < 0:  # cannot happen below MAX_LOAD; a loud failure beats a silent loop
                 raise RuntimeError(f"key table full at capacity {self.capacity}")
             self.tombstones -= reused
@@ -314,6 +313,11 @@ class KeyTable:
         new = self._place(old_keys)
         for name, (arr, _) in self._columns.items():
             arr[new] = old_cols[name]
+
+
+def _address(a: np.ndarray) -> int:
+    """The data address of a contiguous array (cheaper than ``a.ctypes.data``)."""
+    return a.__array_interface__["data"][0]
 
 
 def _rows_any(b: np.ndarray) -> np.ndarray:
