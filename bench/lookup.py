@@ -60,7 +60,7 @@ def _echo(endpoint: str, frame: bytes) -> Callable[[], None]:
 
 
 def _row(path: str, op: str, us: list[float], base_us: list[float], baseline: str) -> dict[str, Any]:
-    p50, base = median(us), median(base_us)
+    p50, base = round(median(us), 1), round(median(base_us), 1)  # the ratio of the figures printed
     return {"tier": "lookup", "path": path, "op": op, "keys": KEYS, "p50_us": round(p50, 1),
             "baseline": baseline, "baseline_us": round(base, 1), "ratio": round(base / p50, 3)}
 
