@@ -29,12 +29,13 @@ class PinTable:
         unknown = []
         with self._lock:
             counts = self._counts
+            get, pop = counts.get, counts.pop  # pop, not del: Counter's __delitem__ is a Python method
             for k in keys:
-                c = counts.get(k, 0)
+                c = get(k, 0)
                 if c > 1:
                     counts[k] = c - 1
                 elif c == 1:
-                    del counts[k]
+                    pop(k)
                 else:
                     unknown.append(k)
         return unknown
