@@ -111,9 +111,10 @@ class SlotTable:
     (``slot_of``), or doomed (dropped while ``busy``: its readers, its writer, or for the SSD an index entry not
     yet deleted, count in ``busy``; it is freed when that count reaches 0, ``free_idle_doomed``). With
     ``leaving`` (DRAM), an evicted key moves to ``leaving`` (key -> its old slot, now its new owner's) before it
-    leaves ``slot_of``, so a lock-free ``contains`` sees it in one map or the other; the owner ends that state
+    leaves ``slot_of``, so a lock-free reader of the maps sees it in one or the other; the owner ends that state
     (``end_leaving``). With ``leaving`` the held keys (``slot_of`` and ``leaving``) are also indexed in a native
-    KeyTable (``held``: one probe pass per batch, no Python work per key: what every lookup of the store asks).
+    KeyTable (``held``: one probe pass per batch, no Python work per key: what every lookup of the store asks; an
+    evicted key stays in it until its hand-down ends, like ``leaving``).
 
     Eviction rules (``reserve``): free slots first, then the policy's victims, never a pinned or busy key nor a
     key of the batch (or of ``protect``) the tier holds; when slots run short the root-most keys get them (the
@@ -314,7 +315,7 @@ class SlotTable:
                         del slot_of[v]
                 else:
                     for v, s in zip(evicted, taken):
-                        leaving[v] = s  # first: a lock-free contains() sees the key in one map or the other
+                        leaving[v] = s  # first: a lock-free reader sees the key in one map or the other
                         del slot_of[v]
                 self.stats.evictions += len(evicted)
                 victims += evicted
