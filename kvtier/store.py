@@ -223,7 +223,8 @@ class TieredStore:
     def contains(self, keys: Sequence[bytes], *, local_only: bool = False) -> list[bool]:
         """Which keys some tier holds. ``local_only``: without asking a remote tier below the top one (no
         round trip; what a put asks, and what an event recorder may ask from an eviction callback)."""
-        return (self._where(keys, local_only=local_only) >= 0).tolist()
+        held = self._where(keys, local_only=local_only) >= 0
+        return [True] * len(keys) if held.all() else held.tolist()  # all held: no list built bool by bool
 
     def lookup_prefix(self, keys: Sequence[bytes], *, pin: bool = False) -> StoreLookup:
         """How many leading keys are held, and by which tier each (the highest tier that holds it).
@@ -401,6 +402,9 @@ class TieredStore:
                 continue
             if todo is None:
                 found = np.asarray(tier.contains(keys), dtype=bool)
+                if found.all():  # the common lookup: the top tier holds every key
+                    where[:] = t
+                    break
                 where[found] = t
                 todo = np.flatnonzero(~found)
             else:
