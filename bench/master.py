@@ -37,13 +37,18 @@ PROMPT_BLOCKS = 2000
 
 # ---- processes ---------------------------------------------------------------------------------------------
 
-def _echo_server(endpoint_q: Any, stop: Any) -> None:
+def _echo_server(endpoint_q: Any, stop: Any, bind: str = "tcp://127.0.0.1") -> None:
+    """Echo every request back (the raw zmq round trip a lookup is measured beside) at ``bind``: a TCP host (a
+    port is chosen) or a full ipc endpoint; the bound endpoint goes to ``endpoint_q``."""
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    endpoint_q.put(f"tcp://127.0.0.1:{port}")
+    if bind.startswith("ipc://"):
+        sock.bind(bind)
+        endpoint_q.put(bind)
+    else:
+        endpoint_q.put(f"{bind}:{sock.bind_to_random_port(bind)}")
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     while not stop.is_set():

@@ -4,7 +4,8 @@ DRAM: the store's batched put and get into caller-owned buffers, against one ``n
 (a single-threaded memcpy at full memory bandwidth). Rounds interleave baseline, put and get so machine noise
 hits all three alike; the figures are medians over rounds, after one warm-up round that faults every page in.
 SSD: bench/ssd.py, against raw O_DIRECT I/O of the same bytes. Pool: bench/pool.py, against a raw TCP socket
-between two processes and memcpy.
+between two processes and memcpy. Then the lookup rows of the paths of that tier (bench/lookup.py: 2,000 present
+keys in process beside the DRAM rows; over the pool's shm and TCP, and the master's, beside the pool rows).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_json
+from kvtier.bench.lookup import PATHS as LOOKUP_PATHS
+from kvtier.bench.lookup import bench_lookups, print_lookups
 from kvtier.bench.pool import bench_pool
 from kvtier.bench.ssd import DEFAULT_SIZES as SSD_SIZES
 from kvtier.bench.ssd import bench_ssd
@@ -78,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pool: skip the Mooncake Store rows even where it is installed")
     p.add_argument("--pool-auth", action="store_true", help="pool: also measure a pool started with --auth-dir "
                    "(CurveZMQ control and tcp frames, tokens on the data port): paths *+auth")
+    p.add_argument("--no-lookups", dest="lookups", action="store_false",
+                   help="skip the lookup rows (2,000 present keys: dram in process; pool over shm and tcp, master)")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
 
 
@@ -87,5 +92,7 @@ def run(args: argparse.Namespace) -> int:
     rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads, path=args.path,
               connections=args.connections, mooncake=args.mooncake, pool_auth=args.pool_auth)
     print_rows(rows, f"kvtier bench tiers --tier {args.tier}", baseline)
-    write_json(rows, args.json)
+    lookups = bench_lookups(LOOKUP_PATHS.get(args.tier, ()), args.rounds) if args.lookups else []
+    print_lookups(lookups)
+    write_json(rows + lookups, args.json)
     return 0

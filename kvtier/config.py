@@ -34,7 +34,7 @@ ENV_CONFIG_FILE = "KVTIER_CONFIG"  # names a file; not a config key itself
 # still an error; a new non-config variable must be named here (tests/test_config.py scans the tree for them).
 ENV_CACHE_DIR = "KVTIER_CACHE_DIR"  # where native_build.py caches the compiled CUDA library
 ENV_CUDA_ARCH = "KVTIER_CUDA_ARCH"  # GPU architectures native_build.py compiles for when none is visible
-ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": hostcopy.py and master/table.py skip the native CPU library
+ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": hostcopy.py and keytable.py skip the native CPU library
 ENV_RDMA_DEVICE = "KVTIER_RDMA_DEVICE"  # name[:port[:gid_index]]: the device kvtier/transport/rdma.py opens
 ENV_ENGINE_PYTHON = "KVTIER_ENGINE_PYTHON"  # the real vLLM engine's python for bench/engine_proc.py (tests, bench)
 ENV_NOT_CONFIG = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_NATIVE_CPU, ENV_RDMA_DEVICE,

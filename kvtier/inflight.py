@@ -6,6 +6,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
+
 
 class InflightPuts:
     """Which keys some thread is writing now, so that a concurrent put of the same key (sessions sharing a prefix)
@@ -24,10 +26,13 @@ class InflightPuts:
         """Positions of the keys ``held`` marks False that no other claim holds (a key repeated in ``keys``: its
         first position), in flight until the block exits."""
         fresh: list[int] = []
+        unheld = np.flatnonzero(~np.asarray(held, dtype=bool)).tolist()  # no Python work per held key
         with self._lock:
-            for i, k in enumerate(keys):
-                if not held[i] and k not in self._keys:
-                    self._keys.add(k)
+            claimed = self._keys
+            for i in unheld:
+                k = keys[i]
+                if k not in claimed:
+                    claimed.add(k)
                     fresh.append(i)
         try:
             yield fresh

@@ -146,13 +146,20 @@ class LeaseTable:
         lease = self._leases.get(name)
         if lease is None:
             lease = self._leases[name] = Lease(name, now + ttl_s, priority)
-        extra = []
-        for k in pinned:
-            if k in lease.keys:
-                extra.append(k)
-            else:
-                lease.keys.add(k)
-                self._total += 1
+        distinct = set(pinned)
+        if len(distinct) == len(pinned):  # no repeats (a prompt's chain): set operations, no loop per key
+            extra = list(lease.keys.intersection(distinct))
+            before = len(lease.keys)
+            lease.keys |= distinct
+            self._total += len(lease.keys) - before
+        else:
+            extra = []
+            for k in pinned:
+                if k in lease.keys:
+                    extra.append(k)
+                else:
+                    lease.keys.add(k)
+                    self._total += 1
         if extra:
             self._store.unpin(extra)
         lease.expires = max(lease.expires, now + ttl_s)

@@ -8,6 +8,7 @@ locks let one request release another's). Thread-safe.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterable
 
 
@@ -15,26 +16,26 @@ class PinTable:
     """key -> pin count. ``key in table`` is True while the count is > 0 (what eviction checks)."""
 
     def __init__(self) -> None:
-        self._counts: dict[bytes, int] = {}
+        # A Counter for its update(), which counts a batch in C (a lookup pins 2,000 keys before it looks).
+        self._counts: Counter[bytes] = Counter()
         self._lock = threading.Lock()
 
     def pin(self, keys: Iterable[bytes]) -> None:
         with self._lock:
-            counts = self._counts
-            for k in keys:
-                counts[k] = counts.get(k, 0) + 1
+            self._counts.update(keys)
 
     def unpin(self, keys: Iterable[bytes]) -> list[bytes]:
         """Drop one pin per key; return the keys that were not pinned (a caller's bookkeeping bug)."""
         unknown = []
         with self._lock:
             counts = self._counts
+            get, pop = counts.get, counts.pop  # pop, not del: Counter's __delitem__ is a Python method
             for k in keys:
-                c = counts.get(k, 0)
+                c = get(k, 0)
                 if c > 1:
                     counts[k] = c - 1
                 elif c == 1:
-                    del counts[k]
+                    pop(k)
                 else:
                     unknown.append(k)
         return unknown

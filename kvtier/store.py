@@ -34,6 +34,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
+
 from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
 from kvtier.inflight import InflightPuts
@@ -126,9 +128,9 @@ class TieredStore:
         """
         check_keys(keys)
         where = self._where(keys, local_only=True)
-        with self._inflight.claim(keys, [w >= 0 for w in where]) as fresh:
+        with self._inflight.claim(keys, where >= 0) as fresh:
             self._count(put_skipped=len(keys) - len(fresh))
-            yield PutPlan(self._writes, list(keys), fresh, [k for k, w in zip(keys, where) if w == 0])
+            yield PutPlan(self._writes, list(keys), fresh, [keys[i] for i in np.flatnonzero(where == 0).tolist()])
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> PutResult:
         """Store blocks (one per key) in the top tier; keys the top or a local tier holds, or another put is
@@ -221,7 +223,8 @@ class TieredStore:
     def contains(self, keys: Sequence[bytes], *, local_only: bool = False) -> list[bool]:
         """Which keys some tier holds. ``local_only``: without asking a remote tier below the top one (no
         round trip; what a put asks, and what an event recorder may ask from an eviction callback)."""
-        return [w >= 0 for w in self._where(keys, local_only=local_only)]
+        held = self._where(keys, local_only=local_only) >= 0
+        return [True] * len(keys) if held.all() else held.tolist()  # all held: no list built bool by bool
 
     def lookup_prefix(self, keys: Sequence[bytes], *, pin: bool = False) -> StoreLookup:
         """How many leading keys are held, and by which tier each (the highest tier that holds it).
@@ -235,10 +238,11 @@ class TieredStore:
         if pin:
             self.pins.pin(keys)
         where = self._where(keys)
-        length = next((i for i, w in enumerate(where) if w < 0), len(keys))
+        missed = where < 0
+        length = int(missed.argmax()) if missed.any() else len(keys)  # the first miss
         if pin and length < len(keys):
             self.pins.unpin(keys[length:])
-        return StoreLookup(length, [self.tiers[w].name for w in where[:length]])
+        return StoreLookup(length, self._runs(where[:length]))
 
     # ---- what the engine knows ---------------------------------------------------------------------------
 
@@ -270,9 +274,9 @@ class TieredStore:
         """
         check_keys(keys)
         self.pins.pin(keys)
-        held = self.contains(keys, local_only=True)
-        self.pins.unpin([k for k, h in zip(keys, held) if not h])
-        return held
+        held = self._where(keys, local_only=True) >= 0
+        self.pins.unpin([keys[i] for i in np.flatnonzero(~held).tolist()])
+        return held.tolist()
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         """Drop one pin per key. Unpinning a key that holds no pin is logged, not raised."""
@@ -380,9 +384,10 @@ class TieredStore:
             offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
         self._emit("stored", self.tiers[0].name, [up_keys[j] for j in promoted])
 
-    def _where(self, keys: Sequence[bytes], *, local_only: bool = False) -> list[int]:
-        """Per key, the index of the first tier holding it (-1: none). Each tier is asked once, in one batch,
-        about the keys the tiers above it lack.
+    def _where(self, keys: Sequence[bytes], *, local_only: bool = False) -> np.ndarray:
+        """Per key, the index of the first tier holding it (-1: none), as a numpy int array. Each tier is asked
+        once, in one batch, about the keys the tiers above it lack; the answers merge in numpy, with no Python
+        work per key above the tiers (a lookup of keys the top tier holds costs its one probe pass).
 
         ``local_only`` (what a put asks): remote tiers below the top one are not asked. Their answer would be a
         round trip per save (a master RPC in distributed mode), and what this process remembers of a pool can be
@@ -390,24 +395,41 @@ class TieredStore:
         the block. So a block a pool may hold is written to the top tier again (a local copy), and a pool that is
         written to keeps what it holds already (the one-sided paths then copy nothing; a stream put has sent the
         bytes). The offloader skips what this process knows a pool holds (RemoteTier.held_locally)."""
-        where = [-1] * len(keys)
-        todo = list(range(len(keys)))
+        where = np.full(len(keys), -1, np.int16)
+        todo: np.ndarray | None = None  # positions no tier asked so far holds (None: every position)
         for t, tier in enumerate(self.tiers):
-            if not todo:
-                break
             if local_only and self._remote[t]:
                 continue
-            found = tier.contains([keys[i] for i in todo])
-            for i, h in zip(todo, found):
-                if h:
-                    where[i] = t
-            todo = [i for i, h in zip(todo, found) if not h]
+            if todo is None:
+                found = np.asarray(tier.contains(keys), dtype=bool)
+                if found.all():  # the common lookup: the top tier holds every key
+                    where[:] = t
+                    break
+                where[found] = t
+                todo = np.flatnonzero(~found)
+            else:
+                found = np.asarray(tier.contains([keys[i] for i in todo.tolist()]), dtype=bool)
+                where[todo[found]] = t
+                todo = todo[~found]
+            if not todo.size:
+                break
         return where
+
+    def _runs(self, where: np.ndarray) -> list[tuple[str, int]]:
+        """The tiers of a prefix (``where``: tier index per key, none -1) as runs of (tier name, count)."""
+        if not where.size:
+            return []
+        starts = np.flatnonzero(np.diff(where)) + 1
+        bounds = [0, *starts.tolist(), len(where)]
+        return [(self.tiers[int(where[a])].name, b - a) for a, b in zip(bounds, bounds[1:])]
 
     def _stored(self, keys: Sequence[bytes], new_keys: list[bytes]) -> PutResult:
         """Count, log and announce what one write of a plan stored in the top tier (``keys``: those it wrote)."""
-        held = set(new_keys)
-        result = PutResult(len(new_keys), 0, [k for k in keys if k not in held])
+        if len(new_keys) == len(keys):  # all stored (the common case): no set of them to build
+            result = PutResult(len(new_keys), 0, [])
+        else:
+            held = set(new_keys)
+            result = PutResult(len(new_keys), 0, [k for k in keys if k not in held])
         if result.rejected:
             log.debug("put: %d of %d blocks rejected (no evictable space in %s)", len(result.rejected),
                       len(keys), self.tiers[0].name)

@@ -3,7 +3,7 @@ caller hands it). Plain data; kvtier.store re-exports them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.blocks import BlockRows
@@ -25,13 +25,30 @@ class PutResult:
 
 @dataclass
 class StoreLookup:
-    """TieredStore.lookup_prefix's answer: ``length`` leading keys are held; ``tiers[i]`` names the (highest) tier holding key i."""
+    """TieredStore.lookup_prefix's answer: ``length`` leading keys are held; ``runs`` says by which tier (the
+    highest holding each key), as runs of (tier name, count) in key order: a 2,000-key prefix the DRAM holds is
+    one run, not 2,000 names."""
 
     length: int
-    tiers: list[str]
+    runs: list[tuple[str, int]]
 
-    def count(self, tier: str) -> int:
-        return self.tiers.count(tier)
+    def count(self, tier: str, upto: int | None = None) -> int:
+        """Keys among the first ``upto`` (default: the whole prefix) held in ``tier``."""
+        return count_in_runs(self.runs, tier, self.length if upto is None else min(upto, self.length))
+
+
+def count_in_runs(runs: Sequence[tuple[str, int]], tier: str, upto: int) -> int:
+    """How many of the first ``upto`` keys described by ``runs`` (tier name, count) are held in ``tier``
+    (StoreLookup's and the vLLM connector's rank replies' runs)."""
+    total = 0
+    for name, n in runs:
+        take = min(n, upto)
+        if name == tier:
+            total += take
+        upto -= take
+        if upto <= 0:
+            break
+    return total
 
 
 @dataclass(frozen=True)
@@ -48,4 +65,4 @@ Listener = Callable[[StoreEvent], None]
 Fill = Callable[[list[int], BlockRows], None]
 
 
-__all__ = ["Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup"]
+__all__ = ["Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup", "count_in_runs"]

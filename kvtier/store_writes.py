@@ -116,22 +116,33 @@ class PutPlan:
         self.fresh = fresh
         self.top_held = top_held
         self.skipped = len(keys) - len(fresh)
-        self._claimed = set(fresh)
+        self._claimed: set[int] | None = None  # None: every fresh position is still to write (no set built)
 
     def put(self, positions: Sequence[int], blocks: Any) -> PutResult:
         w = self._writes
         rows = block_rows(blocks, len(positions), w.block_bytes, dtypes=w.dtypes)
-        return w.copy([self.keys[i] for i in self._take(positions)], rows)
+        return w.copy(self._keys_at(self._take(positions)), rows)
 
     def put_in_place(self, positions: Sequence[int], fill: Fill) -> PutResult:
         taken = self._take(positions)
-        return self._writes.fill([self.keys[i] for i in taken], taken, fill, self.top_held)
+        return self._writes.fill(self._keys_at(taken), taken, fill, self.top_held)
 
     def skipping(self, result: PutResult) -> PutResult:
         """``result`` with this plan's skipped keys counted in: a whole put's answer."""
         return PutResult(result.stored, result.skipped + self.skipped, result.rejected)
 
+    def _keys_at(self, positions: list[int]) -> list[bytes]:
+        # ``fresh`` is ascending: all of the batch's positions, it is the batch itself (no list to build).
+        if positions is self.fresh and len(positions) == len(self.keys):
+            return self.keys
+        return [self.keys[i] for i in positions]
+
     def _take(self, positions: Sequence[int]) -> list[int]:
+        if self._claimed is None:
+            if positions is self.fresh:  # a whole put in one write (the common case): nothing to check
+                self._claimed = set()
+                return self.fresh
+            self._claimed = set(self.fresh)
         taken = list(positions)
         if len(set(taken)) != len(taken) or not self._claimed.issuperset(taken):
             raise ValueError("a PutPlan writes only its fresh positions, each once")

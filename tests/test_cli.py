@@ -43,13 +43,17 @@ def test_bench_tiers_dram_writes_rows(tmp_path):
                "--json", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
+    lookups = [x for x in rows if x["tier"] == "lookup"]  # 2,000 present keys in process, beside a set probe
+    assert {(x["path"], x["op"]) for x in lookups} == {("in-process", "contains"), ("in-process", "lookup_prefix")}
+    assert all(x["p50_us"] > 0 and abs(x["ratio"] - x["baseline_us"] / x["p50_us"]) < 0.01 for x in lookups)
+    rows = [x for x in rows if x["tier"] != "lookup"]
     assert {(x["op"], x["block_bytes"]) for x in rows} == {("put", 65536), ("get", 65536), ("put", 2**20),
                                                           ("get", 2**20)}
     for x in rows:
         assert set(x) == {"tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"} and x["tier"] == "dram"
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0
         assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
-    assert "ratio" in r.stdout
+    assert "ratio" in r.stdout and "lookup of 2000 present keys" in r.stdout
 
 
 def test_config_errors_are_one_line_not_tracebacks():

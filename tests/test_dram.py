@@ -77,11 +77,11 @@ def test_all_pinned_rejects_and_reports(make_keys):
     t.put(keys[:2], blocks_for(keys[:2], BB))
     pins.pin(keys[:2])
     assert t.put(keys[2:], blocks_for(keys[2:], BB)) == [False, False]
-    assert t.contains(keys) == [True, True, False, False]
+    assert list(t.contains(keys)) == [True, True, False, False]
     assert t.stats().rejected == 2
     pins.unpin(keys[:1])
     assert t.put(keys[2:], blocks_for(keys[2:], BB)) == [True, False]
-    assert t.contains(keys) == [False, True, True, False]
+    assert list(t.contains(keys)) == [False, True, True, False]
 
 
 def test_duplicate_keys_in_one_batch(make_keys):
@@ -102,7 +102,7 @@ def test_remove_while_reading_defers_the_free(make_keys):
         # The slot is still busy: a put must not reuse it while the view is alive.
         t.put(keys[2:], data[2:])
         assert torch.equal(views[0], data[0])
-        assert t.contains(keys) == [False, False, True]  # keys[1] was evicted instead
+        assert list(t.contains(keys)) == [False, False, True]  # keys[1] was evicted instead
     assert t.stats().used_bytes == BB
 
 
@@ -110,7 +110,7 @@ def test_reserve_commit_and_abort(make_keys):
     t = tier(4)
     keys = make_keys(3)
     res = t.reserve(keys)
-    assert t.contains(keys) == [False] * 3  # not visible until committed
+    assert list(t.contains(keys)) == [False] * 3  # not visible until committed
     assert t.reserve(keys).slots == []       # in flight: a second writer gets nothing to do
     for a in res.addresses.tolist():
         torch.from_numpy(np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * BB).from_address(a))).fill_(7)
@@ -120,7 +120,7 @@ def test_reserve_commit_and_abort(make_keys):
     more = make_keys(1, start=10)
     aborted = t.reserve(more)
     t.commit(aborted, success=False)
-    assert t.contains(more) == [False] and t.stats().used_bytes == 3 * BB
+    assert list(t.contains(more)) == [False] and t.stats().used_bytes == 3 * BB
 
 
 def test_shared_memory_buffer_is_visible_to_another_process(tmp_path, make_keys):
@@ -178,8 +178,8 @@ def test_put_never_evicts_keys_of_its_own_batch(make_keys):
     t.put(keys[:2], blocks_for(keys[:2], BB))
     # keys[0] is held and named again: the new key may evict keys[1] (not in the batch), never keys[0].
     assert t.put([keys[0], keys[2]], blocks_for([keys[0], keys[2]], BB)) == [True, True]
-    assert t.contains(keys) == [True, False, True]
+    assert list(t.contains(keys)) == [True, False, True]
     # Now every held key is in the batch: the new key is refused rather than evicting one of them.
     k3 = make_keys(1, start=3)[0]
     assert t.put([keys[0], keys[2], k3], blocks_for([keys[0], keys[2], k3], BB)) == [True, True, False]
-    assert t.contains([keys[0], keys[2], k3]) == [True, True, False]
+    assert list(t.contains([keys[0], keys[2], k3])) == [True, True, False]

@@ -58,7 +58,7 @@ def test_short_of_victims_the_tail_most_keys_are_refused_not_the_last_ones(polic
     t.observe(Observations(arrivals=[Arrival("r", keys, 0.0, "A")]))
     held = t.put(keys[::-1], rows(5))  # tail first
     assert held == [False, False, True, True, True]  # positions of the 3 root-most keys in that batch
-    assert t.contains(keys) == [True, True, True, False, False]
+    assert list(t.contains(keys)) == [True, True, True, False, False]
 
 
 def test_store_observe_reaches_the_policy_with_sessions_and_times_filled_in():

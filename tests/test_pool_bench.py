@@ -16,6 +16,11 @@ def test_bench_pool_writes_every_path_beside_its_baseline(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
+    lookups = [row for row in rows if row["tier"] == "lookup"]  # 2,000 present keys, beside a zmq echo each
+    assert {(row["path"], row["op"]) for row in lookups} == {("pool-shm", "contains"), ("pool-tcp", "contains"),
+                                                             ("master", "lookup")}
+    assert all(row["p50_us"] > 0 and row["baseline_us"] > 0 for row in lookups)
+    rows = [row for row in rows if row["tier"] != "lookup"]
     paths = {(row["path"], row["op"], row["block_bytes"]) for row in rows}
     for bb in (64 << 10, 1 << 20):
         for path in ("raw-socket", "stream", "tcp", "shm"):

@@ -51,12 +51,12 @@ def test_write_through_spreads_blocks_over_the_pools_and_another_engine_finds_th
         counts = [sum(held_in(p, keys)) for p in pools]
         assert sum(counts) == 40 and min(counts) > 0
         # Another engine: its DRAM is empty, its pool tier finds every block, bytes exact, promoted to DRAM.
-        assert b.lookup_prefix(keys).tiers == ["pool"] * 40
+        assert b.lookup_prefix(keys).runs == [("pool", 40)]
         out = torch.empty(40, BB, dtype=torch.uint8)
         assert b.get(keys, out) == [True] * 40
         assert torch.equal(out, blocks_for(keys, BB))
         assert b.stats()["offloads"]["pool"]["promoted"] == 40
-        assert b.lookup_prefix(keys).tiers == ["dram"] * 40
+        assert b.lookup_prefix(keys).runs == [("dram", 40)]
 
 
 def test_on_evict_sends_only_what_dram_drops(pools, make_keys):
@@ -181,8 +181,8 @@ def test_pool_promote_switches_pool_promotion_alone(pools, make_keys, tmp_path):
         assert reader.get(keys, out) == [True] * 8
         assert torch.equal(out, blocks_for(keys, BB))
         assert reader.stats()["offloads"]["pool"].get("promoted", 0) == 0
-        assert reader.lookup_prefix(keys).tiers == ["pool"] * 8
+        assert reader.lookup_prefix(keys).runs == [("pool", 8)]
     with store_for(pools, pool_promote=True) as promoting:  # the control: the same get promotes
         assert promoting.get(keys, out) == [True] * 8
         assert promoting.stats()["offloads"]["pool"]["promoted"] == 8
-        assert promoting.lookup_prefix(keys).tiers == ["dram"] * 8
+        assert promoting.lookup_prefix(keys).runs == [("dram", 8)]

@@ -165,7 +165,7 @@ def test_pages_served_from_the_ssd_come_back_bit_exact(backends, tmp_path, kind,
     for lo in range(0, 20, 4):  # SGLang's batches are far smaller than DRAM; here DRAM holds 8 pages
         assert backend.batch_set_v1(keys[lo : lo + 4], page_indices(host, list(range(1 + lo, 5 + lo)))) == [True] * 4
     assert backend.store.flush(10)
-    assert backend.store.tiers[0].contains(backend.page_store.keys(keys[:4])) == [False] * 4  # evicted from DRAM
+    assert list(backend.store.tiers[0].contains(backend.page_store.keys(keys[:4]))) == [False] * 4  # evicted from DRAM
     assert backend.batch_exists(keys) == 20
     assert backend.batch_get_v1(keys, page_indices(host, list(range(30, 50)))) == [True] * 20
     assert page_bytes(host, list(range(30, 50))) == data
@@ -298,7 +298,7 @@ def test_clear_drops_dram_and_ssd_pages(backends, tmp_path):
     for lo in range(0, 8, 2):
         backend.batch_set_v1(keys[lo : lo + 2], page_indices(host, [1 + lo, 2 + lo]))
     assert backend.store.flush(10) and backend.batch_exists(keys) == 8
-    assert backend.store.tiers[0].contains(backend.page_store.keys(keys[:4])) == [False] * 4  # on the SSD only
+    assert list(backend.store.tiers[0].contains(backend.page_store.keys(keys[:4]))) == [False] * 4  # on the SSD only
     assert backend.clear() is True
     assert backend.store.contains(backend.page_store.keys(keys)) == [False] * 8
 

@@ -22,7 +22,7 @@ from kvtier.tiers.base import Reservation, TierStats
 from kvtier.tiers.slots import SlotTable
 
 NUM_SLOTS = 4
-KEYS = [b"k%d" % i for i in range(8)]
+KEYS = [(b"k%d" % i).ljust(16, b".") for i in range(8)]  # 16 bytes: a DRAM table indexes its keys
 key_lists = st.lists(st.sampled_from(KEYS), max_size=7)
 
 
@@ -88,7 +88,9 @@ class SlotTableModel(RuleBasedStateMachine):
         res, got_victims, vslots = self.t.reserve(keys, protect)
         if self.DRAM:  # the hand-down ends: the victims leave the leaving map
             assert self.t.leaving is not None and set(self.t.leaving) == set(got_victims)
-            self.t.leaving.clear()
+            assert self.t.held(got_victims).all()  # held (readable here) while they go down
+            self.t.end_leaving(got_victims, vslots)
+            assert not self.t.leaving
         assert got_victims == victims
         assert res.held == held
         assert res.index == new[:granted] and res.keys == [keys[i] for i in new[:granted]]
@@ -193,6 +195,8 @@ class SlotTableModel(RuleBasedStateMachine):
         free = set(np.flatnonzero(t.alloc._is_free).tolist())
         assert free == set(range(NUM_SLOTS)) - set(in_use) - t.doomed, "a slot leaked or is used while free"
         assert t.alloc.free_count == self._free() == len(free)
+        if self.DRAM:  # the native index of held keys says what the slot map says, key by key
+            assert t.held(KEYS).tolist() == [k in t.slot_of for k in KEYS]
 
 
 class DramSlotTable(SlotTableModel):

@@ -150,7 +150,7 @@ class StoreModel(RuleBasedStateMachine):
             held = self.store.contains(ks)
             lk = self.store.lookup_prefix(ks)
             assert lk.length == (held.index(False) if False in held else len(ks))
-            assert lk.tiers == ["dram"] * lk.length
+            assert lk.runs == ([("dram", lk.length)] if lk.length else [])
 
 
 class FillFailed(Exception):
@@ -242,7 +242,7 @@ def test_put_in_flight_is_skipped_and_costs_nothing():
 def test_lookup_prefix_answers_a_store_lookup_whose_old_name_still_imports_deprecated():
     store = TieredStore.from_config({"dram_capacity": 2 * BB}, BB)
     store.put(KEYS[:1], blocks_for(KEYS[:1], BB))
-    assert store.lookup_prefix(KEYS[:2]) == StoreLookup(1, ["dram"])
+    assert store.lookup_prefix(KEYS[:2]) == StoreLookup(1, [("dram", 1)])
     with pytest.warns(DeprecationWarning, match="kvtier.PrefixLookup is deprecated: use kvtier.StoreLookup"):
         assert kvtier.PrefixLookup is StoreLookup
     assert "PrefixLookup" not in kvtier.__all__

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from itertools import groupby
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_a_lookup_that_leases_asks_each_tier_once_and_pins_only_the_prefix(two_t
     dram.calls = ssd.calls = dram.asked = ssd.asked = 0
     leases = LeaseTable(store)
     found = leases.lease_prefix("lookup:1", KEYS[:20], ttl_s=60)
-    assert found.length == 12 and found.tiers == ["dram"] * 4 + ["ssd"] * 8
+    assert found.length == 12 and found.runs == [("dram", 4), ("ssd", 8)]
     assert (dram.calls, ssd.calls) == (1, 1)  # the old lookup_prefix + lease asked each tier twice
     assert (dram.asked, ssd.asked) == (20, 16)  # the SSD only about what DRAM lacks
     assert [store.pins.count(k) for k in KEYS[:20]] == [1] * 12 + [0] * 8
@@ -119,7 +120,8 @@ def test_lease_prefix_is_the_first_unheld_position_and_pins_it_once(tmp_path_fac
         if repeat and expect == len(held):
             expect += min(3, len(held))
         assert found.length == expect
-        assert found.tiers == ["dram" if w in ("dram", "both") else "ssd" for w in (held + held[:3])[:expect]]
+        names = ["dram" if w in ("dram", "both") else "ssd" for w in (held + held[:3])[:expect]]
+        assert found.runs == [(t, len(list(run))) for t, run in groupby(names)]
         assert all(store.pins.count(k) == (1 if k in set(asked[:expect]) else 0) for k in keys)
         leases.release("x")
         assert len(store.pins) == 0
@@ -153,6 +155,22 @@ def test_prepare_put_answers_once_and_claims_until_written(two_tiers):
     with store.prepare_put(KEYS[:6]) as again:  # released at exit: nothing left in flight
         assert again.fresh == []
     assert store.stats()["inflight_puts"] == 0
+
+
+def test_a_plan_written_whole_out_of_order_or_in_one_go_stores_each_block_under_its_key(two_tiers):
+    """A write of every fresh position in another order than ``fresh`` maps each block to its own key (a whole
+    put in batch order skips the plan's checks; a permutation must not take that path); one in order, too."""
+    store = two_tiers[0]
+    data = blocks_for(KEYS[:8], BB)
+    with store.prepare_put(KEYS[:4]) as plan:
+        order = [3, 1, 0, 2]
+        assert plan.put(order, data[order]).stored == 4
+        with pytest.raises(ValueError, match="fresh positions, each once"):
+            plan.put(plan.fresh, data[:4])  # all written already
+    with store.prepare_put(KEYS[4:8]) as plan:
+        assert plan.put(plan.fresh, data[4:8]).stored == 4
+    out = torch.zeros(8, BB, dtype=torch.uint8)
+    assert store.get(KEYS[:8], out) == [True] * 8 and torch.equal(out, data)
 
 
 def test_a_distributed_save_asks_the_master_nothing(tmp_path):

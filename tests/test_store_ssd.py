@@ -45,7 +45,7 @@ def test_on_evict_writes_exactly_what_dram_evicts_and_gets_fall_through(tmp_path
     assert held_in(store, "dram", keys) == keys[6:] and held_in(store, "ssd", keys) == keys[:6]
     out = torch.zeros(10, BB, dtype=torch.uint8)
     assert store.get(keys, out) == [True] * 10 and torch.equal(out, data)
-    assert store.lookup_prefix(keys).tiers == ["ssd"] * 6 + ["dram"] * 4  # not promoted
+    assert store.lookup_prefix(keys).runs == [("ssd", 6), ("dram", 4)]  # not promoted
     store.close()
 
 
@@ -118,7 +118,7 @@ def test_promotion_brings_ssd_hits_back_to_dram(tmp_path):
     store.add_listener(events.append)
     out = torch.zeros(2, BB, dtype=torch.uint8)
     assert store.get(keys[:2], out) == [True, True] and torch.equal(out, data[:2])
-    assert store.lookup_prefix(keys[:2]).tiers == ["dram", "dram"]
+    assert store.lookup_prefix(keys[:2]).runs == [("dram", 2)]
     assert StoreEvent("stored", "dram", keys[:2]) in events
     assert store.stats()["offload"]["promoted"] == 2
     store.flush(10)

@@ -143,7 +143,7 @@ def test_blocks_from_dram_and_ssd_in_one_load(engine, tmp_path):
     assert sources == [{CacheHitSource.HOST: 3 * BLOCK, CacheHitSource.DISK: 2 * BLOCK}]
     ssd = store.stats()["tiers"]["ssd"]
     assert ssd["hits"] == 2
-    assert store.tiers[0].contains(keys[:5]) == [True] * 5  # the SSD hits were promoted back to DRAM
+    assert list(store.tiers[0].contains(keys[:5])) == [True] * 5  # the SSD hits were promoted back to DRAM
 
 
 def test_kv_role_producer_only_saves_consumer_only_loads(engine):

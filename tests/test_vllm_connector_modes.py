@@ -66,7 +66,7 @@ def test_tp_ranks_get_their_own_ssd_and_shm_paths_and_a_restart_finds_their_bloc
     second = engine(**opts)  # a restarted server: empty DRAM, the same directories
     for rank in (0, 1):
         store = worker_side(second, rank).store
-        assert store.tiers[0].contains(keys_of(second, b, rank)[:5]) == [False] * 5
+        assert list(store.tiers[0].contains(keys_of(second, b, rank)[:5])) == [False] * 5
     sources = record_hit_sources(second)
     second.add(b)
     second.run([b])  # each rank's blocks verified bit-exact (a rank's KV differs from the other's)
@@ -160,14 +160,14 @@ def test_distributed_node2_loads_the_prefix_node1_saved_from_the_pool(engine, tm
         assert [t.name for t in store2.tiers] == ["dram", "pool"]
         # The master learns what the pool holds from the pool's own events.
         assert until(lambda: store2.contains(keys) == [True] * 5)
-        assert store2.tiers[0].contains(keys) == [False] * 5
+        assert list(store2.tiers[0].contains(keys)) == [False] * 5
         sources = record_hit_sources(node2)
         node2.add(b)
         node2.run([b])
         assert node2.load_errors == set()
         assert sources == [{CacheHitSource.P2P: 5 * BLOCK}]  # another node's DRAM
         assert store2.stats()["tiers"]["pool"]["hits"] == 5
-        assert store2.tiers[0].contains(keys) == [True] * 5  # promoted into node 2's DRAM
+        assert list(store2.tiers[0].contains(keys)) == [True] * 5  # promoted into node 2's DRAM
         node1.close()
         node2.close()  # before the daemons go
 

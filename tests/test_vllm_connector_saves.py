@@ -58,7 +58,7 @@ def test_a_save_gathers_straight_into_dram_slots_and_loads_back_bit_exact(engine
     assert len(ptrs) == 5 and ((ptrs >= start) & (ptrs + side.store.block_bytes <= start + dram.capacity_bytes)).all()
     b = load_b(eng)
     assert side.store.stats()["get_hits"] == 5
-    assert dram.contains(keys_of(eng, b)[:5]) == [True] * 5
+    assert list(dram.contains(keys_of(eng, b)[:5])) == [True] * 5
     got = eng.stats.reduce()
     assert got["save_in_place_blocks"] == got["save_blocks"] == 5 and "save_staged_blocks" not in got
 

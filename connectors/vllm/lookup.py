@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
+from kvtier.store_types import count_in_runs
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,7 @@ class RankLookupReply:
 
     def count(self, tier: str, upto: int | None = None) -> int:
         """Blocks among the first ``upto`` (default all) held in ``tier``."""
-        left = self.length if upto is None else min(upto, self.length)
-        total = 0
-        for name, n in self.tiers:
-            take = min(n, left)
-            if name == tier:
-                total += take
-            left -= take
-            if left <= 0:
-                break
-        return total
+        return count_in_runs(self.tiers, tier, self.length if upto is None else min(upto, self.length))
 
 
 # A rank's answer to (lease, hashes, ttl_s): what LookupServer calls for each lookup.

@@ -155,7 +155,7 @@ class WorkerSide:
         if hit.length == 0:  # a repeated lookup of this lease that finds nothing now ends the lease
             self.lookup_leases.release(lookup_lease(lease))
         self._lookups_served += 1
-        return RankLookupReply(hit.length, _runs(hit.tiers))
+        return RankLookupReply(hit.length, tuple(hit.runs))
 
     # ---- one engine step (the model runner's thread) -------------------------------------------------------
 
@@ -289,13 +289,3 @@ class WorkerSide:
         if self.store is None or self.namespace is None or self._transfers is None:
             raise RuntimeError("kvtier: the worker has no KV caches yet (vLLM calls register_kv_caches first)")
         return self.store, self.namespace, self._transfers
-
-
-def _runs(tiers: list[str]) -> tuple[tuple[str, int], ...]:
-    out: list[list[Any]] = []
-    for name in tiers:
-        if out and out[-1][0] == name:
-            out[-1][1] += 1
-        else:
-            out.append([name, 1])
-    return tuple((str(n), int(c)) for n, c in out)

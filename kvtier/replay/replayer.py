@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -279,7 +279,7 @@ class Replayer:
                     got.reverse()
                     d = got.index(False)
                     self.result.lost_blocks += len(got) - d
-                per_tier = {self.tiers[0]: d} if len(self.tiers) == 1 else Counter(found.tiers[:d])
+                per_tier = {tier: found.count(tier, d) for tier, _ in found.runs}
                 bt, hit_tokens = self._bt, self.result.hit_tokens
                 for tier, count in per_tier.items():
                     hit_tokens[tier] += count * bt

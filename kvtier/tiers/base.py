@@ -56,8 +56,9 @@ class Tier(Protocol):
     name: str
     block_bytes: int
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which keys this tier holds now (a block being written is not held yet)."""
+    def contains(self, keys: Sequence[bytes]) -> list[bool] | np.ndarray:
+        """Which keys this tier holds now (a block being written is not held yet): a bool per key, as a list or
+        a numpy bool array (DramTier's, from one native probe pass; the store merges either with numpy)."""
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
         """Store blocks; True where the key is held afterwards (stored now or already there).

@@ -86,11 +86,11 @@ class DramTier(AddressableSlots):
             self._table.protected.pins = pins
             self._on_evict = on_evict
 
-    def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        # Dict reads are atomic under the GIL. A victim enters _leaving before it leaves _slot_of, so a key
-        # being evicted is in one of the two throughout.
-        slot_of, leaving = self._slot_of, self._leaving
-        return [k in slot_of or k in leaving for k in keys]
+    def contains(self, keys: Sequence[bytes]) -> np.ndarray:
+        """A numpy bool per key: committed, or evicted and still being handed down (readable here until then).
+        One native probe pass over the table's index of held keys, under the lock (the index is no dict)."""
+        with self._lock:
+            return self._table.held(keys)
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
@@ -144,7 +144,7 @@ class DramTier(AddressableSlots):
 
     def close(self) -> None:
         with self._lock:
-            self._slot_of.clear()
+            self._table.clear()
             self._buffer.close()
 
     # ---- two-phase writes and zero-copy reads ----------------------------------------------------------
@@ -233,10 +233,7 @@ class DramTier(AddressableSlots):
             log.exception("eviction listener failed for %d blocks; they are dropped", len(victims))
         finally:
             with self._lock:
-                leaving = self._leaving
-                for v, s in zip(victims, vslots):
-                    if leaving.get(v) == s:
-                        del leaving[v]
+                self._table.end_leaving(victims, vslots)
                 if self._removers:
                     self._cv.notify_all()  # removes waiting for these keys
                 if self._read_leaving:

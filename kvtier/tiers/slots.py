@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from kvtier.keytable import KeyTable, key_array
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, make_policy
 from kvtier.policies.guard import GuardedPolicy
@@ -110,7 +111,10 @@ class SlotTable:
     (``slot_of``), or doomed (dropped while ``busy``: its readers, its writer, or for the SSD an index entry not
     yet deleted, count in ``busy``; it is freed when that count reaches 0, ``free_idle_doomed``). With
     ``leaving`` (DRAM), an evicted key moves to ``leaving`` (key -> its old slot, now its new owner's) before it
-    leaves ``slot_of``, so a lock-free ``contains`` sees it in one map or the other; the owner ends that state.
+    leaves ``slot_of``, so a lock-free reader of the maps sees it in one or the other; the owner ends that state
+    (``end_leaving``). With ``leaving`` the held keys (``slot_of`` and ``leaving``) are also indexed in a native
+    KeyTable (``held``: one probe pass per batch, no Python work per key: what every lookup of the store asks; an
+    evicted key stays in it until its hand-down ends, like ``leaving``).
 
     Eviction rules (``reserve``): free slots first, then the policy's victims, never a pinned or busy key nor a
     key of the batch (or of ``protect``) the tier holds; when slots run short the root-most keys get them (the
@@ -130,6 +134,8 @@ class SlotTable:
         self.busy = np.zeros(num_slots, dtype=np.int32)  # in-flight copies, reads and writes per slot
         self.doomed: set[int] = set()  # dropped while busy: freed when idle
         self.leaving: dict[bytes, int] | None = {} if leaving else None
+        # Keys of slot_of or leaving, kept with them (publish, drop, end_leaving): ``held``'s one-pass answer.
+        self.index: KeyTable | None = KeyTable() if leaving else None
         self.protected = ProtectedSlots(PinTable(), self.slot_of, self.busy)
         self.stats = stats  # evictions, rejected, puts and put_bytes counted here
         self.declined = 0  # new keys the policy's admission did not take
@@ -147,6 +153,8 @@ class SlotTable:
         first occurrences only, evicting by the rules above. ``res.held[i]`` is False where key i was refused
         or declined; the reserved keys are pending and their slots busy until ``publish``."""
         n = len(keys)
+        if self.index is not None:
+            key_array(keys)  # a batch that is not 16 bytes per key fails here, before any state changes
         res = Reservation([True] * n)
         victims: list[bytes] = []
         vslots: list[int] = []
@@ -204,6 +212,8 @@ class SlotTable:
             else:  # removed while being written: drop() doomed the slot
                 lost.append(k)
         self.policy.insert(published)
+        if self.index is not None and published:
+            self.index.add(key_array(published))
         self.free_idle_doomed()
         self.stats.puts += len(published)
         self.stats.put_bytes += len(published) * self._block_bytes
@@ -216,6 +226,7 @@ class SlotTable:
         index no longer points at it)."""
         removed: list[bytes] = []
         freed: list[int] = []
+        idle: list[int] = []  # freed at once, in one batch (a free per key cost a numpy round per key)
         slot_of, pending, busy, doomed = self.slot_of, self.pending, self.busy, self.doomed
         for k in keys:
             s = slot_of.pop(k, None)
@@ -228,12 +239,50 @@ class SlotTable:
                 elif busy[s]:
                     doomed.add(s)
                 else:
-                    self.alloc.free([s])
+                    idle.append(s)
             s = pending.pop(k, None)
             if s is not None:
                 doomed.add(s)
+        self.alloc.free(idle)
         self.policy.remove(removed)
+        self._unindex(removed, self.leaving)
         return removed, freed
+
+    def held(self, keys: Sequence[bytes]) -> np.ndarray:
+        """A bool per key: committed or leaving (with ``leaving``: needs the index). ValueError for a key that is
+        not 16 bytes."""
+        if self.index is None:
+            raise TypeError(f"{self._where}: held() answers from the index of a table with leaving keys")
+        if not keys:
+            return np.zeros(0, bool)
+        return self.index.find(key_array(keys)) >= 0
+
+    def end_leaving(self, victims: Sequence[bytes], vslots: Sequence[int]) -> None:
+        """End the leaving state of evicted keys (their hand-down is over): a victim still leaving from its
+        slot is no longer held here, unless it was put again meanwhile."""
+        leaving = self.leaving
+        assert leaving is not None
+        gone = []
+        for v, s in zip(victims, vslots):
+            if leaving.get(v) == s:
+                del leaving[v]
+                gone.append(v)
+        self._unindex(gone, self.slot_of)
+
+    def clear(self) -> None:
+        """Forget every committed key (the tier is closing)."""
+        self.slot_of.clear()
+        if self.index is not None:
+            self.index.clear()
+
+    def _unindex(self, keys: list[bytes], still: dict[bytes, int] | None) -> None:
+        """Take ``keys`` out of the index, except those ``still`` holds (a key both leaving and put again)."""
+        if self.index is None or not keys:
+            return
+        if still:
+            keys = [k for k in keys if k not in still]
+        if keys:
+            self.index.delete(self.index.find(key_array(keys)))
 
     def hold(self, slots: Sequence[int]) -> None:
         """Mark slots busy (a read or copy starts: not evicted, not reused); one count per occurrence."""
@@ -266,7 +315,7 @@ class SlotTable:
                         del slot_of[v]
                 else:
                     for v, s in zip(evicted, taken):
-                        leaving[v] = s  # first: a lock-free contains() sees the key in one map or the other
+                        leaving[v] = s  # first: a lock-free reader sees the key in one map or the other
                         del slot_of[v]
                 self.stats.evictions += len(evicted)
                 victims += evicted

@@ -10,8 +10,9 @@ The table also owns the per-slot *columns* of its users (placement masks, heat, 
 column with its key, so a slot index is a stable handle until the next call that may rehash (insert,
 reserve, delete); ``generation`` counts rehashes.
 
-Runs inside the master's event loop; not thread-safe (one owner). Keys given to and returned from it are
-(n, 2) uint64 arrays (a 16-byte key read as two little-endian words), never copied per key.
+Not thread-safe: its owner serializes every call (the master's event loop; the DRAM tier's lock, where it
+indexes the keys the tier holds). Keys given to and returned from it are (n, 2) uint64 arrays (a 16-byte key
+read as two little-endian words), never copied per key; ``key_array`` makes one from a list of bytes keys.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import ctypes
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.config import ENV_NATIVE_CPU
+from kvtier.keys import KEY_BYTES, check_keys
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,23 @@ def as_key_array(blob: bytes | bytearray | memoryview | np.ndarray) -> np.ndarra
     return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
 
 
+def key_array(keys: Sequence[bytes]) -> np.ndarray:
+    """The (n, 2) uint64 array of a batch of 16-byte ``bytes`` keys: one join, no per-key Python work.
+
+    ValueError (naming the first bad key) unless the batch joins to 16 bytes per key. What the join cannot
+    see, a short key beside a long one whose lengths still sum to 16 each, is read in 16-byte chunks that
+    straddle them: a caller's bug that costs that batch its answers (a chunk is some key only by chance).
+    """
+    try:
+        blob = b"".join(keys)
+    except TypeError:
+        blob = b""  # not bytes-like: check_keys names it
+    if len(blob) != KEY_BYTES * len(keys):
+        check_keys(keys)  # raises, naming the first key of the wrong length or type
+        raise ValueError(f"{len(keys)} keys join to {len(blob)} bytes, not {KEY_BYTES} each")
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, 2)
+
+
 def key_bytes(keys: np.ndarray) -> list[bytes]:
     """The 16-byte keys of an (n, 2) array as bytes objects (for answers that name keys)."""
     raw = np.ascontiguousarray(keys, dtype="<u8").tobytes()
@@ -100,6 +119,8 @@ class KeyTable:
         # Two contiguous word columns, not one (cap, 2) array: take() on a strided view copies the whole column.
         self.k0 = np.zeros(cap, np.uint64)
         self.k1 = np.zeros(cap, np.uint64)
+        # Their addresses for the native probes, read once (``.ctypes`` builds an object per read).
+        self._columns_at = (self.k0.ctypes.data, self.k1.ctypes.data, self.state.ctypes.data)
 
     # ---- columns ---------------------------------------------------------------------------------------
 
@@ -127,6 +148,14 @@ class KeyTable:
     def set_column_maker(self, name: str, make: Callable[[int], np.ndarray]) -> None:
         self._columns[name] = (self._columns[name][0], make)
 
+    def clear(self) -> None:
+        """Forget every key (the columns are rebuilt empty, at the smallest capacity)."""
+        makers = {name: make for name, (_, make) in self._columns.items()}
+        self._alloc(MIN_CAPACITY)
+        self._columns = {name: (make(MIN_CAPACITY), make) for name, make in makers.items()}
+        self.live = self.tombstones = 0
+        self.generation += 1
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the table and its columns (what the master pays per slot, times capacity)."""
@@ -146,8 +175,7 @@ class KeyTable:
             return out
         if self.native is not None:
             q = np.ascontiguousarray(q, dtype=np.uint64)
-            self.native.kvtier_keytable_find(self.k0.ctypes.data, self.k1.ctypes.data, self.state.ctypes.data,
-                                             self._imask, q.ctypes.data, n, out.ctypes.data)
+            self.native.kvtier_keytable_find(*self._columns_at, self._imask, _address(q), n, _address(out))
             return out
         q0, q1 = np.ascontiguousarray(q[:, 0]), np.ascontiguousarray(q[:, 1])
         k0, k1, state, imask = self.k0, self.k1, self.state, self._imask
@@ -195,6 +223,14 @@ class KeyTable:
         is_new[missing[first]] = True
         return slots, is_new
 
+    def add(self, q: np.ndarray) -> None:
+        """Insert distinct keys (those present already stay as they are): ``insert`` without its pass that
+        groups repeats within the batch (a sort), for a caller whose batch has none (the DRAM tier's commit)."""
+        missing = q[self.find(q) < 0]
+        if len(missing):
+            self.reserve(len(missing))
+            self._place(missing)
+
     def delete(self, slots: np.ndarray) -> None:
         """Turn live slots into tombstones (columns are left as they are; reused slots are reset on insert)."""
         slots = np.unique(slots[slots >= 0])
@@ -228,9 +264,7 @@ class KeyTable:
         out = np.empty(n, np.int64)
         if self.native is not None:
             q = np.ascontiguousarray(q, dtype=np.uint64)
-            reused = self.native.kvtier_keytable_place(self.k0.ctypes.data, self.k1.ctypes.data,
-                                                       self.state.ctypes.data, self._imask, q.ctypes.data, n,
-                                                       out.ctypes.data)
+            reused = self.native.kvtier_keytable_place(*self._columns_at, self._imask, _address(q), n, _address(out))
             if reused < 0:  # cannot happen below MAX_LOAD; a loud failure beats a silent loop
                 raise RuntimeError(f"key table full at capacity {self.capacity}")
             self.tombstones -= reused
@@ -279,6 +313,11 @@ class KeyTable:
         new = self._place(old_keys)
         for name, (arr, _) in self._columns.items():
             arr[new] = old_cols[name]
+
+
+def _address(a: np.ndarray) -> int:
+    """The data address of a contiguous array (cheaper than ``a.ctypes.data``)."""
+    return a.__array_interface__["data"][0]
 
 
 def _rows_any(b: np.ndarray) -> np.ndarray:
