@@ -37,7 +37,8 @@ class MasterMetrics:
         self.keys = Counter("kvtier_master_request_keys", "Keys carried by requests, by op", ["op"], registry=r)
         self.refused = Counter("kvtier_master_refused_connections", "Connections refused at the handshake, by "
                                "reason (auth_refused_key: a CurveZMQ key not admitted, auth_handshake_failed, "
-                               "auth_refused_token: a wrong owner token, auth_no_token: none presented)", ["reason"], registry=r)
+                               "auth_refused_token: a wrong owner token, auth_no_token: none presented, "
+                               "zmq_closed_in_handshake: closed before presenting one)", ["reason"], registry=r)
         self.nodes = Gauge("kvtier_master_nodes", "Nodes by state (live, syncing, pending, dead)", ["state"],
                            registry=r)
         self.entries = Gauge("kvtier_master_directory_keys", "Keys in the directory (held by >= 1 location)",

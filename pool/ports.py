@@ -121,8 +121,14 @@ class PortWatch:
             log.warning("zmq port: accept failed (%s)", os.strerror(value) if value else value)
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self.failed += 1
-            # EAGAIN: ZMQ_HANDSHAKE_IVL ran out (an idle or unauthenticated connection); else it closed first.
-            self._count("zmq_handshake_timeouts" if value == errno.EAGAIN else "zmq_closed_in_handshake", 1)
+            # EAGAIN: ZMQ_HANDSHAKE_IVL ran out (an idle or unauthenticated connection); else it closed first (the
+            # gate's to count and say: without the owner token a client hangs up seeing the daemon wants one).
+            if value == errno.EAGAIN:
+                self._count("zmq_handshake_timeouts", 1)
+            elif self._auth is not None:
+                self._auth.handshake_closed(value, endpoint)
+            else:
+                self._count("zmq_closed_in_handshake", 1)
         else:  # a protocol or ZAP failure: the auth gate logs and counts those
             self.failed += 1
             if self._auth is not None and kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:

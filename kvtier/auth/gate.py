@@ -29,6 +29,7 @@ class HandshakeGate:
 
     FAILED_COUNTER = "auth_handshake_failed"  # the counters a failed handshake adds to (the daemon's metrics)
     MECHANISM_COUNTER = FAILED_COUNTER  # ... when the client spoke another mechanism (no keys, no token)
+    CLOSED_COUNTER = "zmq_closed_in_handshake"  # ... when it hung up (or timed out) before the handshake ended
 
     def __init__(self, count: Callable[[str], None] | None = None) -> None:
         self.handshake_failures = 0
@@ -45,13 +46,15 @@ class HandshakeGate:
         """(kind, why) of a handshake that failed with zmq protocol error ``value``, for the log line."""
         return "other", f"a client's handshake failed (zmq protocol error {value:#x})"
 
+    # Not EVENT_HANDSHAKE_FAILED_NO_DETAIL by default: a connection closed before any greeting (a health check, a
+    # port scan) says nothing about keys.
+    WATCHED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
     def watch(self, sock: zmq.Socket[Any], ctx: zmq.Context[Any]) -> None:
         """Log handshakes that fail before ZAP is asked on ``sock`` (a socket has one monitor: kvtier-pool's
-        PortWatch calls ``handshake_failed`` instead)."""
+        PortWatch calls ``handshake_failed`` and ``handshake_closed`` instead)."""
         address = f"inproc://kvtier-auth-monitor-{id(sock):x}"
-        # Not EVENT_HANDSHAKE_FAILED_NO_DETAIL: a connection closed before any greeting (a health check, a port
-        # scan, kvtier's own silence_hint probe) says nothing about keys.
-        sock.monitor(address, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        sock.monitor(address, self.WATCHED)
         monitor = ctx.socket(zmq.PAIR)
         monitor.connect(address)
         t = threading.Thread(target=self._monitor, args=(monitor,), name="kvtier-auth-monitor", daemon=True)
@@ -71,7 +74,10 @@ class HandshakeGate:
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     return
-                self.handshake_failed(int(event["value"]), event["endpoint"])
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                    self.handshake_closed(int(event["value"]), event["endpoint"])
+                else:
+                    self.handshake_failed(int(event["value"]), event["endpoint"])
         except zmq.ZMQError:
             pass  # the context is going away
         finally:
@@ -84,6 +90,11 @@ class HandshakeGate:
         self.counted(self.FAILED_COUNTER if kind != "mechanism" else self.MECHANISM_COUNTER)
         where = endpoint.decode() if isinstance(endpoint, bytes) else endpoint
         self._bad("handshake:" + kind, logging.WARNING, "refused a connection on %s: %s", where, why)
+
+    def handshake_closed(self, value: int, endpoint: bytes | str) -> None:
+        """Count a connection closed (or timed out: EAGAIN) before its handshake ended (where the gate watches
+        those, ``WATCHED``, or kvtier-pool's PortWatch passes them on)."""
+        self.counted(self.CLOSED_COUNTER)
 
 
 __all__ = ["LOG_EVERY_S", "HandshakeGate"]

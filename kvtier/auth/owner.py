@@ -143,6 +143,9 @@ class OwnerGate(HandshakeGate):
 
     FAILED_COUNTER = "auth_handshake_failed"
     MECHANISM_COUNTER = "auth_no_token"
+    # A client without the token sees the daemon's PLAIN greeting and may hang up before sending its own
+    # mechanism, so the daemon sees a connection closed in its handshake, not a mismatch: watched too.
+    WATCHED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
     def __init__(self, count: Callable[[str], None] | None = None) -> None:
         super().__init__(count)
@@ -205,6 +208,13 @@ class OwnerGate(HandshakeGate):
         self._bad("token", logging.WARNING, "refused a connection from %s (says %r): wrong owner token (only %s's "
                   "processes can read %s)", address or "ipc", claim[:MAX_CLAIM], self.user, self.directory)
         return False
+
+    def handshake_closed(self, value: int, endpoint: bytes | str) -> None:
+        super().handshake_closed(value, endpoint)
+        where = endpoint.decode() if isinstance(endpoint, bytes) else endpoint
+        self._bad("handshake:closed", logging.WARNING, "refused a connection on %s: closed or timed out in the "
+                  "handshake (%s) before presenting the owner token (a client without it hangs up on seeing that "
+                  "the daemon wants one; or a port probe)", where, os.strerror(value) if value else "closed")
 
     def explain(self, value: int) -> tuple[str, str]:
         if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
