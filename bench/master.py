@@ -64,6 +64,7 @@ def _client(endpoint: str, prompts: list[bytes], seconds: float, raw: bool, read
     import zmq
 
     from kvtier import wire
+    from kvtier.auth import secure_client
     from kvtier.client import MasterClient
 
     rng = np.random.default_rng(seed)
@@ -71,6 +72,7 @@ def _client(endpoint: str, prompts: list[bytes], seconds: float, raw: bool, read
     if raw:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
+        secure_client(sock, endpoint, None)  # the owner token of a keyless master of this user
         sock.connect(endpoint)
         frames = [wire.encode_request(1, wire.LOOKUP, {"keys": p}) for p in prompts]
 
