@@ -82,7 +82,8 @@ class MasterServer:
         # before anything is opened.
         count = self.metrics.refused_connections
         self.auth = ServerAuth(settings.auth_dir, count) if settings.auth_dir else None
-        self.owner = OwnerGate(count) if not settings.auth_dir and not settings.insecure_bind else None
+        keyless = not settings.auth_dir and not settings.insecure_bind
+        self.owner = OwnerGate(count, [settings.bind]) if keyless else None
         self.gate = self.auth or self.owner
         self._callers: dict[str, Caller] = {}  # User-Id -> Caller (at most one per admitted key)
         self.replies = ReplyBudget(settings.reply_budget_bytes, settings.client_reply_bytes)

@@ -70,7 +70,8 @@ class PoolServer:
         # before any memory is taken.
         count = lambda name: self.state.count(**{name: 1})  # noqa: E731
         self.auth = ServerAuth(settings.auth_dir, count=count) if settings.auth_dir else None
-        self.owner = OwnerGate(count) if not settings.auth_dir and not settings.insecure_bind else None
+        keyless = not settings.auth_dir and not settings.insecure_bind
+        self.owner = OwnerGate(count, settings.bind) if keyless else None
         self.gate = self.auth or self.owner
 
     # ---- requests --------------------------------------------------------------------------------------

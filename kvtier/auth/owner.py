@@ -1,11 +1,11 @@
 """The owner token: who may use a kvtier-master or kvtier-pool started without keys (no ``--auth-dir``) —
 the processes of the user who started it, and no one else, unless its operator says so (``--insecure-bind``).
 
-    gate = OwnerGate(count)                 # draws a fresh random token (per daemon start)
+    gate = OwnerGate(count, binds)          # a fresh random token, or the one a bind's endpoint already has
     gate.start(ctx); gate.secure(sock)      # a PLAIN server whose ZAP handler wants the token; before bind
     gate.publish(endpoints)                 # after bind: runtime_dir()/<endpoint's name>.token, 0600
     ...
-    gate.stop()                             # removes the token files (if still this daemon's)
+    gate.stop()
 
     secure_client(sock, endpoint, keys)     # kvtier/auth/client.py: a client of the same user presents it
 
@@ -13,10 +13,12 @@ Where: ``runtime_dir()`` is ``$KVTIER_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/kvt
 ``/tmp/kvtier-<uid>``: a directory mode 0700, owned by this user and not a symlink (checked, never trusted:
 another user who made it first gets an error naming it, not our token). A token file is named by the endpoint
 a client dials (``token_name``: the port for tcp, so tcp://localhost:P and tcp://127.0.0.1:P agree; the path
-for ipc), so a client finds it with no configuration. Another local user can read neither the directory nor
-the file, and without the token its handshake fails: it cannot send the daemon a single request. The daemon's
-other doors follow from this one: the pool's data port wants a token handed out in the (token-gated) hello
-(kvtier/auth/tokens.py), its shared-memory files are 0600, its ipc sockets 0600.
+for ipc), so a client finds it with no configuration. It outlives the daemon: a daemon restarted on the same
+endpoint keeps its token, because a client's zmq socket presents the token it read at creation on every
+reconnect (a pool restarted after kill -9 must not lock out the engines that used it). Another local user can
+read neither the directory nor the file, and without the token its handshake fails: it cannot send the daemon a
+single request. The daemon's other doors follow from this one: the pool's data port wants a token handed out
+in the (token-gated) hello (kvtier/auth/tokens.py), its shared-memory files are 0600, its ipc sockets 0600.
 
 PLAIN sends the token in clear: on loopback and ipc only this host's root can see it, and a daemon binds
 beyond loopback without keys only with ``--insecure-bind`` (exposure.py), which serves without the token at all.
@@ -50,6 +52,7 @@ log = logging.getLogger("kvtier.auth")
 RUNTIME_ENV = "KVTIER_RUNTIME_DIR"
 TOKEN_SUFFIX = ".token"
 MAX_CLAIM = 64  # characters of a refused client's self-description kept for the log
+MIN_TOKEN = 32  # characters of a token file worth keeping at a restart (a fresh one has 43)
 
 
 def runtime_dir(create: bool = False) -> Path:
@@ -147,14 +150,18 @@ class OwnerGate(HandshakeGate):
     # mechanism, so the daemon sees a connection closed in its handshake, not a mismatch: watched too.
     WATCHED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
-    def __init__(self, count: Callable[[str], None] | None = None) -> None:
+    def __init__(self, count: Callable[[str], None] | None = None, binds: Iterable[str] = ()) -> None:
+        """``binds``: the endpoints about to be bound. One of them already holding a token of this user (a
+        daemon restarted on a fixed port or ipc path) keeps it, so the clients of the previous daemon, whose
+        sockets present the old token on every reconnect, get back in without restarting."""
         super().__init__(count)
-        self.token = secrets.token_urlsafe(32)
-        self._token = self.token.encode("ascii")
         self.directory = runtime_dir(create=True)  # AuthError: a start-up error, before anything is bound
         self.user = _user_name(os.geteuid())
         self.refused = 0
-        self._published: list[Path] = []
+        self._fresh = secrets.token_urlsafe(32).encode("ascii")
+        self._kept = {n: t.encode("ascii") for n, t in ((token_name(e), owner_token(e)) for e in binds)
+                      if n is not None and t is not None and t.isascii() and len(t) >= MIN_TOKEN}
+        self._tokens = [self._fresh, *self._kept.values()]
         self._authenticator: _TokenAuthenticator | None = None
 
     def start(self, ctx: zmq.Context[Any]) -> None:
@@ -168,40 +175,37 @@ class OwnerGate(HandshakeGate):
 
     def publish(self, endpoints: Iterable[str]) -> list[Path]:
         """Write the token for each bound ``endpoint`` (0600, atomically: a client never reads half of it)."""
+        written = []
         for e in endpoints:
             name = token_name(e)
-            if name is None:
+            if name is None or name in self._kept:
                 continue
             path = self.directory / name
             tmp = path.with_name(f".{name}.{os.getpid()}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, self._token)
+                os.write(fd, self._fresh)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
-            self._published.append(path)
+            written.append(path)
         log.info("owner token on: only %s's processes may connect (token files in %s; --insecure-bind serves "
                  "every local user, --auth-dir uses keys)", self.user, self.directory)
-        return list(self._published)
+        return written
 
     def stop(self) -> None:
         self.stop_watching()
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
-        for path in self._published:  # a newer daemon on the same endpoint has written its own: leave that
-            try:
-                if path.read_bytes() == self._token:
-                    path.unlink()
-            except OSError:
-                pass
-        self._published.clear()
 
     def admits(self, password: bytes, claim: str, address: str) -> bool:
         """Whether a PLAIN handshake's password is the token (constant-time); a refusal is counted and logged
         with who the client says it is and where it came from."""
-        if hmac.compare_digest(password, self._token):
+        admitted = False
+        for token in self._tokens:  # each compared, so the time says nothing about which (or how much) matched
+            admitted |= hmac.compare_digest(password, token)
+        if admitted:
             return True
         self.refused += 1
         self.counted("auth_refused_token")
