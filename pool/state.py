@@ -4,8 +4,8 @@ its node agent.
 Sizing: a pool holds blocks of one size. ``--block-bytes`` fixes it at start. Without it the pool is sized by
 the first request that stores data (a ``put``, a ``reserve`` or a put on the data port), never by a hello:
 a hello only says what it expects, so a port scan, a health check or a stranger's hello of the wrong size
-cannot decide the layout real engines then get refused by. (Without ``--auth-dir`` anyone who can reach the
-port can still store first: give ``--block-bytes`` where strangers can reach it.) A client whose blocks have
+cannot decide the layout real engines then get refused by. (Any client admitted, with --insecure-bind anyone
+who reaches the port, can still store first: give ``--block-bytes`` where strangers can reach it.) A client whose blocks have
 another size is refused, naming both; blocks under MIN_BLOCK_BYTES are refused, and a client-chosen size
 gets at most ``max_slots`` slots so bookkeeping stays a small share of the memory. When the pool serves an
 ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir`` that
