@@ -69,6 +69,7 @@ def _client(endpoint: str, prompts: list[bytes], seconds: float, raw: bool, read
     import zmq
 
     from kvtier import wire
+    from kvtier.auth import secure_client
     from kvtier.client import MasterClient
 
     rng = np.random.default_rng(seed)
@@ -76,6 +77,7 @@ def _client(endpoint: str, prompts: list[bytes], seconds: float, raw: bool, read
     if raw:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
+        secure_client(sock, endpoint, None)  # the owner token of a keyless master of this user
         sock.connect(endpoint)
         frames = [wire.encode_request(1, wire.LOOKUP, {"keys": p}) for p in prompts]
 

@@ -98,9 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="node-to-node bandwidth where none is measured yet (bytes/s, default 10GB)")
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this daemon's "
                    "keypair, DIR/authorized/*.key the clients admitted (kvtier keys generate; README "
-                   "'Authenticated sockets'). Default: anyone who reaches the port is served")
-    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind without --auth-dir "
-                   "(anyone who reaches the port may do any op; logged as a warning)")
+                   "'Authenticated sockets'). Default: only this user's processes (the owner token; --insecure-bind: anyone)")
+    p.add_argument("--insecure-bind", action="store_true", help="serve without authentication: without it and "
+                   "without --auth-dir only this user's processes may connect (the owner token, found with no "
+                   "configuration); with it anyone who reaches the port (every local user, and the network for a "
+                   "non-loopback --bind, which needs it) may do any op; logged as a warning")
     add_start_options(p, "{endpoint, metrics_port, pid}")
     return p
 
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             handshake_timeout_s=args.handshake_timeout_s, replicate_heat=args.replicate_heat,
             replicate_interval_s=args.replicate_interval_s,
             cost=CostDefaults(tier_bw=args.tier_bw, path_bw=args.path_bw), auth_dir=args.auth_dir,
+            insecure_bind=args.insecure_bind,
         )
         server = MasterServer(settings, ready_file=args.ready_file)
         try:

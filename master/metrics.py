@@ -39,6 +39,10 @@ class MasterMetrics:
         self.latency = Histogram("kvtier_master_request_seconds", "Time to serve a request inside the master, "
                                  "by op", ["op"], buckets=LATENCY_BUCKETS, registry=r)
         self.keys = Counter("kvtier_master_request_keys", "Keys carried by requests, by op", ["op"], registry=r)
+        self.refused = Counter("kvtier_master_refused_connections", "Connections refused at the handshake, by "
+                               "reason (auth_refused_key: a CurveZMQ key not admitted, auth_handshake_failed, "
+                               "auth_refused_token: a wrong owner token, auth_no_token: none presented, "
+                               "zmq_closed_in_handshake: closed before presenting one)", ["reason"], registry=r)
         self.nodes = Gauge("kvtier_master_nodes", "Nodes by state (live, syncing, pending, dead)", ["state"],
                            registry=r)
         self.entries = Gauge("kvtier_master_directory_keys", "Keys in the directory (held by >= 1 location)",
@@ -94,6 +98,10 @@ class MasterMetrics:
                                         "rewritten (the log entry it applied last gone or another)", ["found"],
                                         registry=r)
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
+
+    def refused_connections(self, reason: str) -> None:
+        """A connection refused by the gate (kvtier/auth), from its ZAP or monitor thread."""
+        self.refused.labels(reason).inc()
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
         label = op if op in KNOWN_OPS else "unknown"

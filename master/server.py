@@ -38,7 +38,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
-from kvtier.auth import ServerAuth
+from kvtier.auth import OwnerGate, ServerAuth, forget_tokens
 from kvtier.master import ops_node, ops_router
 from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.backend import make_backend
@@ -77,8 +77,14 @@ class MasterServer:
         self.metrics_port: int | None = None
         self._stop: asyncio.Event | None = None
         self._bad = RateLimitedLog(log)
-        # Keys are read now: a missing one is a start-up error (AuthError), before anything is opened.
-        self.auth = ServerAuth(settings.auth_dir) if settings.auth_dir else None
+        # Who may connect: keys (--auth-dir), else this user's processes (the owner token), else anyone
+        # (--insecure-bind). Read now: a missing key or an unsafe token directory is a start-up error (AuthError),
+        # before anything is opened.
+        count = self.metrics.refused_connections
+        self.auth = ServerAuth(settings.auth_dir, count) if settings.auth_dir else None
+        keyless = not settings.auth_dir and not settings.insecure_bind
+        self.owner = OwnerGate(count, [settings.bind]) if keyless else None
+        self.gate = self.auth or self.owner
         self._callers: dict[str, Caller] = {}  # User-Id -> Caller (at most one per admitted key)
         self.replies = ReplyBudget(settings.reply_budget_bytes, settings.client_reply_bytes)
 
@@ -169,9 +175,9 @@ class MasterServer:
         opening.result()
         raise_fd_limit()
         ctx = zmq.Context()
-        auth = self.auth
-        if auth is not None:
-            auth.start(ctx)  # a thread of its own: it answers ZAP requests beside the loop, on the same context
+        auth, gate = self.auth, self.gate
+        if gate is not None:
+            gate.start(ctx)  # a thread of its own: it answers ZAP requests beside the loop, on the same context
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.settings.message_bytes())
@@ -184,16 +190,22 @@ class MasterServer:
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         serving = False
         try:
-            if auth is not None:
-                auth.secure(sock)
-                auth.watch(sock, ctx)
+            if gate is not None:
+                gate.secure(sock)
+                gate.watch(sock, ctx)
             sock.bind(self.settings.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            if self.owner is not None:
+                self.owner.publish([self.endpoint])
+            elif auth is None:
+                forget_tokens([self.endpoint])  # a token left by an earlier master here would make clients speak PLAIN
             if self.settings.metrics_port is not None:
                 self.metrics_port = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
             log.info("kvtier-master %s: serving on %s%s; metrics %s; state %s; lease %.3g s, heat half-life "
                      "%.3g s, placement %s", os.getpid(), self.endpoint,
-                     f" (CurveZMQ, keys in {self.settings.auth_dir})" if auth else "",
+                     f" (CurveZMQ, keys in {self.settings.auth_dir})" if auth else
+                     f" (owner token: {self.owner.user}'s processes only)" if self.owner else
+                     " (WITHOUT AUTHENTICATION: --insecure-bind)",
                      f"http://{self.settings.metrics_host}:{self.metrics_port}/metrics" if self.metrics_port
                      else "off", f"shared in {self.settings.directory}" if self.settings.directory
                      else f"in lmdb at {self.settings.data_dir}" if self.settings.data_dir
@@ -214,8 +226,8 @@ class MasterServer:
         finally:
             sock.close(linger=0)
             self.metrics.close()  # its port's thread (started only once serving; a no-op otherwise)
-            if auth is not None:
-                auth.stop()
+            if gate is not None:
+                gate.stop()
             ctx.term()
             await self._shutdown(flush=serving)
 

@@ -59,7 +59,10 @@ class MasterSettings:
     client_reply_bytes: int = 32 << 20  # ... and per client connection (one larger reply when it has none unsent)
     handshake_timeout_s: float = 5.0  # a connection that has not finished zmq's handshake by then is closed
     cost: CostDefaults = field(default_factory=CostDefaults)
-    auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server.key_secret and authorized/; "" admits anyone
+    auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server.key_secret and authorized/; "": the owner token
+    # Without keys: False admits only this user's processes (the owner token, kvtier/auth/owner.py), True anyone
+    # who reaches the port (--insecure-bind).
+    insecure_bind: bool = False
     # The state's home: "" (this process, with --data-dir's lmdb if set) or redis://HOST:PORT/N, shared by every
     # master started with the same URL (master/shared.py).
     directory: str = ""

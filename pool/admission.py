@@ -206,7 +206,7 @@ class DataPortAdmission:
     def _refuse_token(self, p: _Pending, why: str) -> None:
         self.state.count(stream_auth_refused=1)
         self._bad("stream-auth", logging.WARNING, "data connection from %s refused: %s (a client says hello over "
-                  "the CurveZMQ port first; its token opens a data connection)", p.peer, why)
+                  "the zmq port first, with keys or the owner token; its token opens a data connection)", p.peer, why)
         self._drop_pending(p.sock)
 
     def _sweep(self) -> None:

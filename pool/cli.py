@@ -48,9 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "endpoint bound, with the host name for a wildcard address)")
     p.add_argument("--label", action="append", type=_label, default=[], help="key=value label for the master, "
                    "repeatable (role=pool is always set)")
-    p.add_argument("--insecure-bind", action="store_true", help="serve a non-loopback --bind or --stream without "
-                   "--auth-dir (anyone who reaches the ports may read, overwrite and clear blocks; logged as a "
-                   "warning)")
+    p.add_argument("--insecure-bind", action="store_true", help="serve without authentication: without it and "
+                   "without --auth-dir only this user's processes may connect (the owner token, found with no "
+                   "configuration); with it anyone who reaches the ports (every local user, and the network for a "
+                   "non-loopback --bind or --stream, which needs it) may read, overwrite and clear blocks; logged "
+                   "as a warning")
     p.add_argument("--workers", type=int, default=d.workers, help=f"request threads (default {d.workers})")
     p.add_argument("--shm-dir", default=d.shm_dir, help=f"where the shared DRAM file lives when an ipc endpoint "
                    f"is bound (default {d.shm_dir})")
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this pool's "
                    "keypair, DIR/authorized/*.key the clients admitted, DIR/master.key (optional) the master's "
                    "public key; the data port then admits connections by a token handed out at hello (README "
-                   "'Authenticated sockets'). Default: anyone who reaches the ports is served")
+                   "'Authenticated sockets'). Default: only this user's processes (the owner token; --insecure-bind: anyone)")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     add_start_options(p, "{endpoints, node, pid, epoch, shm_path, stream_port, metrics_port}")
     return p
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             handshake_s=args.handshake_s, staging_bytes=args.staging_bytes, client_share=args.client_share,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host, heartbeat_s=args.heartbeat_s, auth_dir=args.auth_dir,
-            labels=dict(args.label),
+            insecure_bind=args.insecure_bind, labels=dict(args.label),
         )
         PoolServer(settings, ready_file=args.ready_file).run()
     except (ValueError, OSError, zmq.ZMQError) as e:

@@ -64,7 +64,7 @@ def hello(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
     transports: dict[str, Any] = {"tcp": {}}
     if st.stream_port:
         transports["stream"] = {"port": st.stream_port}
-        if st.tokens is not None:  # the data port's admission (kvtier/auth/tokens.py); this reply is encrypted
+        if st.tokens is not None:  # the data port's admission (kvtier/auth/tokens.py); only keys or the owner token got this far
             transports["stream"]["token"] = st.tokens.issue()
     if st.shm_path is not None:
         transports["shm"] = ({"path": str(st.shm_path), "nbytes": tier.capacity_bytes,

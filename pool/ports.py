@@ -8,7 +8,8 @@
   (greeting, and with --auth-dir the CURVE handshake and ZAP) within ``--handshake-s`` (ZMQ_HANDSHAKE_IVL,
   set by the server): an unauthenticated connection is dropped after that long, before it can send a
   request. The watch counts connections (open, still handshaking) and those timeouts for the stats and
-  metrics, and passes failed CURVE handshakes to the auth gate's log (a socket has one monitor).
+  metrics, and passes failed handshakes (CURVE keys, the owner token) to the auth gate's log (a socket has one
+  monitor).
 
 Threads: PortWatch runs one thread per watched socket; its counts are plain ints read from anywhere.
 """
@@ -64,7 +65,7 @@ def bind_private(sock: zmq.Socket[Any], endpoint: str) -> None:
 
 class PortWatch:
     """The monitor of one listening zmq socket. ``count(name, n)`` receives counter increments (the pool's
-    stats); ``auth`` (kvtier.auth.ServerAuth) is told of failed CURVE handshakes."""
+    stats); ``auth`` (the daemon's gate: kvtier.auth.ServerAuth or OwnerGate) is told of failed handshakes."""
 
     EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -120,8 +121,14 @@ class PortWatch:
             log.warning("zmq port: accept failed (%s)", os.strerror(value) if value else value)
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self.failed += 1
-            # EAGAIN: ZMQ_HANDSHAKE_IVL ran out (an idle or unauthenticated connection); else it closed first.
-            self._count("zmq_handshake_timeouts" if value == errno.EAGAIN else "zmq_closed_in_handshake", 1)
+            # EAGAIN: ZMQ_HANDSHAKE_IVL ran out (an idle or unauthenticated connection); else it closed first (the
+            # gate's to count and say: without the owner token a client hangs up seeing the daemon wants one).
+            if value == errno.EAGAIN:
+                self._count("zmq_handshake_timeouts", 1)
+            elif self._auth is not None:
+                self._auth.handshake_closed(value, endpoint)
+            else:
+                self._count("zmq_closed_in_handshake", 1)
         else:  # a protocol or ZAP failure: the auth gate logs and counts those
             self.failed += 1
             if self._auth is not None and kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:

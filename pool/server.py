@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
-from kvtier.auth import ServerAuth
+from kvtier.auth import OwnerGate, ServerAuth, forget_tokens
 from kvtier.pool import clients, ops
 from kvtier.pool.dispatch import BACKEND, IDLE, REPLY, Dispatcher
 from kvtier.pool.ports import PortWatch, bind_private, raise_fd_limit
@@ -65,9 +65,14 @@ class PoolServer:
         self._stream: Any = None  # kvtier.pool.stream.StreamServer
         self._watch: PortWatch | None = None
         self.metrics: Any = None  # kvtier.pool.metrics.PoolMetrics
-        # Keys are read now: a missing one is a start-up error (AuthError), before any memory is taken.
-        self.auth = ServerAuth(settings.auth_dir, count=lambda name: self.state.count(**{name: 1})) \
-            if settings.auth_dir else None
+        # Who may connect: keys (--auth-dir), else this user's processes (the owner token), else anyone
+        # (--insecure-bind). Read now: a missing key or an unsafe token directory is a start-up error (AuthError),
+        # before any memory is taken.
+        count = lambda name: self.state.count(**{name: 1})  # noqa: E731
+        self.auth = ServerAuth(settings.auth_dir, count=count) if settings.auth_dir else None
+        keyless = not settings.auth_dir and not settings.insecure_bind
+        self.owner = OwnerGate(count, settings.bind) if keyless else None
+        self.gate = self.auth or self.owner
 
     # ---- requests --------------------------------------------------------------------------------------
 
@@ -131,13 +136,17 @@ class PoolServer:
         frontend.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
         endpoints = []
         try:
-            if self.auth is not None:
-                self.auth.start(self._ctx)
-                self.auth.secure(frontend)
-            self._watch = PortWatch(frontend, self._ctx, lambda name, n: self.state.count(**{name: n}), self.auth)
+            if self.gate is not None:
+                self.gate.start(self._ctx)
+                self.gate.secure(frontend)
+            self._watch = PortWatch(frontend, self._ctx, lambda name, n: self.state.count(**{name: n}), self.gate)
             for endpoint in s.bind:
                 bind_private(frontend, endpoint)
                 endpoints.append(frontend.getsockopt_string(zmq.LAST_ENDPOINT))
+            if self.owner is not None:
+                self.owner.publish(endpoints)
+            elif self.auth is None:
+                forget_tokens(endpoints)  # a token left by an earlier pool here would make clients speak PLAIN
             stream = self._start_stream(endpoints)
             self.state.start(endpoints)
             if s.metrics_port is not None:
@@ -163,7 +172,9 @@ class PoolServer:
         tier = self.state.tier
         log.info("kvtier-pool %s (%s): serving on %s%s%s; capacity %s%s; %d workers; lease %.3g s; master %s%s",
                  os.getpid(), self.state.node_id, ", ".join(endpoints),
-                 f" (CurveZMQ, keys in {s.auth_dir}; data port by token)" if self.auth else "",
+                 f" (CurveZMQ, keys in {s.auth_dir}; data port by token)" if self.auth else
+                 f" (owner token: {self.owner.user}'s processes only; data port by token)" if self.owner else
+                 " (WITHOUT AUTHENTICATION: --insecure-bind)",
                  f" (data port {stream})" if stream else "", format_bytes(s.capacity),
                  f" in blocks of {tier.block_bytes} B" if tier else " (block size set by the first put)",
                  s.workers, s.lease_s, s.master or "none (clients list this pool themselves)",
@@ -189,8 +200,8 @@ class PoolServer:
         agent."""
         if self._watch is not None:
             self._watch.stop()
-        if self.auth is not None:
-            self.auth.stop()
+        if self.gate is not None:
+            self.gate.stop()
         self._ctx.term()
         for s in sending:
             s.release()

@@ -4,8 +4,8 @@ its node agent.
 Sizing: a pool holds blocks of one size. ``--block-bytes`` fixes it at start. Without it the pool is sized by
 the first request that stores data (a ``put``, a ``reserve`` or a put on the data port), never by a hello:
 a hello only says what it expects, so a port scan, a health check or a stranger's hello of the wrong size
-cannot decide the layout real engines then get refused by. (Without ``--auth-dir`` anyone who can reach the
-port can still store first: give ``--block-bytes`` where strangers can reach it.) A client whose blocks have
+cannot decide the layout real engines then get refused by. (Any client admitted, with --insecure-bind anyone
+who reaches the port, can still store first: give ``--block-bytes`` where strangers can reach it.) A client whose blocks have
 another size is refused, naming both; blocks under MIN_BLOCK_BYTES are refused, and a client-chosen size
 gets at most ``max_slots`` slots so bookkeeping stays a small share of the memory. When the pool serves an
 ipc:// endpoint (standalone mode: engine processes on this host), its DRAM is a file under ``shm_dir`` that
@@ -91,7 +91,10 @@ class PoolSettings:
     metrics_port: int | None = None  # Prometheus /metrics (pool/metrics.py); None: off, 0: a free port
     metrics_host: str = "127.0.0.1"
     heartbeat_s: float | None = None
-    auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server keypair, authorized/, master.key; "" admits anyone
+    auth_dir: str = ""  # CurveZMQ keys (kvtier/auth): server keypair, authorized/, master.key; "": the owner token
+    # Without keys: False admits only this user's processes (the owner token, kvtier/auth/owner.py), True anyone
+    # who reaches the ports (--insecure-bind).
+    insecure_bind: bool = False
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -131,8 +134,9 @@ class PoolState:
         self.dispatcher: Any = None  # kvtier.pool.dispatch.Dispatcher, for the metrics (requests waiting)
         self.counters: Counter[str] = Counter()
         self._lock = threading.Lock()
-        # With --auth-dir, a hello hands out a token the data port asks for (kvtier/auth/tokens.py).
-        self.tokens = DataTokens() if settings.auth_dir else None
+        # Unless the pool serves anyone (--insecure-bind without keys), a hello (keys or owner token passed)
+        # hands out a token the data port asks for (kvtier/auth/tokens.py).
+        self.tokens = DataTokens() if settings.auth_dir or not settings.insecure_bind else None
         self.master_keys = _master_keys(settings)  # read now: a bad master.key is a start-up error
         # Pool-to-pool copies (hot-block replication, the copy_from op): pool/replicas.py.
         self.copier = Copier(self)
@@ -148,7 +152,7 @@ class PoolState:
             self.ensure_tier(self.settings.block_bytes, by_client=False)
         else:
             log.info("pool %s: no --block-bytes; the first client to store a block sets the block size (give "
-                     "--block-bytes where strangers can reach the pool without --auth-dir)", self.node_id)
+                     "--block-bytes where strangers can reach the pool: --insecure-bind)", self.node_id)
         self._start_agent()
 
     @property

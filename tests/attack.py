@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
+from kvtier.auth import secure_client
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -38,7 +39,9 @@ def reset_peak(pid: int) -> None:
 
 
 class RawClient:
-    """A zmq DEALER speaking the pool's wire protocol by hand: any op, any body, with or without waiting."""
+    """A zmq DEALER speaking the pool's wire protocol by hand: any op, any body, with or without waiting. It
+    presents the owner token of a keyless pool (a hostile process of the pool's own user, or anyone where the
+    pool runs --insecure-bind: another user cannot get this far, test_owner_token.py)."""
 
     def __init__(self, endpoint: str, *, sndhwm: int = 1000, rcvhwm: int = 1000,
                  ctx: zmq.Context | None = None) -> None:
@@ -47,6 +50,7 @@ class RawClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, sndhwm)
         self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        secure_client(self.sock, endpoint, None)
         self.sock.connect(endpoint)
         self._ids = itertools.count(1)
 

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from kvtier import wire
+from kvtier.auth import secure_client
 from kvtier.client import MasterClient, MasterError, MasterTimeout, api
 from masterproc import MasterProcess
 from poolproc import until
@@ -178,6 +179,7 @@ def test_replies_a_client_never_reads_stay_within_the_budget(tmp_path):
         deaf = ctx.socket(zmq.DEALER)
         deaf.setsockopt(zmq.RCVHWM, 1)  # this client reads nothing: zmq and the kernel buffer little for it
         deaf.setsockopt(zmq.RCVBUF, 4096)
+        secure_client(deaf, master.endpoint, None)  # the owner token of a keyless daemon of this user
         deaf.connect(master.endpoint)
         try:
             for i in range(700):

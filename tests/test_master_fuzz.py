@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import wire
+from kvtier.auth import secure_client
 from kvtier.client import MasterClient, MasterError
 from kvtier.client import api
 from kvtier.keys import Namespace
@@ -71,6 +72,7 @@ def daemon(tmp_path_factory):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, mp.endpoint, None)  # the owner token of a keyless daemon of this user
         sock.connect(mp.endpoint)
         yield mp, sock, node
         sock.close()

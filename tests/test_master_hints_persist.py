@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from kvtier import wire
+from kvtier.auth import secure_client
 from kvtier.client import MasterClient
 from masterproc import MasterProcess
 
@@ -27,6 +28,7 @@ def pin_sessions(endpoint: str, names: list[str], ttl_s: float = 3600.0, window:
     """Pin every session, pipelined (``window`` requests in flight), and check every reply."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    secure_client(sock, endpoint, None)  # the owner token of a keyless daemon of this user
     sock.connect(endpoint)
     sent = answered = 0
     try:

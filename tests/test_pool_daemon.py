@@ -14,6 +14,7 @@ import zmq
 
 from conftest import blocks_for
 from kvtier import wire
+from kvtier.auth import secure_client
 from kvtier.transport import connect
 from kvtier.transport.base import PoolProtocolError, PoolRefused, PoolUnavailable
 from kvtier.transport.channel import Channel
@@ -131,6 +132,7 @@ def test_wrong_protocol_version_is_refused_and_logged_by_the_pool(pool):
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_client(sock, pool.tcp, None)  # the owner token of a keyless daemon of this user
     sock.connect(pool.tcp)
     sock.send(msgpack.packb([99, 5, P.HELLO, {}]))
     assert sock.poll(5000)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from attack import TrickleProxy, UnixTrickleProxy, host_port
+from kvtier.auth.owner import runtime_dir, token_name
 from kvtier.keys import Namespace
 from kvtier.transport import connect
 from kvtier.transport.base import PoolError
@@ -22,6 +23,15 @@ ns = Namespace("deadlines")
 
 def rows(a: np.ndarray) -> np.ndarray:
     return np.uint64(a.ctypes.data) + np.arange(a.shape[0], dtype=np.uint64) * np.uint64(a.shape[1])
+
+
+def alias_token(alias: str, endpoint: str) -> None:
+    """The keyless pool's owner token under the proxy's endpoint too, where a client dialing it looks (the tcp
+    proxies listen on the pool's port numbers, which name the token already)."""
+    d = runtime_dir()
+    target = d / token_name(alias)
+    target.write_bytes((d / token_name(endpoint)).read_bytes())
+    target.chmod(0o600)
 
 
 def deadline_of(nbytes: int) -> float:
@@ -95,6 +105,7 @@ def test_a_trickling_pool_cannot_hold_a_shared_memory_call_past_its_deadline(tmp
         direct = connect(p.ipc, BB, timeout_s=5.0)
         assert all(direct.put(keys, rows(src)))
         px = UnixTrickleProxy(str(tmp_path / "proxy.sock"), p.ipc[len("ipc://"):])
+        alias_token(f"ipc://{px.address}", p.ipc)
         conn = connect(f"ipc://{px.address}", BB, timeout_s=TIMEOUT_S)
         out = np.zeros((4, BB), np.uint8)
         try:
@@ -107,3 +118,4 @@ def test_a_trickling_pool_cannot_hold_a_shared_memory_call_past_its_deadline(tmp
             px.close()
             conn.close()
             direct.close()
+            (runtime_dir() / token_name(f"ipc://{px.address}")).unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import blocks_for
 from kvtier import wire
+from kvtier.auth import secure_client
 from kvtier.keys import Namespace
 from kvtier.transport import connect
 from kvtier.wire import pool as P
@@ -71,6 +72,7 @@ def daemon(tmp_path_factory):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client(sock, p.tcp, None)  # the owner token of a keyless daemon of this user
         sock.connect(p.tcp)
         yield p, sock, conn, src
         sock.close()

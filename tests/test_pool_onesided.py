@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from kvtier import wire
+from kvtier.auth import secure_client
 from kvtier.keys import Namespace
 from kvtier.pool.leases import ClientLeases
 from kvtier.tiers.pool import PoolTier
@@ -339,6 +340,7 @@ def test_replies_a_stalled_client_never_reads_are_dropped_not_queued(tmp_path):
         ctx = zmq.Context()
         stalled = ctx.socket(zmq.DEALER)
         stalled.setsockopt(zmq.RCVHWM, 1)
+        secure_client(stalled, p.tcp, None)  # the owner token of a keyless daemon of this user
         stalled.connect(p.tcp)
         for i in range(60):  # keys reversed: every block is its own run, so each reply is gathered
             stalled.send(wire.encode_request(i + 1, P.GET, {"keys": wire.pack_keys(keys[::-1]), "block_bytes": bb}))

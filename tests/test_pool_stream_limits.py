@@ -25,6 +25,10 @@ from kvtier.wire import pool as P
 from poolproc import PoolProcess, until
 
 BB = 4096
+# These peers speak the data port without a token: a pool serving every local user (--insecure-bind) admits
+# them as data connections, which is what these limits are about (a keyless pool's data port wants the token
+# its hello hands out: test_owner_token.py, test_auth.py).
+OPEN = ("--insecure-bind",)
 
 
 def threads_of(pid: int) -> int:
@@ -86,7 +90,7 @@ def mid_message(port: int, n: int, sources: list[str] | None = None) -> list[soc
 
 
 def test_connections_that_never_send_hold_no_thread_and_are_closed_after_the_handshake_time(tmp_path, make_keys):
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--handshake-s", "1")) as p:
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--handshake-s", "1")) as p:
         port = data_port(p.tcp)
         base = threads_of(p.proc.pid)
         socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 40)]
@@ -101,7 +105,7 @@ def test_connections_that_never_send_hold_no_thread_and_are_closed_after_the_han
 
 
 def test_admitted_connections_are_capped_and_the_one_idle_the_longest_makes_room(tmp_path, make_keys):
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "4")) as p:
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--stream-max-connections", "4")) as p:
         port = data_port(p.tcp)
         base = threads_of(p.proc.pid)
         busy = mid_message(port, 4, ["127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"])  # two peers, two each
@@ -132,7 +136,7 @@ def test_admitted_connections_are_capped_and_the_one_idle_the_longest_makes_room
 
 
 def test_one_peer_holds_at_most_half_of_the_data_port(tmp_path, make_keys):
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "8")) as p:
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--stream-max-connections", "8")) as p:
         port = data_port(p.tcp)
         busy = mid_message(port, 8, ["127.0.0.2"] * 8)  # one peer tries to take the whole port
         try:
@@ -147,7 +151,7 @@ def test_one_peer_holds_at_most_half_of_the_data_port(tmp_path, make_keys):
 def test_a_connection_that_sends_a_byte_and_stalls_holds_its_thread_only_briefly(tmp_path, make_keys):
     """A first byte admits a connection (no --auth-dir); its envelope must follow within --handshake-s, not
     within the whole message's 30 s, or a few hundred such connections would keep the port full."""
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "16",
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--stream-max-connections", "16",
                                                                        "--handshake-s", "1")) as p:
         port = data_port(p.tcp)
         stalled = []
@@ -165,7 +169,7 @@ def test_a_connection_that_sends_a_byte_and_stalls_holds_its_thread_only_briefly
 
 def test_a_peer_trickling_a_message_is_dropped_at_its_deadline(tmp_path, make_keys):
     # 1 s for a whole message (the default is 30 s); the socket's own timeout (lease_s, 30 s) never fires.
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-message-timeout-s", "1")) as p:
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--stream-message-timeout-s", "1")) as p:
         port = data_port(p.tcp)
         slow = socket.create_connection(("127.0.0.1", port))
         stop = threading.Event()
@@ -194,7 +198,7 @@ def test_a_peer_trickling_a_message_is_dropped_at_its_deadline(tmp_path, make_ke
 
 
 def test_a_data_socket_the_pool_dropped_while_idle_is_replaced_not_a_failed_request(tmp_path, make_keys):
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--lease-s", "1")) as p:
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--lease-s", "1")) as p:
         c = connect(p.tcp, BB, transport="stream", timeout_s=5.0)
         try:
             keys = make_keys(4)
@@ -211,7 +215,7 @@ def test_a_data_socket_the_pool_dropped_while_idle_is_replaced_not_a_failed_requ
 
 
 def test_the_connection_limit_is_an_operator_setting(tmp_path):
-    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=("--stream-max-connections", "3")) as p:
+    with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB, args=(*OPEN, "--stream-max-connections", "3")) as p:
         port = data_port(p.tcp)
         socks = mid_message(port, 5, [f"127.0.0.{2 + i}" for i in range(5)])  # five peers, one each
         try:

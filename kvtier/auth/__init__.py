@@ -1,6 +1,8 @@
 """Authenticated sockets: CurveZMQ keys for kvtier-master and kvtier-pool, and tokens for the pool's data port.
 
-Off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` config key). The key layout:
+Keys are off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` config key); without
+them a daemon serves only its own user's processes, who find its owner token with no configuration (owner.py),
+unless started with ``--insecure-bind`` (exposure.py). The key layout:
 
     daemon DIR (kvtier-master --auth-dir DIR, kvtier-pool --auth-dir DIR)
         server.key, server.key_secret      its own keypair (kvtier keys generate DIR --name server)
@@ -19,17 +21,19 @@ Off unless configured (daemons: ``--auth-dir DIR``; clients: the ``auth_dir`` co
                                            server.key for that endpoint
 
 files.py reads and writes the key files, client.py is the client side (a socket's keys, and what to say when
-a daemon stays silent), server.py the daemons' gate (CURVE server + ZAP), roles.py what each key may do (the
-per-op check both daemons make), gate.py the pool's per-op check in front of its workers, exposure.py the
---insecure-bind rule for daemons without keys, tokens.py the data-port tokens, peercred.py the kernel's
-credentials of an ipc:// peer (a keyless pool's one identity for a local caller; the proof a file a pool names
-is the pool's own).
+a daemon stays silent; secure_client: keys or the owner token), server.py the daemons' gate with keys (CURVE
+server + ZAP), owner.py the gate without keys (the owner token), gate.py what both gates share (a failed
+handshake counted and logged), roles.py what each key may do (the per-op check both daemons make), exposure.py
+the --insecure-bind rule for daemons without keys, tokens.py the data-port tokens, peercred.py the kernel's
+credentials of an ipc:// peer (a keyless pool's proof that a caller is its own user; the proof a file a pool
+names is the pool's own).
 """
 
-from kvtier.auth.client import ClientKeys, silence_hint
+from kvtier.auth.client import ClientKeys, secure_client, silence_hint
 from kvtier.auth.files import AuthError, Keypair, endpoint_key_name, generate, load_keypair
+from kvtier.auth.owner import OwnerGate, forget_tokens
 from kvtier.auth.server import ServerAuth
 from kvtier.auth.tokens import TOKEN_BYTES, DataTokens
 
-__all__ = ["TOKEN_BYTES", "AuthError", "ClientKeys", "DataTokens", "Keypair", "ServerAuth", "endpoint_key_name",
-           "generate", "load_keypair", "silence_hint"]
+__all__ = ["TOKEN_BYTES", "AuthError", "ClientKeys", "DataTokens", "Keypair", "OwnerGate", "ServerAuth",
+           "endpoint_key_name", "forget_tokens", "generate", "load_keypair", "secure_client", "silence_hint"]

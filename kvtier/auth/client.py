@@ -1,5 +1,7 @@
-"""ClientKeys: what a client socket presents to a daemon that requires CurveZMQ keys; and silence_hint, what to
-say when a daemon never answers (a CURVE handshake that fails is silence to the client: zmq reports nothing).
+"""What a client socket presents to a daemon: ClientKeys (CurveZMQ keys, for a daemon started with --auth-dir)
+or, without keys, the owner token a keyless daemon of this user published (owner.py); ``secure_client`` picks.
+And silence_hint, what to say when a daemon never answers (a failed handshake is silence to the client: zmq
+reports nothing).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import zmq
 
 from kvtier.auth.files import AuthError, Keypair, endpoint_key_name, load_keypair, load_public
+from kvtier.auth.owner import client_claim, owner_token
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,19 @@ class ClientKeys:
         sock.curve_serverkey = self.server
 
 
+def secure_client(sock: zmq.Socket[Any], endpoint: str, keys: ClientKeys | None) -> None:
+    """Set what ``sock`` presents to the daemon at ``endpoint``, before it connects: ``keys`` when given, else
+    the owner token of a keyless daemon of this user if one is published for ``endpoint`` (read once per
+    socket), else nothing (a daemon started with --insecure-bind). The one place every client socket asks."""
+    if keys is not None:
+        keys.apply(sock)
+        return
+    token = owner_token(endpoint)
+    if token is not None:
+        sock.plain_username = client_claim().encode()
+        sock.plain_password = token.encode()
+
+
 def silence_hint(endpoint: str, keys: ClientKeys | None) -> str:
     """A clause for a "no reply" error that has never had a reply from ``endpoint``: the daemon may be refusing
     this client's keys, or requiring keys it has none of (a CURVE refusal is silence to the client). Pure text:
@@ -57,7 +73,8 @@ def silence_hint(endpoint: str, keys: ClientKeys | None) -> str:
                 f"client.key in authorized/, a server key that is not the daemon's, or a daemon without --auth-dir "
                 f"all look like silence; check auth_dir)")
     return (" (no reply has ever come: the daemon is down or stalled, or it requires CurveZMQ keys (started "
-            "with --auth-dir): then set auth_dir)")
+            "with --auth-dir): then set auth_dir; or it is another user's daemon started without keys, which "
+            "serves only its own user's processes unless started with --insecure-bind)")
 
 
-__all__ = ["ClientKeys", "silence_hint"]
+__all__ = ["ClientKeys", "secure_client", "silence_hint"]

@@ -1,9 +1,11 @@
-"""Binding a daemon beyond loopback without keys is a choice its operator states (``--insecure-bind``).
+"""Serving a daemon without authentication is a choice its operator states (``--insecure-bind``).
 
-Without ``--auth-dir`` kvtier-master and kvtier-pool serve whoever reaches their ports: every op, roles or not
-(read and overwrite blocks, clear a pool, register a pool of one's own). On loopback or ipc:// that is this
-host's users; on any other address it is the network. So the daemons' CLIs refuse such a bind unless the
-operator passes ``--insecure-bind``, and then log a warning naming the endpoints, once at start-up.
+Without ``--auth-dir`` kvtier-master and kvtier-pool serve only their own user's processes: a client must
+present the daemon's owner token (owner.py), which only that user can read. A client on another host cannot
+read it, so a daemon without keys bound beyond loopback must serve without the token: whoever reaches its
+ports gets every op, roles or not (read and overwrite blocks, clear a pool, register a pool of one's own). The
+daemons' CLIs refuse such a bind unless the operator passes ``--insecure-bind``, which turns the token off
+(then every local user is served too), and log a warning naming the endpoints, once at start-up.
 """
 
 from __future__ import annotations
@@ -54,16 +56,23 @@ def is_loopback_host(host: str) -> bool:
 
 def check_binds(prog: str, endpoints: Iterable[str], *, auth: bool, insecure: bool, log: logging.Logger) -> None:
     """ValueError (the CLI prints it and exits 2) when ``endpoints`` reach beyond this host without keys and
-    without ``--insecure-bind``; with it, one warning."""
-    exposed = [e for e in endpoints if not is_local(e)]
-    if not exposed or auth:
+    without ``--insecure-bind``; with it (no keys), one warning."""
+    if auth:
         return
+    exposed = [e for e in endpoints if not is_local(e)]
+    if not exposed and insecure:
+        log.warning("%s serves %s WITHOUT AUTHENTICATION (--insecure-bind): any local user may do any op, including "
+                    "reading and overwriting blocks, clearing pools and registering pools of its own", prog,
+                    ", ".join(endpoints))
+        return
+    if not exposed:
+        return  # the owner token: only this user's processes
     what = ", ".join(exposed)
     if not insecure:
         raise ValueError(f"{what} can be reached from other hosts and {prog} has no --auth-dir: anyone who reaches "
                          "it could read and overwrite blocks, clear pools and register pools of their own. Start it "
                          "with --auth-dir DIR (README 'Authenticated sockets'), bind a loopback or ipc:// address, or "
-                         "pass --insecure-bind to serve the network without keys")
+                         "pass --insecure-bind to serve the network (and every local user) without keys")
     log.warning("%s serves %s WITHOUT AUTHENTICATION (--insecure-bind): any host that reaches it may do any op, "
                 "including reading and overwriting blocks, clearing pools and registering pools of its own", prog, what)
 

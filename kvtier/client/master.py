@@ -39,7 +39,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier import wire
-from kvtier.auth import ClientKeys, silence_hint
+from kvtier.auth import ClientKeys, secure_client, silence_hint
 from kvtier.client import api
 from kvtier.client.api import (Call, CostResult, HeatResult, KeysLike, LocateResult, MasterHints, MasterLookup,
                                TopResult)
@@ -55,8 +55,7 @@ def _socket(ctx: zmq.Context[Any], endpoint: str, auth: ClientKeys | None) -> zm
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    if auth is not None:
-        auth.apply(sock)
+    secure_client(sock, endpoint, auth)  # keys, or the owner token of a keyless master of this user
     sock.connect(endpoint)
     return sock
 

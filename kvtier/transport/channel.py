@@ -15,8 +15,9 @@ Timeouts: a batch fails when no reply has come for ``timeout_s`` (a slow but mov
 never delivered to a restarted one). Sockets use IMMEDIATE, so nothing queues for a pool that is not
 connected: a send waits for a connection at most until the deadline.
 
-With ``auth`` (kvtier.auth.ClientKeys) every lane is a CurveZMQ client: authenticated and encrypted. A pool
-that refuses the keys (or wants keys the channel lacks) never answers; a timeout before any reply says so.
+With ``auth`` (kvtier.auth.ClientKeys) every lane is a CurveZMQ client: authenticated and encrypted; without, a
+lane presents the owner token of a keyless pool of this user (kvtier/auth/owner.py). A pool that refuses the
+keys or the token (or wants keys the channel lacks) never answers; a timeout before any reply says so.
 
 Thread-safe: lanes are checked out per call, so calls from several threads run at once (up to ``max_lanes``
 lanes in all; a call waits for a free lane until its deadline).
@@ -35,7 +36,7 @@ from typing import Any
 import zmq
 
 from kvtier import wire
-from kvtier.auth import ClientKeys, silence_hint
+from kvtier.auth import ClientKeys, secure_client, silence_hint
 from kvtier.auth.peercred import peer_address
 from kvtier.transport.base import PoolError, PoolProtocolError, PoolRefused, PoolUnavailable
 
@@ -229,8 +230,7 @@ class Channel:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        if self.auth is not None:
-            self.auth.apply(sock)
+        secure_client(sock, self.endpoint, self.auth)
         sock.connect(self.endpoint)
         return sock
 
