@@ -39,10 +39,6 @@ class MasterMetrics:
         self.latency = Histogram("kvtier_master_request_seconds", "Time to serve a request inside the master, "
                                  "by op", ["op"], buckets=LATENCY_BUCKETS, registry=r)
         self.keys = Counter("kvtier_master_request_keys", "Keys carried by requests, by op", ["op"], registry=r)
-        self.refused = Counter("kvtier_master_refused_connections", "Connections refused at the handshake, by "
-                               "reason (auth_refused_key: a CurveZMQ key not admitted, auth_handshake_failed, "
-                               "auth_refused_token: a wrong owner token, auth_no_token: none presented, "
-                               "zmq_closed_in_handshake: closed before presenting one)", ["reason"], registry=r)
         self.nodes = Gauge("kvtier_master_nodes", "Nodes by state (live, syncing, pending, dead)", ["state"],
                            registry=r)
         self.entries = Gauge("kvtier_master_directory_keys", "Keys in the directory (held by >= 1 location)",
@@ -85,11 +81,15 @@ class MasterMetrics:
         self.reloads = Counter("kvtier_master_reloads", "Reloads of the shared directory from its snapshot "
                                "(a gap, redis restarted behind this master, a new epoch)", registry=r)
         self.snapshots = Counter("kvtier_master_snapshots", "Shared snapshots this master wrote", registry=r)
-        self.refused_connections = Counter("kvtier_master_refused_connections", "Connections closed or refused, "
-                                           "by port (metrics) and reason", ["port", "reason"], registry=r)
+        # One family for every door, as the pool's: port="zmq" the request socket's gate (kvtier/auth: a CurveZMQ
+        # key not admitted, a wrong or missing owner token, closed in the handshake), port="metrics" the HTTP port.
+        self.refused = Counter("kvtier_master_refused_connections", "Connections closed or refused, by port and "
+                               "reason (zmq: auth_refused_key, auth_handshake_failed, auth_refused_token, "
+                               "auth_no_token, zmq_closed_in_handshake; metrics: the HTTP port's limits)",
+                               ["port", "reason"], registry=r)
         for reason in HTTP_REASONS:  # every reason's series from the start: rate() sees the first refusal
-            self.refused_connections.labels("metrics", reason)
-        self.http = MetricsServer(r, lambda reason: self.refused_connections.labels("metrics", reason).inc(),
+            self.refused.labels("metrics", reason)
+        self.http = MetricsServer(r, lambda reason: self.refused.labels("metrics", reason).inc(),
                                   logging.getLogger("kvtier.master"))
         self.directory_losses = Counter("kvtier_master_directory_losses", "Times this master found the shared "
                                         "directory had lost writes it applied, so a new epoch began and every node "
@@ -101,7 +101,7 @@ class MasterMetrics:
 
     def refused_connections(self, reason: str) -> None:
         """A connection refused by the gate (kvtier/auth), from its ZAP or monitor thread."""
-        self.refused.labels(reason).inc()
+        self.refused.labels("zmq", reason).inc()
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
         label = op if op in KNOWN_OPS else "unknown"
