@@ -50,7 +50,7 @@ def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout
             lanes: int = 4, auth: ClientKeys | None = None, copy_threads: int = 0) -> PoolConnection:
     """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``; ``auth`` for a pool that requires
     CurveZMQ keys (kvtier.auth.ClientKeys.load(auth_dir, endpoint)); ``copy_threads``: threads per host copy of
-    the shm transport (0: by batch size, kvtier.hostcopy.copy_threads; the other transports copy no host
+    the shm transport (0: by measured rate, kvtier.hostcopy.CopyThreads; the other transports copy no host
     memory themselves). Raises PoolError (unreachable, refused, another protocol version) or ValueError (an
     unknown transport)."""
     if transport != "auto" and transport not in TRANSPORTS:

@@ -3,8 +3,8 @@
 Engine processes on one host share one pool: control goes over zmq ipc, bytes never touch a socket. The
 lease protocol (reserve/commit, acquire/release) is OneSidedConnection's; the copies here are the caller's own
 batched native copies (kvtier.hostcopy), straight between the caller's rows and the pool's slots, on
-``copy_threads`` threads (0, the default: hostcopy.copy_threads picks: two threads on a batch of 1 MiB or
-more while a core is spare, one otherwise).
+``copy_threads`` threads (0, the default: by measured rate: hostcopy.CopyThreads times this connection's puts
+and its gets apart and gives each batch the thread count that copied fastest here lately).
 
 Pool restarts: every reply carries the pool's epoch. A new epoch means a new pool with a new file; the next
 call says hello again and maps the new file. The old mapping stays valid (the file is unlinked, not
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
-from kvtier.hostcopy import copy_rows, copy_threads
+from kvtier.hostcopy import CopyThreads
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -77,8 +77,11 @@ class ShmConnection(OneSidedConnection):
     def __init__(self, channel: Any, info: PoolInfo, *, copy_threads: int = 0, **kw: Any) -> None:
         super().__init__(channel, info, **kw)
         if copy_threads < 0:
-            raise ValueError(f"copy_threads must be >= 0 (0: by batch size), got {copy_threads}")
+            raise ValueError(f"copy_threads must be >= 0 (0: by measured rate), got {copy_threads}")
         self.copy_threads = copy_threads
+        # Puts and gets apart: a get reads the shared file and writes the caller's rows, a put the other way, and
+        # the two need not gain alike from a second thread.
+        self.put_copies, self.get_copies = CopyThreads(copy_threads), CopyThreads(copy_threads)
         self._lock = threading.Lock()
         self._mapping: Mapping | None = self._map(info) if info.sized else None
 
@@ -86,16 +89,13 @@ class ShmConnection(OneSidedConnection):
     # the connection's reference, and the last reference gone unmaps the file (a copy into it would fault).
     def _write(self, offsets: np.ndarray, src: np.ndarray, epoch: int) -> None:
         mapping = self._mapped(epoch)
-        copy_rows(mapping.rows(offsets, self.block_bytes), src, self.block_bytes, self._threads(len(offsets)))
+        self.put_copies.copy(mapping.rows(offsets, self.block_bytes), src, self.block_bytes)
         del mapping
 
     def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         mapping = self._mapped(epoch)
-        copy_rows(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes, self._threads(len(offsets)))
+        self.get_copies.copy(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes)
         del mapping
-
-    def _threads(self, nblocks: int) -> int:
-        return copy_threads(nblocks * self.block_bytes, self.copy_threads)
 
     def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
         return self._mapped(epoch).generations_at(offsets)
