@@ -61,8 +61,9 @@ def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1,
 TIER_BENCHES: dict[str, tuple[Callable[..., list[dict[str, Any]]], str, str]] = {
     "dram": (bench_dram, "np.copyto of the same bytes", DEFAULT_SIZES),
     "ssd": (bench_ssd, "raw O_DIRECT write+fdatasync / read of the same bytes", SSD_SIZES),
-    "pool": (bench_pool, "tcp rows: one raw TCP socket between two processes; shm rows: np.copyto; "
-                         "same bytes, same run", DEFAULT_SIZES),
+    "pool": (bench_pool, "tcp rows: one raw TCP socket between two processes; shm and copy rows: the "
+                         "fastest copy (np.copyto or copy_rows, 1 or 2 threads); same bytes, same run",
+             DEFAULT_SIZES),
 }
 
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from kvtier.bench.copies import CANDIDATES
+
 
 @pytest.mark.slow
 def test_bench_pool_writes_every_path_beside_its_baseline(tmp_path):
@@ -20,6 +22,12 @@ def test_bench_pool_writes_every_path_beside_its_baseline(tmp_path):
     for bb in (64 << 10, 1 << 20):
         for path in ("raw-socket", "stream", "tcp", "shm"):
             assert {(path, "put", bb), (path, "get", bb)} <= paths
+        # the shm rows' baseline is the fastest copy of the same bytes, each candidate printed beside it
+        copies = [row for row in rows if row["block_bytes"] == bb and row["op"] == "copy"]
+        assert {row["path"] for row in copies} == {f"copy: {c}" for c in CANDIDATES}
+        best = max(row["gbps"] for row in copies)
+        assert {row["baseline_gbps"] for row in rows if row["block_bytes"] == bb and
+                row["path"] in ("shm", "shm-1thread", *(c["path"] for c in copies))} == {best}
     for row in rows:
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0
         assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"], rel=0.01)
