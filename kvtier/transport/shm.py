@@ -30,6 +30,7 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import CopyThreads
+from kvtier.hostmem import map_length
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -50,10 +51,11 @@ class Mapping:
             if size < nbytes:
                 raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
                                         f"{nbytes}", wire.ERR_BAD_MESSAGE)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # whole huge pages where the pool made its file in a hugetlbfs mount (kvtier.hostmem)
+            self._mm = mmap.mmap(fd, map_length(fd, nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._array = np.frombuffer(self._mm, dtype=np.uint8)
+        self._array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]
         self.base = int(self._array.ctypes.data)
         self.block_bytes = block_bytes
         self.generations = GenerationView(generations, nbytes // block_bytes)
