@@ -112,6 +112,7 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
                 if r:
                     for k, v in t.items():
                         times.setdefault(k, []).append(v)
+            pages = shm.pages()  # the pool's shared file as this process maps it
         finally:
             for conn in (tcp, stream, shm, shm1):
                 conn.close()
@@ -131,7 +132,7 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
             out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
                                  fig[f"{path} {op}"], best))
     print(f"pool bench {bb >> 10} KiB blocks: the shm rows' baseline is {best_name} ({best:.2f} GB/s), the fastest "
-          "copy of the same bytes in the same rounds")
+          f"copy of the same bytes in the same rounds; the pool's shared file is on {pages} pages here")
     return out_rows_
 
 

@@ -199,7 +199,7 @@ def page_sizes(ptr: int, nbytes: int, smaps: str | None = None) -> str:
         text = Path(smaps or SMAPS).read_text()
     except OSError:
         return "unknown"
-    kernel, rss, huge = 0, 0, 0
+    kernel, rss, huge, advised = 0, 0, 0, False
     for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
         span = entry.split(None, 1)[0].split("-")
         start, end = int(span[0], 16), int(span[1], 16)
@@ -207,6 +207,8 @@ def page_sizes(ptr: int, nbytes: int, smaps: str | None = None) -> str:
             continue
         fields = dict(re.findall(r"^(\w+):\s+(\d+) kB", entry, re.M))
         kernel = max(kernel, int(fields.get("KernelPageSize", 4)))
+        flags = re.search(r"^VmFlags:(.*)$", entry, re.M)
+        advised |= bool(flags) and "hg" in flags.group(1).split()
         rss += int(fields.get("Rss", 0))
         huge += int(fields.get("AnonHugePages", 0)) + int(fields.get("ShmemPmdMapped", 0)) + \
             int(fields.get("FilePmdMapped", 0))
@@ -215,6 +217,8 @@ def page_sizes(ptr: int, nbytes: int, smaps: str | None = None) -> str:
     if huge and rss:
         share = "" if huge >= rss else f", {100 * huge // rss}% of {_kib(rss)} resident"
         return f"2 MiB (THP{share})"
+    if advised and not rss:  # huge pages asked for, no page faulted in yet (a buffer not prefaulted)
+        return "2 MiB (THP advised, none resident yet)"
     return "4 KiB"
 
 

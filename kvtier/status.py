@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from kvtier.units import format_bytes
+from kvtier.wire.pool import PAGES_LABEL
 
 EXIT_UNREACHABLE = 1
 
@@ -130,8 +131,10 @@ def render(data: dict[str, Any], width: int = 110) -> str:
                         f"{_ago(n.get('silent_s', 0)):>8}{_latency(n.get('rpc_latency_s')):>9}")
             else:
                 lead = " " * (4 + 22 + 9 + 24 + 8 + 9)
+            # a pool's DRAM page size, as it registered it (kvtier.hostmem: huge pages where the kernel allows)
+            pages = (n.get("labels") or {}).get(PAGES_LABEL) if t["name"] == "dram" else None
             out.append(f"{lead}  {t['name'][:5]:<6}{format_bytes(t['capacity']):>11}{format_bytes(t['used']):>11}"
-                       f"{util:>6}{_rate(t.get('bw') or 0.0):>12}")
+                       f"{util:>6}{_rate(t.get('bw') or 0.0):>12}" + (f"  pages {pages}" if pages else ""))
     if not nodes:
         out.append("  (no node has registered)")
     lookups = activity.get("lookups", {})

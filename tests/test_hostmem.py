@@ -118,4 +118,6 @@ def test_page_size_is_read_back_from_smaps(tmp_path):
     assert hostmem.page_sizes(base, 4 * MIB, full) == "2 MiB (THP)"
     small = smaps(entry(base, 4096, KernelPageSize=4, Rss=4096, AnonHugePages=0))
     assert hostmem.page_sizes(base, 4 * MIB, small) == "4 KiB"
+    advised = smaps(entry(base, 4096, KernelPageSize=4, Rss=0).replace("VmFlags: rd wr", "VmFlags: rd wr hg"))
+    assert hostmem.page_sizes(base, 4 * MIB, advised) == "2 MiB (THP advised, none resident yet)"
     assert hostmem.page_sizes(base, 4 * MIB, str(tmp_path / "absent")) == "unknown"

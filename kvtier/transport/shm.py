@@ -30,7 +30,7 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.hostcopy import CopyThreads
-from kvtier.hostmem import map_length
+from kvtier.hostmem import map_length, page_sizes
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -98,6 +98,12 @@ class ShmConnection(OneSidedConnection):
         mapping = self._mapped(epoch)
         self.get_copies.copy(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes)
         del mapping
+
+    def pages(self) -> str:
+        """The page size of the pool's shared file as mapped here (kvtier.hostmem.page_sizes); "" before it is
+        mapped."""
+        mapping = self._mapping
+        return page_sizes(mapping.base, mapping.nbytes) if mapping is not None else ""
 
     def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
         return self._mapped(epoch).generations_at(offsets)
