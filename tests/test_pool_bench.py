@@ -30,7 +30,9 @@ def test_bench_pool_writes_every_path_beside_its_baseline(tmp_path):
                 row["path"] in ("shm", "shm-1thread", *(c["path"] for c in copies))} == {best}
     for row in rows:
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0
-        assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"], rel=0.01)
+        # figures and ratio are rounded to 0.001: a figure of a few hundredths (a crowded machine) is off by 1% or more
+        rounding = 0.0005 / row["gbps"] + 0.0005 / row["baseline_gbps"]
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["baseline_gbps"], rel=0.01 + rounding, abs=0.0005)
         if row["path"] == "raw-socket":
             assert row["ratio"] == 1.0
     if not any(row["path"] == "mooncake" for row in rows):
