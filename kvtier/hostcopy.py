@@ -67,9 +67,13 @@ PARALLEL_MIN_BYTES = 1 << 20
 AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate the memory bus
 # Whether a second thread pays changes with what else runs on the host: on 2 cores at load ~2.5 two threads
 # copied at 1.6x one (11.5 vs 7.1 GB/s), at load 2-5 they also ran at 0.3-0.9x of one (commit 845df54). So the
-# losing choice is timed again now and then: one batch every REPROBE_S costs little, a stale choice a lot.
-REPROBE_S = 2.0
+# losing choice is timed again now and then: one batch every REPROBE_S costs little (a 16 MiB request copies in
+# ~2 ms), a stale choice a lot.
+REPROBE_S = 0.5
 RATE_WINDOW = 5  # a choice's rate is the median of its last RATE_WINDOW batches: one preempted copy moves nothing
+# Batches each choice gets before the best is chosen: the very first copies into a pool's fresh file fault its
+# pages in (0.5 GB/s where a warm copy runs 8-15), and one such sample must not decide.
+PROBE_BATCHES = 3
 
 
 def usable_cores() -> int:
@@ -95,8 +99,9 @@ class CopyThreads:
 
     ``configured`` >= 1 fixes the count. 0 (auto): a batch under PARALLEL_MIN_BYTES gets one thread; a larger
     one gets the choice among 1..min(AUTO_MAX_THREADS, usable cores) threads with the best median rate measured
-    for its size class, after every choice has been measured once (the first batches probe them, in order),
-    and a choice not measured for REPROBE_S is measured again (one batch; concurrent callers do not all probe).
+    for its size class, after every choice has been measured PROBE_BATCHES times (the first batches take the
+    choices in turn), and a choice not measured for REPROBE_S is measured again (one batch; concurrent callers
+    do not all probe).
     ``record`` takes the measurements, so a test feeds rates without timing anything. Thread-safe.
     """
 
@@ -121,14 +126,18 @@ class CopyThreads:
             return 1
         cls, now = size_class(total_bytes), self._clock()
         with self._lock:
+            tried = {c: self._tried.get((cls, c), -float("inf")) for c in self.choices}
+            counts = {c: len(self._rates.get((cls, c), ())) for c in self.choices}
+            if min(counts.values()) < PROBE_BATCHES:  # probing: the least measured, the least recently tried first
+                c = min(self.choices, key=lambda c: (counts[c], tried[c]))
+                self._tried[(cls, c)] = now
+                return c
             rates = {c: self.rate(c, total_bytes) for c in self.choices}
             best = max(self.choices, key=lambda c: rates[c])
-            for c in self.choices:  # a choice never measured first, then one not measured for a while
-                if c != best or not rates[c]:
-                    last = self._tried.get((cls, c))
-                    if last is None or now - last >= self._reprobe_s:
-                        self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
-                        return c
+            for c in self.choices:  # then one not measured for a while
+                if c != best and now - tried[c] >= self._reprobe_s:
+                    self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
+                    return c
             return best
 
     def record(self, threads: int, total_bytes: int, seconds: float) -> None:

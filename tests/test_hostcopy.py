@@ -66,17 +66,33 @@ def _chooser(clock=None, **kw):
     return hostcopy.CopyThreads(choices=(1, 2), clock=clock or Clock(), **kw)
 
 
+def _measured(c, threads, gbs, times=hostcopy.PROBE_BATCHES, nbytes=64 * MIB):
+    for _ in range(times):
+        c.record(threads, nbytes, nbytes / gbs)
+
+
 def test_threads_follow_the_measured_rates_not_the_load():
     c = _chooser()
-    assert c.pick(64 * MIB) == 1  # nothing measured: probe one thread, then two
-    c.record(1, 64 * MIB, 64 * MIB / 7e9)
-    assert c.pick(64 * MIB) == 2
-    c.record(2, 64 * MIB, 64 * MIB / 11.5e9)
+    probes = []
+    for _ in range(hostcopy.PROBE_BATCHES):  # nothing measured: the choices in turn, each batch timed
+        for threads, gbs in ((1, 7e9), (2, 11.5e9)):
+            probes.append(c.pick(64 * MIB))
+            _measured(c, probes[-1], gbs if probes[-1] == threads else 1.0, times=1)
+    assert probes == [1, 2] * hostcopy.PROBE_BATCHES
     assert [c.pick(64 * MIB) for _ in range(5)] == [2] * 5  # two threads measured faster here
     c = _chooser()
-    c.record(1, 64 * MIB, 64 * MIB / 9e9)
-    c.record(2, 64 * MIB, 64 * MIB / 4e9)  # a second thread waiting for a core
+    _measured(c, 1, 9e9)
+    _measured(c, 2, 4e9)  # a second thread waiting for a core
     assert [c.pick(64 * MIB) for _ in range(5)] == [1] * 5
+
+
+def test_a_cold_first_batch_does_not_decide():
+    c = _chooser()
+    c.record(1, 64 * MIB, 64 * MIB / 0.5e9)  # the first copy faulted the pool's file in
+    _measured(c, 2, 8e9)
+    assert c.pick(64 * MIB) == 1  # one thread has one sample: measured again before anything is decided
+    _measured(c, 1, 12e9, times=hostcopy.PROBE_BATCHES - 1)
+    assert [c.pick(64 * MIB) for _ in range(3)] == [1] * 3  # median of 0.5, 12, 12: one thread is faster
 
 
 def test_small_batches_take_one_thread_and_configured_counts_win():
@@ -94,8 +110,8 @@ def test_small_batches_take_one_thread_and_configured_counts_win():
 def test_the_losing_choice_is_measured_again_after_the_reprobe_interval():
     clock = Clock()
     c = _chooser(clock)
-    c.record(1, 64 * MIB, 64 * MIB / 7e9)
-    c.record(2, 64 * MIB, 64 * MIB / 11e9)
+    _measured(c, 1, 7e9)
+    _measured(c, 2, 11e9)
     assert c.pick(64 * MIB) == 2
     clock.now += hostcopy.REPROBE_S
     assert c.pick(64 * MIB) == 1  # one thread not measured for a while: one batch measures it again
@@ -113,17 +129,22 @@ def test_a_rate_is_the_median_of_recent_batches_and_per_size_class():
         c.record(1, 64 * MIB, 64 * MIB / gbs)
     assert c.rate(1, 64 * MIB) == pytest.approx(8e9)
     assert c.rate(1, 2 * MIB) == 0.0  # a small batch's rate is its own: thread start weighs on it
-    c.record(2, 64 * MIB, 64 * MIB / 12e9)
+    _measured(c, 2, 12e9)
     assert c.pick(2 * MIB) == 1 and c.pick(96 * MIB) == 2
     assert [hostcopy.size_class(b) for b in (MIB, 4 * MIB - 1, 4 * MIB, 16 * MIB, 64 * MIB, 1 << 34)] == \
         [0, 0, 1, 2, 3, 3]
 
 
 def test_concurrent_batches_do_not_all_probe():
-    c = _chooser()
+    clock = Clock()
+    c = _chooser(clock)
     assert c.pick(64 * MIB) == 1  # claimed by a batch still copying
     assert c.pick(64 * MIB) == 2  # the next batch probes the other choice
-    assert c.pick(64 * MIB) == 1  # nothing measured yet, both claimed: the first choice
+    assert c.pick(64 * MIB) == 1  # nothing measured yet, both claimed: the one claimed longest ago
+    _measured(c, 1, 9e9)
+    _measured(c, 2, 5e9)
+    clock.now += hostcopy.REPROBE_S
+    assert [c.pick(64 * MIB) for _ in range(3)] == [2, 1, 1]  # one batch re-probes two threads, not all three
 
 
 def test_copy_times_and_records_the_threads_it_used():
@@ -131,9 +152,9 @@ def test_copy_times_and_records_the_threads_it_used():
     src = np.arange(8 * MIB, dtype=np.uint32).astype(np.uint8)
     dst = np.zeros_like(src)
     rows = np.arange(8, dtype=np.uint64) * np.uint64(MIB)
-    used = [c.copy(np.uint64(dst.ctypes.data) + rows, np.uint64(src.ctypes.data) + rows, MIB) for _ in range(3)]
+    used = [c.copy(np.uint64(dst.ctypes.data) + rows, np.uint64(src.ctypes.data) + rows, MIB) for _ in range(7)]
     assert np.array_equal(dst, src)
-    assert used[:2] == [1, 2] and used[2] in (1, 2)
+    assert used[:6] == [1, 2] * 3 and used[6] in (1, 2)
     assert c.rate(1, 8 * MIB) > 0 and c.rate(2, 8 * MIB) > 0
 
 

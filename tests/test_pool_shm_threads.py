@@ -50,7 +50,8 @@ def test_shm_copies_use_the_configured_or_measured_threads(monkeypatch, configur
         try:
             for copies in (conn.put_copies, conn.get_copies):  # what this host measured, fed (no timing)
                 for threads in (1, 2):
-                    copies.record(threads, BIG * BB, 1.0 if threads == faster else 3.0)
+                    for _ in range(hostcopy.PROBE_BATCHES):
+                        copies.record(threads, BIG * BB, 1.0 if threads == faster else 3.0)
             _put_get(conn, SMALL, 0)
             small, seen[:] = list(seen), []
             _put_get(conn, BIG, 100)
