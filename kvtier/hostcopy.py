@@ -69,7 +69,7 @@ AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate 
 # copied at 1.6x one (11.5 vs 7.1 GB/s), at load 2-5 they also ran at 0.3-0.9x of one (commit 845df54). So the
 # losing choice is timed again now and then: one batch every REPROBE_S costs little (a 16 MiB request copies in
 # ~2 ms), a stale choice a lot.
-REPROBE_S = 0.5
+REPROBE_S = 0.25
 RATE_WINDOW = 5  # a choice's rate is the median of its last RATE_WINDOW batches: one preempted copy moves nothing
 # Batches each choice gets before the best is chosen: the very first copies into a pool's fresh file fault its
 # pages in (0.5 GB/s where a warm copy runs 8-15), and one such sample must not decide.
