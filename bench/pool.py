@@ -8,9 +8,11 @@ this order so machine noise hits all alike:
   pool stream put / get  StreamConnection: raw TCP data sockets received straight into place, parallel
                          connections, zmq control (kvtier.transport.stream; what transport "auto" picks)
   pool tcp put / get     TcpConnection: block bytes in zmq frames, parallel connections (kvtier.transport.tcp)
-  memcpy                 np.copyto of the same bytes: the baseline of the shm rows
+  copy: ...              the best copy this host can do, of the same bytes: np.copyto, np.copyto on two threads,
+                         kvtier's copy_rows on one and on two threads (bench/copies.py); the fastest is the
+                         baseline of the shm rows
   pool shm put / get     standalone mode: copies into and out of the pool's mapped file (kvtier.transport.shm),
-                         threads by batch size (pool_copy_threads 0, the default)
+                         threads by measured rate (pool_copy_threads 0, the default)
   pool shm-1thread       the same on one copy thread (pool_copy_threads 1): the default's before/after
   Mooncake put / get     Mooncake Store over TCP, segment in another process (bench/pool_mooncake.py), when
                          the ``mooncake`` package is importable; skipped with a note otherwise
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from kvtier.bench.common import gbps, median, row, time_once
+from kvtier.bench.copies import HostCopies
 from kvtier.keys import Namespace
 from kvtier.pool.process import PoolDaemon
 from kvtier.transport import connect
@@ -68,7 +71,8 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
     out_rows = np.uint64(out.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(bb)
     ns = Namespace(f"bench-pool-{bb}")
     times: dict[str, list[float]] = {}
-    with PoolDaemon(nbytes + 4 * bb, bb, ipc=True, auth=auth) as pool, _RawPeer(nbytes) as raw:
+    with PoolDaemon(nbytes + 4 * bb, bb, ipc=True, auth=auth) as pool, _RawPeer(nbytes) as raw, \
+            HostCopies(src.numpy(), out.numpy()) as copies:
         on_tcp, on_ipc = pool.endpoint("tcp"), pool.endpoint("ipc")
         tcp = connect(on_tcp, bb, transport="tcp", timeout_s=30.0, lanes=connections, auth=pool.client_auth(on_tcp))
         stream = connect(on_tcp, bb, transport="stream", timeout_s=30.0, lanes=connections,
@@ -94,7 +98,7 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
                 _check(out, src, "pool tcp", bb)
                 tcp.remove(keys)
                 out.zero_()
-                t["memcpy"] = time_once(lambda: np.copyto(out.numpy(), src.numpy()))
+                copies.round(keep=r > 0)
                 out.zero_()
                 t["shm put"] = time_once(lambda: _all(shm.put(keys, src_rows), "shm put", bb))
                 t["shm get"] = time_once(lambda: _all(shm.get(keys, out_rows), "shm get", bb))
@@ -108,6 +112,7 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
                 if r:
                     for k, v in t.items():
                         times.setdefault(k, []).append(v)
+            pages = shm.pages()  # the pool's shared file as this process maps it
         finally:
             for conn in (tcp, stream, shm, shm1):
                 conn.close()
@@ -120,10 +125,14 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
         for path in ("stream", "tcp"):
             out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
                                  fig[f"{path} {op}"], fig[f"raw {op}"]))
+    best_name, best = copies.best()
+    out_rows_ += copies.rows({"tier": "pool", "block_bytes": bb})
     for path in ("shm", "shm-1thread"):
         for op in OPS:
             out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
-                                 fig[f"{path} {op}"], fig["memcpy"]))
+                                 fig[f"{path} {op}"], best))
+    print(f"pool bench {bb >> 10} KiB blocks: the shm rows' baseline is {best_name} ({best:.2f} GB/s), the fastest "
+          f"copy of the same bytes in the same rounds; the pool's shared file is on {pages} pages here")
     return out_rows_
 
 

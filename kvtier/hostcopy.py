@@ -6,10 +6,11 @@ from a fragment table (kvtier.kernels builds it). When the native library is mis
 was never built, a platform without a C compiler at install) the same copies run through ctypes.memmove,
 one call per row, after one logged warning: slower for small rows, never wrong.
 
-``copy_threads(total_bytes, configured)`` answers how many threads a batch gets where the caller lets the batch
-decide (``configured`` 0): two (at most the cores this process may run on) for a batch of PARALLEL_MIN_BYTES or
-more while a core is spare (the 1-minute load average below usable cores - 1), one otherwise: a second thread
-only pays where it gets a core of its own (README "Shared-memory copy threads" has the measurements).
+``copy_rows(..., threads=0)`` and ``CopyThreads`` pick the threads of a batch by measurement: each copy of a batch of
+PARALLEL_MIN_BYTES or more is timed, and the next batch gets the thread count whose copies ran fastest here
+lately (every choice measured by the first batches, the others re-measured every REPROBE_S): a second thread
+pays where it gets a core of its own and the memory bus has room, and neither the core count nor the load
+average says whether it does (README "Shared-memory copy threads" has the measurements).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import ctypes
 import importlib.util
 import logging
 import os
+import statistics
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -57,13 +62,18 @@ NATIVE = _lib is not None
 
 # The batch size from which two copy threads may beat one (UMBP's two-thread copy beats one thread 1.2-1.4x at
 # 1-4 MiB blocks on a quiet 2-core machine: /work/shared/reference/MEASURED.md); below it a batch is a few blocks
-# and the second thread's start (~30-60 us) eats the gain. On a machine whose cores are all busy (load average
-# >= cores - 1) the second thread waits for a core: two threads ran at 0.3-0.9x of one on batches of 256 KiB to
-# 16 MiB and tied at 64 MiB (2 cores at load 2-5, ``python -m kvtier.bench.shm_threads``), so the auto choice
-# checks for a spare core too.
+# and the second thread's start (~30-60 us) eats the gain, so it always gets one thread and is not timed.
 PARALLEL_MIN_BYTES = 1 << 20
 AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate the memory bus
-LOAD_CHECK_S = 1.0  # how often the auto choice re-reads the load average
+# Whether a second thread pays changes with what else runs on the host: on 2 cores at load ~2.5 two threads
+# copied at 1.6x one (11.5 vs 7.1 GB/s), at load 2-5 they also ran at 0.3-0.9x of one (commit 845df54). So the
+# losing choice is timed again now and then: one batch every REPROBE_S costs little (a 16 MiB request copies in
+# ~2 ms), a stale choice a lot.
+REPROBE_S = 0.25
+RATE_WINDOW = 5  # a choice's rate is the median of its last RATE_WINDOW batches: one preempted copy moves nothing
+# Batches each choice gets before the best is chosen: the very first copies into a pool's fresh file fault its
+# pages in (0.5 GB/s where a warm copy runs 8-15), and one such sample must not decide.
+PROBE_BATCHES = 3
 
 
 def usable_cores() -> int:
@@ -75,39 +85,99 @@ def usable_cores() -> int:
 
 
 _CORES = usable_cores()
-_spare = (0.0, False)  # (when checked, monotonic; whether a core was spare then)
 
 
-def spare_core() -> bool:
-    """Whether a core is spare for a second copy thread: the 1-minute load average is below usable cores - 1
-    (checked at most every LOAD_CHECK_S; False where there is no load average)."""
-    global _spare
-    now = time.monotonic()
-    checked, spare = _spare
-    if now - checked >= LOAD_CHECK_S:
-        try:
-            spare = os.getloadavg()[0] < _CORES - 1
-        except OSError:
-            spare = False
-        _spare = (now, spare)
-    return spare
+def size_class(total_bytes: int) -> int:
+    """The batch-size class a measured rate belongs to: 0 for [1, 4) MiB, 1 for [4, 16) MiB, 2 for [16, 64) MiB,
+    3 from 64 MiB. A thread's start cost weighs on a small batch and not on a large one, so a rate measured on
+    one class does not decide for another."""
+    return min(3, max(0, (int(total_bytes).bit_length() - 21) // 2))
 
 
-def copy_threads(total_bytes: int, configured: int = 0) -> int:
-    """The threads for one batched copy of ``total_bytes``: ``configured`` where it is >= 1, else (auto) up to
-    AUTO_MAX_THREADS of the usable cores for a batch of PARALLEL_MIN_BYTES or more while a core is spare, and one
-    for a smaller batch or on a busy machine."""
-    if configured >= 1:
-        return configured
-    if total_bytes < PARALLEL_MIN_BYTES or _CORES < 2 or not spare_core():
-        return 1
-    return min(AUTO_MAX_THREADS, _CORES)
+class CopyThreads:
+    """The threads of each batched copy of one copy site (a connection's puts, its gets, a tier's copies).
+
+    ``configured`` >= 1 fixes the count. 0 (auto): a batch under PARALLEL_MIN_BYTES gets one thread; a larger
+    one gets the choice among 1..min(AUTO_MAX_THREADS, usable cores) threads with the best median rate measured
+    for its size class, after every choice has been measured PROBE_BATCHES times (the first batches take the
+    choices in turn), and a choice not measured for REPROBE_S is measured again (one batch; concurrent callers
+    do not all probe).
+    ``record`` takes the measurements, so a test feeds rates without timing anything. Thread-safe.
+    """
+
+    def __init__(self, configured: int = 0, *, choices: tuple[int, ...] | None = None, reprobe_s: float | None = None,
+                 window: int = RATE_WINDOW, clock: Callable[[], float] = time.monotonic) -> None:
+        if configured < 0:
+            raise ValueError(f"copy threads must be >= 0 (0: by measured rate), got {configured}")
+        self.configured = configured
+        self.choices = choices or tuple(range(1, min(AUTO_MAX_THREADS, _CORES) + 1))
+        self._reprobe_s = REPROBE_S if reprobe_s is None else reprobe_s
+        self._clock = clock
+        self._rates: dict[tuple[int, int], deque[float]] = {}  # (size class, threads) -> recent rates, B/s
+        self._tried: dict[tuple[int, int], float] = {}  # (size class, threads) -> when last picked or measured
+        self._window = window
+        self._lock = threading.Lock()
+
+    def pick(self, total_bytes: int) -> int:
+        """The threads for a batch of ``total_bytes``."""
+        if self.configured:
+            return self.configured
+        if total_bytes < PARALLEL_MIN_BYTES or len(self.choices) == 1:
+            return 1
+        cls, now = size_class(total_bytes), self._clock()
+        with self._lock:
+            tried = {c: self._tried.get((cls, c), -float("inf")) for c in self.choices}
+            counts = {c: len(self._rates.get((cls, c), ())) for c in self.choices}
+            if min(counts.values()) < PROBE_BATCHES:  # probing: the least measured, the least recently tried first
+                c = min(self.choices, key=lambda c: (counts[c], tried[c]))
+                self._tried[(cls, c)] = now
+                return c
+            rates = {c: self.rate(c, total_bytes) for c in self.choices}
+            best = max(self.choices, key=lambda c: rates[c])
+            for c in self.choices:  # then one not measured for a while
+                if c != best and now - tried[c] >= self._reprobe_s:
+                    self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
+                    return c
+            return best
+
+    def record(self, threads: int, total_bytes: int, seconds: float) -> None:
+        """One batch of ``total_bytes`` copied on ``threads`` threads in ``seconds``."""
+        if self.configured or total_bytes < PARALLEL_MIN_BYTES or seconds <= 0 or threads not in self.choices:
+            return
+        key = (size_class(total_bytes), threads)
+        with self._lock:
+            self._rates.setdefault(key, deque(maxlen=self._window)).append(total_bytes / seconds)
+            self._tried[key] = self._clock()
+
+    def rate(self, threads: int, total_bytes: int) -> float:
+        """The median measured rate (B/s) of ``threads`` for batches of ``total_bytes``'s class; 0 if none."""
+        got = self._rates.get((size_class(total_bytes), threads))
+        return statistics.median(got) if got else 0.0
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray | int) -> int:
+        """copy_rows on the picked threads, timed and recorded; returns the threads it used."""
+        total = len(dst) * int(nbytes) if np.isscalar(nbytes) else int(np.sum(nbytes, dtype=np.uint64))
+        threads = self.pick(total)
+        t0 = time.perf_counter()
+        copy_rows(dst, src, nbytes, threads)
+        self.record(threads, total, time.perf_counter() - t0)
+        return threads
+
+
+# The copies whose caller asks for threads=0 and keeps no CopyThreads of its own (a tier configured with
+# copy_threads 0): one process-wide measurement.
+SHARED = CopyThreads()
 
 
 def copy_rows(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray | int, threads: int = 1) -> None:
-    """dst[i] <- src[i] for nbytes[i] bytes. All arrays uint64 and contiguous; rows must not overlap."""
+    """dst[i] <- src[i] for nbytes[i] bytes. All arrays uint64 and contiguous; rows must not overlap.
+
+    ``threads`` 0: as many as SHARED picks by measured rate (CopyThreads)."""
     n = len(dst)
     if n == 0:
+        return
+    if threads == 0:
+        SHARED.copy(dst, src, nbytes)
         return
     if len(src) != n:
         raise ValueError(f"copy_rows: {n} destinations but {len(src)} sources")

@@ -3,12 +3,23 @@
 A shared buffer is a file (normally under /dev/shm) mapped MAP_SHARED, so another process (the node pool's
 clients) can map the same bytes. Page-locking uses CUDA's host registration and is done only when CUDA is
 present; on a CPU-only machine "auto" means plain memory.
+
+Huge pages where the kernel gives them (``huge_pages``, on by default): a plain buffer is an anonymous private
+mapping advised MADV_HUGEPAGE when transparent huge pages are ``always`` or ``madvise``; a shared file on tmpfs
+is advised the same when the kernel's shmem setting (``shmem_enabled``) is ``advise`` (``always`` and
+``within_size`` need no advice); a shared file in a hugetlbfs mount (an operator's ``shm_dir``) is sized to whole
+huge pages. Anything else (THP ``never``, no such setting, a container without them) keeps normal pages and
+says so in one log line: never a failed start. ``pages()`` says which page size the buffer's memory is on, read
+back from the kernel (/proc/self/smaps), not assumed from the advice.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -16,13 +27,22 @@ import torch
 log = logging.getLogger(__name__)
 
 PAGE = 4096
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+MOUNTS = "/proc/self/mounts"
+SMAPS = "/proc/self/smaps"
+MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
+# The THP settings under which a mapping of that kind gets huge pages once advised (or without advice).
+THP_PRIVATE_MODES = ("always", "madvise")
+THP_SHMEM_MODES = ("always", "within_size", "advise", "force")
+HUGETLBFS = "hugetlbfs"
 
 
 class HostBuffer:
     """``nbytes`` of host memory as a 1-D uint8 tensor. Owned by its creator; freed on close()."""
 
     def __init__(self, nbytes: int, *, shm_path: str | os.PathLike[str] | None = None,
-                 pin_memory: str | bool = "auto", prefault: bool = False) -> None:
+                 pin_memory: str | bool = "auto", prefault: bool = False, huge_pages: bool = True) -> None:
         if nbytes <= 0:
             raise ValueError(f"HostBuffer size must be > 0, got {nbytes}")
         self.nbytes = nbytes
@@ -30,17 +50,22 @@ class HostBuffer:
         self._registered = False
         want_pin = _want_pin(pin_memory)
         if self.path is not None:
-            self.tensor = _map_file(self.path, nbytes)
+            self.tensor = _map_file(self.path, nbytes, huge_pages)
             if want_pin:
                 self._registered = _cuda_host_register(self.tensor)
         elif want_pin:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            self.tensor = _private(nbytes, huge_pages)
         self.pinned = bool(want_pin and (self._registered or self.path is None))
         if prefault:
             self.tensor.zero_()  # fault every page in now rather than on the first puts
         self.ptr = int(self.tensor.data_ptr())
+
+    def pages(self) -> str:
+        """The page size the buffer's memory is on, as the kernel reports it: "4 KiB", "2 MiB (THP)" (with the
+        share of the faulted-in bytes on huge pages where it is not all of them), "2 MiB (hugetlbfs)"."""
+        return page_sizes(self.ptr, self.nbytes)
 
     def close(self) -> None:
         if self._registered:
@@ -66,21 +91,140 @@ def _want_pin(pin_memory: str | bool) -> bool:
     return wanted
 
 
-def _map_file(path: Path, nbytes: int) -> torch.Tensor:
-    """Create (or reuse) ``path`` with exactly ``nbytes`` and map it shared."""
+def _private(nbytes: int, huge_pages: bool) -> torch.Tensor:
+    """``nbytes`` of anonymous private memory, advised onto transparent huge pages where the kernel allows."""
+    mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages:
+        mode = thp_mode(THP_ENABLED)
+        if mode in THP_PRIVATE_MODES:
+            _advise_huge(mem, nbytes, f"the DRAM buffer (transparent huge pages: {mode})")
+        else:
+            log.info("DRAM buffer on normal pages: transparent huge pages are %s (%s)", mode or "absent", THP_ENABLED)
+    return torch.frombuffer(mem, dtype=torch.uint8)  # the tensor holds the mapping: unmapped with the last view
+
+
+def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> torch.Tensor:
+    """Create (or reuse) ``path`` with exactly ``nbytes`` (whole huge pages in a hugetlbfs mount) and map it
+    shared, advised onto huge pages where the kernel's shmem setting allows."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    huge = hugetlbfs_page(path.parent) if huge_pages else 0
+    size = -(-nbytes // huge) * huge if huge else nbytes
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        os.ftruncate(fd, size)
         if hasattr(os, "posix_fallocate"):
             try:  # reserve the pages now: a full /dev/shm must fail here, not with SIGBUS on a later put
-                os.posix_fallocate(fd, 0, nbytes)
+                os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise OSError(e.errno, f"cannot reserve {nbytes} bytes for the shared buffer {path}: "
+                raise OSError(e.errno, f"cannot reserve {size} bytes for the shared buffer {path}: "
                                        f"{e.strerror}") from None
     finally:
         os.close(fd)
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    tensor = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+    if huge:
+        log.info("shared buffer %s in a hugetlbfs mount: %d KiB pages", path, huge >> 10)
+    elif huge_pages:
+        mode = thp_mode(THP_SHMEM)
+        if mode in THP_SHMEM_MODES:
+            _advise_huge(tensor.data_ptr(), size, f"the shared buffer {path} (shmem huge pages: {mode})")
+        else:
+            log.info("shared buffer %s on normal pages: the kernel's shmem huge pages are %s (%s) and %s is not "
+                     "hugetlbfs", path, mode or "absent", THP_SHMEM, path.parent)
+    return tensor[:nbytes]
+
+
+def map_length(fd: int, nbytes: int) -> int:
+    """The length to map ``nbytes`` of a shared buffer's file: whole huge pages in a hugetlbfs mount (its
+    mappings must be), ``nbytes`` elsewhere."""
+    block = os.fstatvfs(fd).f_bsize
+    return -(-nbytes // block) * block if block > PAGE else nbytes
+
+
+def thp_mode(setting: str) -> str:
+    """The selected word of a transparent-huge-page setting (``always [madvise] never`` -> "madvise"); "" where the
+    file is missing or unreadable (no THP in this kernel or container)."""
+    try:
+        text = Path(setting).read_text()
+    except OSError:
+        return ""
+    m = re.search(r"\[(\w+)\]", text)
+    return m.group(1) if m else ""
+
+
+def hugetlbfs_page(directory: Path, mounts: str | None = None) -> int:
+    """The huge page size of the hugetlbfs mount ``directory`` is in; 0 when it is on another filesystem (or
+    does not exist: the caller creates it, on whatever is mounted there)."""
+    try:
+        where = os.path.realpath(directory)
+        table = Path(mounts or MOUNTS).read_text().splitlines()
+    except OSError:
+        return 0
+    best, kind, options = "", "", ""
+    for line in table:
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (where == point or where.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind, options = point, fields[2], fields[3]
+    if kind != HUGETLBFS:
+        return 0
+    m = re.search(r"pagesize=(\d+)([KMG]?)", options)
+    if m:
+        return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
+    try:
+        return os.statvfs(best).f_bsize
+    except OSError:
+        return 0
+
+
+def _advise_huge(where: mmap.mmap | int, nbytes: int, what: str) -> None:
+    """madvise(MADV_HUGEPAGE) on a mapping (an mmap object, or the address of a page-aligned one); a refusal is
+    one log line, the buffer stays on normal pages."""
+    try:
+        if isinstance(where, mmap.mmap):
+            where.madvise(MADV_HUGEPAGE)
+        else:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.madvise(ctypes.c_void_p(where), ctypes.c_size_t(nbytes), MADV_HUGEPAGE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+    except (OSError, ValueError, AttributeError) as e:
+        log.info("%s on normal pages: madvise(MADV_HUGEPAGE) refused (%s)", what, e)
+
+
+def page_sizes(ptr: int, nbytes: int, smaps: str | None = None) -> str:
+    """The page size of the memory at [ptr, ptr + nbytes) as this process's smaps reports it."""
+    try:
+        text = Path(smaps or SMAPS).read_text()
+    except OSError:
+        return "unknown"
+    kernel, rss, huge, advised = 0, 0, 0, False
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        span = entry.split(None, 1)[0].split("-")
+        start, end = int(span[0], 16), int(span[1], 16)
+        if end <= ptr or start >= ptr + nbytes:
+            continue
+        fields = dict(re.findall(r"^(\w+):\s+(\d+) kB", entry, re.M))
+        kernel = max(kernel, int(fields.get("KernelPageSize", 4)))
+        flags = re.search(r"^VmFlags:(.*)$", entry, re.M)
+        advised |= bool(flags) and "hg" in flags.group(1).split()
+        rss += int(fields.get("Rss", 0))
+        huge += int(fields.get("AnonHugePages", 0)) + int(fields.get("ShmemPmdMapped", 0)) + \
+            int(fields.get("FilePmdMapped", 0))
+    if kernel > 4:
+        return f"{_kib(kernel)} (hugetlbfs)"
+    if huge and rss:
+        share = "" if huge >= rss else f", {100 * huge // rss}% of {_kib(rss)} resident"
+        return f"2 MiB (THP{share})"
+    if advised and not rss:  # huge pages asked for, no page faulted in yet (a buffer not prefaulted)
+        return "2 MiB (THP advised, none resident yet)"
+    return "4 KiB"
+
+
+def _kib(k: int) -> str:
+    return f"{k >> 20} GiB" if k >= 1 << 20 and not k % (1 << 20) else \
+        (f"{k >> 10} MiB" if k >= 1 << 10 and not k % (1 << 10) else f"{k} KiB")
 
 
 def _cuda_host_register(t: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.status_shape import NODES, PING, TOP, MalformedStatus, check
 from kvtier.units import format_bytes
+from kvtier.wire.pool import PAGES_LABEL
 
 EXIT_UNREACHABLE = 1  # no answer, or an error answer
 EXIT_MALFORMED = 3  # an answer that is not a status (another version, not a master): nothing shown
@@ -139,8 +140,10 @@ def render(data: dict[str, Any], width: int = 110) -> str:
                         f"{_ago(n.get('silent_s', 0)):>8}{_latency(n.get('rpc_latency_s')):>9}")
             else:
                 lead = " " * (4 + 22 + 9 + 24 + 8 + 9)
+            # a pool's DRAM page size, as it registered it (kvtier.hostmem: huge pages where the kernel allows)
+            pages = (n.get("labels") or {}).get(PAGES_LABEL) if t["name"] == "dram" else None
             out.append(f"{lead}  {t['name'][:5]:<6}{format_bytes(t['capacity']):>11}{format_bytes(t['used']):>11}"
-                       f"{util:>6}{_rate(t.get('bw') or 0.0):>12}")
+                       f"{util:>6}{_rate(t.get('bw') or 0.0):>12}" + (f"  pages {pages}" if pages else ""))
     if not nodes:
         out.append("  (no node has registered)")
     lookups = activity.get("lookups", {})

@@ -52,7 +52,7 @@ from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
 from kvtier.wire.generations import SlotGenerations
-from kvtier.wire.pool import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, POOL_LABELS
+from kvtier.wire.pool import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, PAGES_LABEL, POOL_LABELS
 from kvtier.wire.verbs import unavailable_reason
 
 log = logging.getLogger("kvtier.pool")
@@ -305,11 +305,17 @@ class PoolState:
         budgets = {b.name: {"used": b.used, "peak": b.peak, "limit": b.limit, "per_client": b.per_account,
                             "refused": b.refused, "clients": b.accounts()} for b in (self.memory, self.held)}
         return {"node": self.node_id, "epoch": self.epoch, "tier": tier.stats().__dict__ if tier else None,
+                "pages": tier.buffer.pages() if tier else "",
                 "leases": len(self.leases), "leases_quarantined": self.leases.quarantined,
                 "leases_expired": self.leases.expired, "leases_foreign": self.leases.foreign,
                 "budgets": budgets, "counters": counters}
 
     # ---- lifetime --------------------------------------------------------------------------------------
+
+    def _page_label(self) -> dict[str, str]:
+        """What ``kvtier status`` shows of the DRAM's pages (label PAGES_LABEL): the page size the kernel put the
+        buffer on (kvtier.hostmem), known from the start for a pool sized there (--block-bytes)."""
+        return {PAGES_LABEL: self.tier.buffer.pages()} if self.tier is not None else {}
 
     def _start_agent(self) -> None:
         if not self.settings.master:
@@ -320,7 +326,8 @@ class PoolState:
         self.agent = NodeAgent(
             self.settings.master, self.node_id, [(TIER, tier.capacity_bytes if tier else self.settings.capacity)],
             block_bytes=tier.block_bytes if tier else 0, address=self.advertised,
-            labels={**self.settings.labels, **POOL_LABELS}, used=self._used, list_keys=self._list_keys,
+            labels={**self.settings.labels, **POOL_LABELS, **self._page_label()}, used=self._used,
+            list_keys=self._list_keys,
             goodbye=True, heartbeat_s=self.settings.heartbeat_s, auth=self.master_keys,
             on_replicate=self.copier.on_replicate).start()
         self.copier.start()

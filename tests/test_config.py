@@ -277,11 +277,11 @@ def test_readme_table_lists_the_keys_in_kvtier_configs_order():
 
 
 @pytest.mark.parametrize("values,match", [
-    ({"copy_threads": 17}, r"^copy_threads must be in 1\.\.16, got 17$"),  # DramKeys
+    ({"copy_threads": 17}, r"^copy_threads must be in 0\.\.16 \(0: by measured rate\), got 17$"),  # DramKeys
     ({"eviction": "lfu"}, r"^eviction: unknown eviction policy 'lfu'"),  # DramKeys
     ({"ssd_io_threads": 0}, r"^ssd_io_threads must be in 1\.\.64, got 0$"),  # SsdKeys
     ({"ssd_path": "/x", "ssd_capacity": 0}, r"^ssd_capacity must be > 0, got 0$"),  # SsdKeys
-    ({"pool_copy_threads": 17}, r"^pool_copy_threads must be in 0\.\.16 \(0: by batch size\), got 17$"),  # PoolKeys
+    ({"pool_copy_threads": 17}, r"^pool_copy_threads must be in 0\.\.16 \(0: by measured rate\), got 17$"),  # PoolKeys
     ({"mode": "standalone"}, r"^mode 'standalone' needs exactly one 'pool' endpoint"),  # PoolKeys
     ({"mode": "standalone", "pool": "ipc:///p", "ssd_path": "/x"}, r"^mode 'standalone' keeps no SSD tier"),  # both
     ({"io_threads": 257}, r"^io_threads must be in 1\.\.256, got 257$"),  # StoreKeys

@@ -7,13 +7,13 @@ import pytest
 from kvtier import hostcopy
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [0, 1, 2, 3])
 def test_copy_rows_any_sizes_and_alignments(threads):
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
     # Row sizes from 1 byte to 1 MiB, at odd offsets, in shuffled order.
-    sizes = [1, 15, 16, 17, 63, 4095, 16 * 1024, 16 * 1024 + 3, 100_000, 1 << 20]
+    sizes = [1, 15, 16, 17, 63, 4095, 16 * 1024, 16 * 1024 + 3, 16 * 1024 + 127, 16 * 1024 + 161, 100_000, 1 << 20]
     offs_src = [7 + sum(sizes[:i]) + i for i in range(len(sizes))]
     offs_dst = [3 + sum(sizes[:i]) + 2 * i for i in range(len(sizes))]
     order = rng.permutation(len(sizes))
@@ -49,44 +49,118 @@ def test_mismatched_tables():
         hostcopy.copy_rows(np.zeros(2, np.uint64), np.zeros(1, np.uint64), 8)
 
 
-# ---- copy_threads: how many threads a batch gets ---------------------------------------------------------
+# ---- CopyThreads: how many threads a batch gets -------------------------------------------------------
 
-def test_copy_threads_by_batch_size_spare_core_and_configured(monkeypatch):
-    from kvtier import hostcopy
-
-    monkeypatch.setattr(hostcopy, "_CORES", 2)
-    monkeypatch.setattr(hostcopy, "spare_core", lambda: True)
-    assert hostcopy.copy_threads(hostcopy.PARALLEL_MIN_BYTES - 1) == 1
-    assert hostcopy.copy_threads(hostcopy.PARALLEL_MIN_BYTES) == 2
-    assert hostcopy.copy_threads(1 << 30) == 2
-    assert hostcopy.copy_threads(1 << 30, 1) == 1  # configured wins, either way
-    assert hostcopy.copy_threads(4096, 3) == 3
-    monkeypatch.setattr(hostcopy, "spare_core", lambda: False)  # every core busy: the second thread would wait
-    assert hostcopy.copy_threads(1 << 30) == 1
-    assert hostcopy.copy_threads(1 << 30, 2) == 2
+MIB = 1 << 20
 
 
-def test_copy_threads_never_more_than_usable_cores(monkeypatch):
-    from kvtier import hostcopy
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
 
+    def __call__(self) -> float:
+        return self.now
+
+
+def _chooser(clock=None, **kw):
+    return hostcopy.CopyThreads(choices=(1, 2), clock=clock or Clock(), **kw)
+
+
+def _measured(c, threads, gbs, times=hostcopy.PROBE_BATCHES, nbytes=64 * MIB):
+    for _ in range(times):
+        c.record(threads, nbytes, nbytes / gbs)
+
+
+def test_threads_follow_the_measured_rates_not_the_load():
+    c = _chooser()
+    probes = []
+    for _ in range(hostcopy.PROBE_BATCHES):  # nothing measured: the choices in turn, each batch timed
+        for threads, gbs in ((1, 7e9), (2, 11.5e9)):
+            probes.append(c.pick(64 * MIB))
+            _measured(c, probes[-1], gbs if probes[-1] == threads else 1.0, times=1)
+    assert probes == [1, 2] * hostcopy.PROBE_BATCHES
+    assert [c.pick(64 * MIB) for _ in range(5)] == [2] * 5  # two threads measured faster here
+    c = _chooser()
+    _measured(c, 1, 9e9)
+    _measured(c, 2, 4e9)  # a second thread waiting for a core
+    assert [c.pick(64 * MIB) for _ in range(5)] == [1] * 5
+
+
+def test_a_cold_first_batch_does_not_decide():
+    c = _chooser()
+    c.record(1, 64 * MIB, 64 * MIB / 0.5e9)  # the first copy faulted the pool's file in
+    _measured(c, 2, 8e9)
+    assert c.pick(64 * MIB) == 1  # one thread has one sample: measured again before anything is decided
+    _measured(c, 1, 12e9, times=hostcopy.PROBE_BATCHES - 1)
+    assert [c.pick(64 * MIB) for _ in range(3)] == [1] * 3  # median of 0.5, 12, 12: one thread is faster
+
+
+def test_small_batches_take_one_thread_and_configured_counts_win():
+    c = _chooser()
+    c.record(2, 64 * MIB, 0.001)
+    assert c.pick(hostcopy.PARALLEL_MIN_BYTES - 1) == 1
+    fixed = hostcopy.CopyThreads(3, choices=(1, 2), clock=Clock())
+    fixed.record(1, 64 * MIB, 0.0001)  # a fixed count measures nothing
+    assert fixed.pick(4096) == fixed.pick(1 << 30) == 3
+    assert fixed.rate(1, 64 * MIB) == 0.0
+    with pytest.raises(ValueError, match=">= 0"):
+        hostcopy.CopyThreads(-1)
+
+
+def test_the_losing_choice_is_measured_again_after_the_reprobe_interval():
+    clock = Clock()
+    c = _chooser(clock)
+    _measured(c, 1, 7e9)
+    _measured(c, 2, 11e9)
+    assert c.pick(64 * MIB) == 2
+    clock.now += hostcopy.REPROBE_S
+    assert c.pick(64 * MIB) == 1  # one thread not measured for a while: one batch measures it again
+    assert c.pick(64 * MIB) == 2  # ... and meanwhile the other batches take the best
+    for _ in range(hostcopy.RATE_WINDOW):  # the host got busier: one thread is now the faster
+        c.record(1, 64 * MIB, 64 * MIB / 12e9)
+    for _ in range(hostcopy.RATE_WINDOW):
+        c.record(2, 64 * MIB, 64 * MIB / 5e9)
+    assert c.pick(64 * MIB) == 1
+
+
+def test_a_rate_is_the_median_of_recent_batches_and_per_size_class():
+    c = _chooser()
+    for gbs in (8e9, 8e9, 0.5e9):  # one batch preempted mid-copy moves the median nothing
+        c.record(1, 64 * MIB, 64 * MIB / gbs)
+    assert c.rate(1, 64 * MIB) == pytest.approx(8e9)
+    assert c.rate(1, 2 * MIB) == 0.0  # a small batch's rate is its own: thread start weighs on it
+    _measured(c, 2, 12e9)
+    assert c.pick(2 * MIB) == 1 and c.pick(96 * MIB) == 2
+    assert [hostcopy.size_class(b) for b in (MIB, 4 * MIB - 1, 4 * MIB, 16 * MIB, 64 * MIB, 1 << 34)] == \
+        [0, 0, 1, 2, 3, 3]
+
+
+def test_concurrent_batches_do_not_all_probe():
+    clock = Clock()
+    c = _chooser(clock)
+    assert c.pick(64 * MIB) == 1  # claimed by a batch still copying
+    assert c.pick(64 * MIB) == 2  # the next batch probes the other choice
+    assert c.pick(64 * MIB) == 1  # nothing measured yet, both claimed: the one claimed longest ago
+    _measured(c, 1, 9e9)
+    _measured(c, 2, 5e9)
+    clock.now += hostcopy.REPROBE_S
+    assert [c.pick(64 * MIB) for _ in range(3)] == [2, 1, 1]  # one batch re-probes two threads, not all three
+
+
+def test_copy_times_and_records_the_threads_it_used():
+    c = _chooser()
+    src = np.arange(8 * MIB, dtype=np.uint32).astype(np.uint8)
+    dst = np.zeros_like(src)
+    rows = np.arange(8, dtype=np.uint64) * np.uint64(MIB)
+    used = [c.copy(np.uint64(dst.ctypes.data) + rows, np.uint64(src.ctypes.data) + rows, MIB) for _ in range(7)]
+    assert np.array_equal(dst, src)
+    assert used[:6] == [1, 2] * 3 and used[6] in (1, 2)
+    assert c.rate(1, 8 * MIB) > 0 and c.rate(2, 8 * MIB) > 0
+
+
+def test_auto_choices_never_exceed_the_usable_cores(monkeypatch):
     monkeypatch.setattr(hostcopy, "_CORES", 1)
-    monkeypatch.setattr(hostcopy, "spare_core", lambda: True)
-    assert hostcopy.copy_threads(1 << 30) == 1
+    assert hostcopy.CopyThreads().choices == (1,)
+    assert hostcopy.CopyThreads().pick(1 << 30) == 1
     monkeypatch.setattr(hostcopy, "_CORES", 16)
-    assert hostcopy.copy_threads(1 << 30) == hostcopy.AUTO_MAX_THREADS
-
-
-def test_spare_core_reads_the_load_average_at_most_once_a_check_interval(monkeypatch):
-    from kvtier import hostcopy
-
-    loads = iter([(0.2, 0, 0), (5.0, 0, 0)])
-    monkeypatch.setattr(hostcopy.os, "getloadavg", lambda: next(loads))
-    monkeypatch.setattr(hostcopy, "_CORES", 2)
-    monkeypatch.setattr(hostcopy, "_spare", (-1e9, False))
-    clock = [1000.0]
-    monkeypatch.setattr(hostcopy.time, "monotonic", lambda: clock[0])
-    assert hostcopy.spare_core()  # load 0.2 < 2 - 1
-    clock[0] += hostcopy.LOAD_CHECK_S / 2
-    assert hostcopy.spare_core()  # not re-read yet
-    clock[0] += hostcopy.LOAD_CHECK_S
-    assert not hostcopy.spare_core()  # load 5 on 2 cores
+    assert hostcopy.CopyThreads().choices == tuple(range(1, hostcopy.AUTO_MAX_THREADS + 1))

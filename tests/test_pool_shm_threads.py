@@ -1,5 +1,5 @@
-"""The shm transport's copy threads (pool_copy_threads): by batch size by default, as configured otherwise,
-against a real kvtier-pool process; bytes checked either way."""
+"""The shm transport's copy threads (pool_copy_threads): by the rates measured for its puts and its gets by
+default, as configured otherwise, against a real kvtier-pool process; bytes checked either way."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,6 @@ from kvtier.config import Config, ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool.process import PoolDaemon
 from kvtier.transport import connect
-from kvtier.transport import shm as shm_module
 
 BB = 256 << 10
 SMALL = 2  # blocks: 512 KiB, under PARALLEL_MIN_BYTES
@@ -20,13 +19,13 @@ assert SMALL * BB < hostcopy.PARALLEL_MIN_BYTES <= BIG * BB
 
 def _recording(monkeypatch):
     seen: list[int] = []
-    real = shm_module.copy_rows
+    real = hostcopy.copy_rows
 
     def copy_rows(dst, src, nbytes, threads=1):
         seen.append(threads)
         real(dst, src, nbytes, threads)
 
-    monkeypatch.setattr(shm_module, "copy_rows", copy_rows)
+    monkeypatch.setattr(hostcopy, "copy_rows", copy_rows)
     return seen
 
 
@@ -41,14 +40,18 @@ def _put_get(conn, n: int, start: int) -> None:
     conn.remove(keys)
 
 
-@pytest.mark.parametrize("configured,spare", [(0, True), (0, False), (1, True), (2, False)])
-def test_shm_copies_use_the_configured_or_batch_sized_threads(monkeypatch, configured, spare):
+@pytest.mark.parametrize("configured,faster", [(0, 1), (0, 2), (1, 2), (2, 1)])
+def test_shm_copies_use_the_configured_or_measured_threads(monkeypatch, configured, faster):
     monkeypatch.setattr(hostcopy, "_CORES", 2)
-    monkeypatch.setattr(hostcopy, "spare_core", lambda: spare)
+    monkeypatch.setattr(hostcopy, "REPROBE_S", 1e9)  # however slow this machine, the fed rates decide
     seen = _recording(monkeypatch)
     with PoolDaemon(4 * BIG * BB, BB, ipc=True) as pool:
         conn = connect(pool.endpoint("ipc"), BB, transport="shm", timeout_s=10.0, copy_threads=configured)
         try:
+            for copies in (conn.put_copies, conn.get_copies):  # what this host measured, fed (no timing)
+                for threads in (1, 2):
+                    for _ in range(hostcopy.PROBE_BATCHES):
+                        copies.record(threads, BIG * BB, 1.0 if threads == faster else 3.0)
             _put_get(conn, SMALL, 0)
             small, seen[:] = list(seen), []
             _put_get(conn, BIG, 100)
@@ -57,12 +60,26 @@ def test_shm_copies_use_the_configured_or_batch_sized_threads(monkeypatch, confi
             conn.close()
     assert small and big  # a put and a get copied each time
     assert set(small) == {configured or 1}
-    assert set(big) == {configured or (2 if spare else 1)}
+    assert set(big) == {configured or faster}
+
+
+def test_shm_connection_probes_each_choice_before_it_decides(monkeypatch):
+    monkeypatch.setattr(hostcopy, "_CORES", 2)
+    seen = _recording(monkeypatch)
+    with PoolDaemon(4 * BIG * BB, BB, ipc=True) as pool:
+        conn = connect(pool.endpoint("ipc"), BB, transport="shm", timeout_s=10.0)
+        try:
+            _put_get(conn, BIG, 0)
+        finally:
+            conn.close()
+    # This small pool takes requests of 4 blocks (1 MiB, wire MIN_REQUEST_BLOCKS): the put copies two chunks,
+    # then the get: each direction measures one thread first, then two, apart from the other.
+    assert seen == [1, 2, 1, 2]
+    assert all(c.rate(t, BIG * BB) > 0 for c in (conn.put_copies, conn.get_copies) for t in (1, 2))
 
 
 def test_pool_copy_threads_config_reaches_the_shm_connection(monkeypatch):
     monkeypatch.setattr(hostcopy, "_CORES", 2)
-    monkeypatch.setattr(hostcopy, "spare_core", lambda: True)  # auto would take 2
     seen = _recording(monkeypatch)
     with PoolDaemon(4 * BIG * BB, BB, ipc=True) as pool:
         store = TieredStore.from_config({"mode": "standalone", "pool": pool.endpoint("ipc"), "pool_copy_threads": 1,

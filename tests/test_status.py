@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -75,7 +76,11 @@ def test_status_screen_shows_nodes_tiers_hits_and_errors(cluster):
     gpu = next(line for line in screen.splitlines() if "gpu-1" in line)
     assert "live" in gpu and "tcp://gpu-1:7400" in gpu and "dram" in gpu and "1 MiB" in gpu  # 256 x 4 KiB
     assert "GB/s" in gpu  # the measured bandwidth the agent reported
-    assert any("pool-a" in line and "8 MiB" in line for line in screen.splitlines())
+    pool_line = next(line for line in screen.splitlines() if "pool-a" in line)
+    assert "8 MiB" in pool_line
+    # the pool's DRAM page size, as the kernel reports it (kvtier.hostmem): huge pages where THP allows them
+    assert re.search(r"pages (4 KiB|2 MiB \(THP[^)]*\))$", pool_line), pool_line
+    assert "pages" not in gpu  # an engine's node registers no page size
     assert "52 keys asked: 44 hits, 8 misses (84.6% hit)" in screen
     assert "lookup" in screen.split("REQUESTS", 1)[1] and "bad_request" in screen
     hottest = screen.split("HOTTEST PREFIXES", 1)[1].split("RECENT ERRORS", 1)[0]

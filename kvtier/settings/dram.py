@@ -26,12 +26,13 @@ class DramKeys:
                                            "puts pay no page faults (costs ~0.1 s per GiB at start)")
     eviction: str = key_field("default", "DRAM eviction policy: default (the session-aware predictor, pnu), lru, "
                                          "fifo, s3fifo, arc, chain-lru, or an import path 'package.module:Class'")
-    copy_threads: int = key_field(1, "threads per batched host copy (1 keeps one core free for the engine)")
+    copy_threads: int = key_field(1, "threads per batched host copy (1 keeps one core free for the engine; 0: "
+                                      "by measured rate, as pool_copy_threads 0)")
 
     def check_dram_keys(self) -> None:
         """ConfigError naming the first DRAM key a DramTier would refuse (an unknown policy among them)."""
         check_positive("dram_capacity", self.dram_capacity)
-        check_range("copy_threads", self.copy_threads, 1, 16)
+        check_range("copy_threads", self.copy_threads, 0, 16, " (0: by measured rate)")
         check_policy_name("eviction", self.eviction)
 
     def dram_block_sizes(self, block_bytes: int) -> list[BlockSize]:

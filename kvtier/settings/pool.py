@@ -35,8 +35,8 @@ class PoolKeys:
                                           "engine recomputes) and is skipped for a back-off")
     pool_connections: int = key_field(4, "parallel connections per pool for big batches")
     pool_copy_threads: int = key_field(0, "threads per shared-memory copy to/from a pool on this host (shm "
-                                          "transport): 0 = auto (2 for a batch of 1 MiB or more while a core is "
-                                          "spare, else 1)")
+                                          "transport): 0 = auto (for a batch of 1 MiB or more the count, 1 or 2, "
+                                          "that copied fastest in this process lately; 1 for a smaller one)")
     pool_offload: str = key_field("write_through", "when blocks go from private DRAM to the pool: write_through "
                                                    "(every put: other nodes see them at once), on_evict, second_hit",
                                   OFFLOADS)
@@ -60,7 +60,7 @@ class PoolKeys:
         (the SSD's part of a mode's rules is Config's, which holds both sections)."""
         check_range("pool_timeout_ms", self.pool_timeout_ms, 1, 60_000)
         check_range("pool_connections", self.pool_connections, 1, 64)
-        check_range("pool_copy_threads", self.pool_copy_threads, 0, 16, " (0: by batch size)")
+        check_range("pool_copy_threads", self.pool_copy_threads, 0, 16, " (0: by measured rate)")
         pools = self.pool_endpoints()
         endpoint_list("master", self.master)  # else the workers' zmq connect fails when the pool tier is built
         remote = [e for e in pools if not e.startswith("ipc://")]

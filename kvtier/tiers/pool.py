@@ -92,7 +92,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self.transport = transport
         self.timeout_s = timeout_s
         self.connections = connections
-        self.copy_threads = copy_threads  # shm transport: threads per host copy, 0 = by batch size
+        self.copy_threads = copy_threads  # shm transport: threads per host copy, 0 = by measured rate
         self._dtypes = tuple(dtypes)
         self._pools: dict[str, _PoolEndpoint] = {}
         self._clock = clock  # the pools' back-offs read it (a test moves it instead of sleeping)

@@ -3,8 +3,8 @@
 Engine processes on one host share one pool: control goes over zmq ipc, bytes never touch a socket. The
 lease protocol (reserve/commit, acquire/release) is OneSidedConnection's; the copies here are the caller's own
 batched native copies (kvtier.hostcopy), straight between the caller's rows and the pool's slots, on
-``copy_threads`` threads (0, the default: hostcopy.copy_threads picks: two threads on a batch of 1 MiB or
-more while a core is spare, one otherwise).
+``copy_threads`` threads (0, the default: by measured rate: hostcopy.CopyThreads times this connection's puts
+and its gets apart and gives each batch the thread count that copied fastest here lately).
 
 Pool restarts: every reply carries the pool's epoch. A new epoch means a new pool with a new file; the next
 call says hello again and maps the new file. The old mapping stays valid (the file is unlinked, not
@@ -36,7 +36,8 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.auth.peercred import NotPeersFile, open_peers_file
-from kvtier.hostcopy import copy_rows, copy_threads
+from kvtier.hostcopy import CopyThreads
+from kvtier.hostmem import map_length, page_sizes
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -60,10 +61,11 @@ class Mapping:
             if size < nbytes:
                 raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
                                         f"{nbytes}", wire.ERR_BAD_MESSAGE)
-            self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # whole huge pages where the pool made its file in a hugetlbfs mount (kvtier.hostmem)
+            self._mm = mmap.mmap(fd, map_length(fd, nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._array = np.frombuffer(self._mm, dtype=np.uint8)
+        self._array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]
         self.base = int(self._array.ctypes.data)
         self.block_bytes = block_bytes
         fd = open_peers_file(generations, os.O_RDONLY, uid, "the pool's generation file")
@@ -91,8 +93,11 @@ class ShmConnection(OneSidedConnection):
     def __init__(self, channel: Any, info: PoolInfo, *, copy_threads: int = 0, **kw: Any) -> None:
         super().__init__(channel, info, **kw)
         if copy_threads < 0:
-            raise ValueError(f"copy_threads must be >= 0 (0: by batch size), got {copy_threads}")
+            raise ValueError(f"copy_threads must be >= 0 (0: by measured rate), got {copy_threads}")
         self.copy_threads = copy_threads
+        # Puts and gets apart: a get reads the shared file and writes the caller's rows, a put the other way, and
+        # the two need not gain alike from a second thread.
+        self.put_copies, self.get_copies = CopyThreads(copy_threads), CopyThreads(copy_threads)
         self._lock = threading.Lock()
         self._mapping: Mapping | None = self._map(info) if info.sized else None
 
@@ -100,16 +105,19 @@ class ShmConnection(OneSidedConnection):
     # the connection's reference, and the last reference gone unmaps the file (a copy into it would fault).
     def _write(self, offsets: np.ndarray, src: np.ndarray, epoch: int) -> None:
         mapping = self._mapped(epoch)
-        copy_rows(mapping.rows(offsets, self.block_bytes), src, self.block_bytes, self._threads(len(offsets)))
+        self.put_copies.copy(mapping.rows(offsets, self.block_bytes), src, self.block_bytes)
         del mapping
 
     def _read(self, dst: np.ndarray, offsets: np.ndarray, epoch: int) -> None:
         mapping = self._mapped(epoch)
-        copy_rows(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes, self._threads(len(offsets)))
+        self.get_copies.copy(dst, mapping.rows(offsets, self.block_bytes), self.block_bytes)
         del mapping
 
-    def _threads(self, nblocks: int) -> int:
-        return copy_threads(nblocks * self.block_bytes, self.copy_threads)
+    def pages(self) -> str:
+        """The page size of the pool's shared file as mapped here (kvtier.hostmem.page_sizes); "" before it is
+        mapped."""
+        mapping = self._mapping
+        return page_sizes(mapping.base, mapping.nbytes) if mapping is not None else ""
 
     def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
         return self._mapped(epoch).generations_at(offsets)

@@ -92,6 +92,7 @@ MIN_HELD_BLOCKS = 4 * MIN_REQUEST_BLOCKS
 POOL_LABELS = {"role": "pool"}
 # Where a pool may be (a node's registered address, a copy's source): no inproc://, no other zmq transport.
 ENDPOINT_SCHEMES = ("tcp://", "ipc://")
+PAGES_LABEL = "dram_pages"  # a pool's DRAM page size ("4 KiB", "2 MiB (THP)"), as it registered: kvtier status
 
 ERR_WRONG_SIZE = wire.ERR_BAD_REQUEST  # a client whose blocks differ in size from the pool's
 ERR_NOT_READY = "not_ready"  # a data op (other than a put) before any put sized the pool
