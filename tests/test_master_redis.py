@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import TieredStore, wire
 from kvtier.client import AsyncMasterClient, MasterClient, MasterError, NodeAgent, api
@@ -357,6 +358,5 @@ def test_a_pool_and_a_distributed_store_take_the_master_list_and_survive_a_maste
                 assert [n["state"] for n in m1.nodes()] == ["live"]
             with TieredStore.from_config({**cfg, "node_id": "e2"}, pool_bb) as r:
                 out = torch.zeros(20, pool_bb, dtype=torch.uint8)
-                assert r.get(keys, out) == [True] * 20
-                assert torch.equal(out, blocks_for(keys, pool_bb))
+                assert_all_hits_exact(r.get(keys, out), out, blocks_for(keys, pool_bb))
             assert pool.alive()
