@@ -39,6 +39,7 @@ def test_bench_modules_load_only_when_chosen():
     assert r.returncode == 0 and "--traces PATH" in r.stdout
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_tiers_dram_writes_rows(tmp_path):
     out = tmp_path / "dram.json"
     r = kvtier("bench", "tiers", "--tier", "dram", "--sizes", "64KiB,1MiB", "--total", "8MiB", "--rounds", "1",
@@ -68,6 +69,7 @@ def test_config_lists_keys():
     assert r.returncode == 0 and "dram_capacity" in r.stdout and "eviction" in r.stdout
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_tiers_ssd_writes_rows_beside_raw_io(tmp_path):
     out = tmp_path / "ssd.json"
     r = kvtier("bench", "tiers", "--tier", "ssd", "--sizes", "1MiB", "--total", "4MiB", "--rounds", "1",

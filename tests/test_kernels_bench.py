@@ -2,11 +2,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def kvtier(*args):
     return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_kernels_writes_rows_beside_memcpy(tmp_path):
     out = tmp_path / "kernels.json"
     r = kvtier("bench", "kernels", "--block-sizes", "1,2", "--total", "4MiB", "--rounds", "1", "--json", str(out))

@@ -69,8 +69,10 @@ def proxied(pool: PoolProcess, stream: bool) -> tuple[str, list[TrickleProxy]]:
     return f"tcp://127.0.0.2:{port}", proxies
 
 
-@pytest.mark.parametrize("op", ["get", "put"])
-@pytest.mark.parametrize("transport", ["stream", "tcp"])
+# Each transport with one op in the default suite (a pool start each), the other two in the slow one.
+@pytest.mark.parametrize("transport, op", [("stream", "get"), ("tcp", "put"),
+                                           pytest.param("stream", "put", marks=pytest.mark.slow),
+                                           pytest.param("tcp", "get", marks=pytest.mark.slow)])
 def test_a_trickling_pool_cannot_hold_a_tcp_call_past_its_deadline(tcp_pool, transport, op):
     keys = ns.keys(range(4))
     src = np.full((4, BB), 7, np.uint8)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from attack import RawClient, peak_mib, reset_peak, rss_mib
 from bytecheck import assert_all_hits_exact
@@ -39,6 +40,7 @@ def stored_pool(tmp_path, n: int = 512):
     return p, c, keys, src
 
 
+@pytest.mark.slow  # a memory stress
 def test_a_client_that_never_reads_its_replies_cannot_grow_or_stall_the_pool(tmp_path):
     p, engine, keys, src = stored_pool(tmp_path)
     try:

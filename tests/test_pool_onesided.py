@@ -314,6 +314,7 @@ def test_the_pool_refuses_a_block_larger_than_its_capacity_at_start(tmp_path):
     assert r.returncode == 2 and "does not fit the pool's capacity" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # two pool restarts and back-offs
 def test_a_pool_restart_or_a_failed_put_forgets_which_blocks_the_pool_held(tmp_path):
     with PoolProcess(tmp_path, capacity="4MiB", block_bytes=BB) as p:
         tier = PoolTier(BB, PeerRoute([p.tcp]), timeout_s=2.0, staging_bytes=0)

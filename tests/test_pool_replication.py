@@ -79,6 +79,7 @@ def test_a_hot_prefix_survives_the_death_of_the_pool_holding_its_first_copy(clus
         assert got == [False] * len(lost)  # no replica: a miss (recomputed), never wrong bytes
 
 
+@pytest.mark.slow  # waits for heat to decay
 def test_a_replica_is_dropped_when_its_prefix_cools(cluster, make_keys):
     mp, m, a, b = cluster
     keys = make_keys(6, start=2000)

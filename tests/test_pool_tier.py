@@ -70,6 +70,7 @@ def test_on_evict_sends_only_what_dram_drops(pools, make_keys):
         assert_all_hits_exact(s.get(keys, out), out, blocks_for(keys, BB))
 
 
+@pytest.mark.slow  # two pools, one SIGSTOPped: a call waits out its timeout
 def test_a_dead_pool_is_a_miss_within_the_timeout_then_skipped(tmp_path, make_keys, monkeypatch):
     with PoolProcess(tmp_path, name="d1", capacity="4MiB") as p1, \
             PoolProcess(tmp_path, name="d2", capacity="4MiB") as p2:
