@@ -7,7 +7,8 @@ wrong byte never is). Comparing the whole output buffer instead calls every miss
     assert_all_hits_exact(hit, out, want)        # no wrong byte, then no miss: two failures, two messages
 
 ``hit`` is a get's per-row answer (bools); ``out`` the rows it wrote into and ``want`` the expected rows (numpy
-arrays or CPU torch tensors, one row per key, any row shape) or one byte value every hit row must be filled with.
+arrays, CPU torch tensors or lists of one bytes object per row; any row shape) or one byte value every hit row
+must be filled with.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Rows:
 
 def _rows(a: Any, n: int) -> np.ndarray:
     """``a``'s bytes as ``n`` rows of uint8 (a tensor of any dtype, bfloat16 too, is compared as its bytes)."""
+    if isinstance(a, (list, tuple)) and a and isinstance(a[0], (bytes, bytearray)):  # one bytes object per row
+        a = np.frombuffer(b"".join(a), np.uint8)
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     arr = np.ascontiguousarray(np.asarray(a))

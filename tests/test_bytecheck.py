@@ -31,3 +31,9 @@ def test_one_fill_value_and_tensors_of_any_dtype_compare_as_bytes():
     assert check_rows([True, True, True], t, w).wrong == [1]
     assert check_rows([True, False, True], t, w).wrong == []
     assert check_rows([], torch.zeros(0, 8), torch.zeros(0, 8)).hits == 0
+
+
+def test_rows_given_as_one_bytes_object_each_are_compared_row_by_row():
+    want = [b"\1\2\3", b"\4\5\6"]
+    assert check_rows([True, True], [b"\1\2\3", b"\4\5\7"], want).wrong == [1]
+    assert check_rows([True, False], [b"\1\2\3", b"\0\0\0"], want).misses == [1]
