@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import block_for, blocks_for  # noqa: E402
+from bytecheck import check_rows  # noqa: E402
+from conftest import blocks_for  # noqa: E402
 
 from kvtier.keys import Namespace  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -42,9 +43,8 @@ def main() -> None:
             elif op == "get":
                 buf = torch.zeros(len(keys), block_bytes, dtype=torch.uint8)
                 hit = store.get(keys, buf)
-                correct = sum(h and torch.equal(buf[i], block_for(k, block_bytes)) for i, (k, h) in
-                              enumerate(zip(keys, hit)))
-                out = {"hits": sum(hit), "correct": int(correct)}
+                got = check_rows(hit, buf, blocks_for(keys, block_bytes))
+                out = {"hits": got.hits, "correct": got.hits - len(got.wrong)}
             elif op == "maps":
                 out = {"maps": sorted({line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                                        if "kvtier-pool-" in line and line.endswith(".shm")})}

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier.auth import ClientKeys, DataTokens, TOKEN_BYTES, generate
 from kvtier.cli import main as kvtier_main
@@ -102,8 +103,7 @@ def test_an_authorized_client_round_trips_over_every_transport(pool, keys, make_
         src = blocks_for(ks, BB)
         assert conn.put(ks, rows_of(src)) == [True] * 24
         out = torch.zeros_like(src)
-        assert conn.get(ks, rows_of(out)) == [True] * 24
-        assert torch.equal(out, src)
+        assert_all_hits_exact(conn.get(ks, rows_of(out)), out, src)
     finally:
         conn.close()
 
@@ -179,8 +179,7 @@ def test_master_and_pool_serve_authorized_clients_end_to_end(tmp_path, keys, mak
                 assert m.lookup(ks).any == 30  # the pool's events reached the directory
                 with TieredStore.from_config({**cfg, "node_id": "engine-2"}, BB) as reader:
                     out = torch.empty(30, BB, dtype=torch.uint8)
-                    assert reader.get(ks, out) == [True] * 30
-                    assert torch.equal(out, blocks_for(ks, BB))
+                    assert_all_hits_exact(reader.get(ks, out), out, blocks_for(ks, BB))
                 stranger = ClientKeys.load(keys["stranger"], mp.endpoint)
                 with MasterClient(mp.endpoint, 0.5, auth=stranger) as c, pytest.raises(MasterTimeout,
                                                                                        match="check auth_dir"):

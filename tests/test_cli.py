@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def kvtier(*args, **kw):
     return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, **kw)
@@ -37,6 +39,7 @@ def test_bench_modules_load_only_when_chosen():
     assert r.returncode == 0 and "--traces PATH" in r.stdout
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_tiers_dram_writes_rows(tmp_path):
     out = tmp_path / "dram.json"
     r = kvtier("bench", "tiers", "--tier", "dram", "--sizes", "64KiB,1MiB", "--total", "8MiB", "--rounds", "1",
@@ -52,7 +55,9 @@ def test_bench_tiers_dram_writes_rows(tmp_path):
     for x in rows:
         assert set(x) == {"tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"} and x["tier"] == "dram"
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0
-        assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
+        # The ratio is of the unrounded figures; the row's gbps are rounded to 3 decimals, which on a loaded
+        # machine (a baseline of 0.119 GB/s) moves their quotient by up to ~0.5 %: compare relatively.
+        assert x["ratio"] == pytest.approx(x["gbps"] / x["baseline_gbps"], rel=0.01)
     assert "ratio" in r.stdout and "lookup of 2000 present keys" in r.stdout
 
 
@@ -68,6 +73,7 @@ def test_config_lists_keys():
     assert r.returncode == 0 and "dram_capacity" in r.stdout and "eviction" in r.stdout
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_tiers_ssd_writes_rows_beside_raw_io(tmp_path):
     out = tmp_path / "ssd.json"
     r = kvtier("bench", "tiers", "--tier", "ssd", "--sizes", "1MiB", "--total", "4MiB", "--rounds", "1",

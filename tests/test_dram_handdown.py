@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import Namespace, StoreEvent, TieredStore
 from kvtier.tiers.dram import DramTier
@@ -75,7 +76,7 @@ def test_a_synchronous_disk_write_on_eviction_leaves_dram_free_and_the_victim_re
         assert probe.results[0] == (True, [True], [True], True)  # leaving: still held and readable in DRAM
         assert disk.contains(KEYS[:1]) == [True] and list(store.tiers[0].contains(KEYS[:1])) == [False]
         out = torch.zeros(3, BB, dtype=torch.uint8)
-        assert store.get(KEYS[:3], out) == [True] * 3 and torch.equal(out, DATA[:3])
+        assert_all_hits_exact(store.get(KEYS[:3], out), out, DATA[:3])
     finally:
         store.close()
 
@@ -136,7 +137,7 @@ def test_a_reader_of_a_leaving_block_keeps_its_slot_and_the_put_does_not_wait_fo
         assert read.wait(PROBE_S) and seen == [True], "the slot was reused while a reader copied from it"
         assert store.flush(PROBE_S) and disk.contains(KEYS[:3]) == [True, False, True]  # 2 went down as evicted
         out = torch.zeros(3, BB, dtype=torch.uint8)
-        assert store.get(KEYS[:3], out) == [True] * 3 and torch.equal(out, DATA[:3])
+        assert_all_hits_exact(store.get(KEYS[:3], out), out, DATA[:3])
         assert store.put(KEYS[3:4], DATA[3:4]).stored == 1  # 0's old slot is free again once read
         assert dram.stats().extra["pending"] == 0 and dram.stats().used_bytes <= 2 * BB
     finally:

@@ -2,11 +2,16 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from kvtier.cli import main as kvtier_main
+
 
 def kvtier(*args):
     return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_kernels_writes_rows_beside_memcpy(tmp_path):
     out = tmp_path / "kernels.json"
     r = kvtier("bench", "kernels", "--block-sizes", "1,2", "--total", "4MiB", "--rounds", "1", "--json", str(out))
@@ -18,12 +23,14 @@ def test_bench_kernels_writes_rows_beside_memcpy(tmp_path):
     for x in rows:
         assert set(x) == {"backend", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"}
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0
-        assert abs(x["ratio"] - x["gbps"] / x["baseline_gbps"]) < 0.01
+        assert x["ratio"] == pytest.approx(x["gbps"] / x["baseline_gbps"], rel=0.01)  # of unrounded figures
     assert "ratio" in r.stdout and "memcpy" in r.stdout
 
 
-def test_bench_kernels_bad_arguments_are_one_line_errors():
-    r = kvtier("bench", "kernels", "--model", "deepseek-v3")
-    assert r.returncode == 2 and "MLA model" in r.stderr and "Traceback" not in r.stderr
-    r = kvtier("bench", "kernels", "--backends", "cuda", "--total", "1MiB", "--block-sizes", "1")
-    assert r.returncode == 2 and "backend cuda cannot run here" in r.stderr and "Traceback" not in r.stderr
+def test_bench_kernels_bad_arguments_are_one_line_errors(capsys):
+    # In this process (the CLI's main, as `kvtier` runs it): two interpreter starts cost ~10 s on a loaded machine,
+    # and an exception would fail the test here as surely as a traceback on stderr.
+    assert kvtier_main(["bench", "kernels", "--model", "deepseek-v3"]) == 2
+    assert "MLA model" in capsys.readouterr().err
+    assert kvtier_main(["bench", "kernels", "--backends", "cuda", "--total", "1MiB", "--block-sizes", "1"]) == 2
+    assert "backend cuda cannot run here" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from kvtier.kernels import cuda
 needs_nvcc = pytest.mark.skipif(native_build.find_nvcc() is None, reason="nvcc is not installed here")
 
 
+@pytest.mark.slow  # a compiler build
 @needs_nvcc
 def test_nvcc_builds_the_kernels_and_ctypes_loads_them(tmp_path):
     path = native_build.build_cuda_library(out_dir=tmp_path)  # the default architectures: what CI ships
@@ -81,6 +82,7 @@ for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
 """
 
 
+@pytest.mark.slow  # a compiler build
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed here")
 def test_triton_kernel_compiles_for_nvidia_and_amd():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

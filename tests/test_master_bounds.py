@@ -122,6 +122,7 @@ def test_nodes_with_many_tiers_cannot_widen_every_directory_entry(tmp_path):
         assert grown < 120 * MiB, f"master RSS grew {grown / MiB:.0f} MiB"
 
 
+@pytest.mark.slow  # two 5 s graces and two restarts
 def test_dead_nodes_are_forgotten_after_the_grace_and_stay_forgotten_after_a_restart(tmp_path):
     data = tmp_path / "data"
     args = ("--forget-dead-s", "5")
@@ -162,6 +163,7 @@ def test_a_node_that_left_does_not_come_back_after_a_restart(tmp_path):
             assert m.ping()["nodes"]["pending"] == 0
 
 
+@pytest.mark.slow  # a memory stress: 700 replies of 0.8 MB
 def test_replies_a_client_never_reads_stay_within_the_budget(tmp_path):
     """700 `top` replies of ~0.8 MB each, asked for and never read (the old master held all of them: 540 MB);
     the master keeps at most its 256 MiB reply budget of them, answers the rest with a short 'busy', and serves

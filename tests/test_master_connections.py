@@ -26,6 +26,7 @@ MiB = 1 << 20
 OPEN = ("--insecure-bind",)
 
 
+@pytest.mark.slow  # a connection stress: 1000 sockets
 def test_a_thousand_idle_connections_do_not_lock_new_clients_out(tmp_path):
     # The soft limit most hosts start daemons with; the hard one is what this machine allows.
     master = MasterProcess(tmp_path, lease_s=30.0, prefix=("prlimit", "--nofile=1024:8192", "--"), args=OPEN)

@@ -59,9 +59,10 @@ def test_a_hint_change_writes_its_own_record_not_the_table(tmp_path):
         assert per_change < 64 * KiB, f"{per_change / KiB:.0f} KiB written per hint change"
 
 
-@pytest.mark.parametrize("pins", [50_000, pytest.param(200_000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("pins", [10_000, pytest.param(50_000, marks=pytest.mark.slow),
+                                  pytest.param(200_000, marks=pytest.mark.slow)])
 def test_sigterm_after_many_session_pins_is_quick_and_loses_none(tmp_path, pins):
-    """50,000 pins in the default suite; the 200,000 of issue 13 in the slow one."""
+    """10,000 pins in the default suite; 50,000 and the 200,000 of issue 13 in the slow one."""
     data = tmp_path / "data"
     names = [f"agent-{i:06d}" for i in range(pins)]
     with MasterProcess(tmp_path, data_dir=data, lease_s=30.0) as master:

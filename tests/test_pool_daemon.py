@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import wire
 from kvtier.auth import secure_client
@@ -40,7 +41,8 @@ TRANSPORTS = ["stream", "tcp", "shm"]
 
 @pytest.fixture(params=TRANSPORTS)
 def conn(request, pool):
-    c = connect(pool.ipc if request.param == "shm" else pool.tcp, BB, transport=request.param, timeout_s=2.0)
+    # 10 s: these tests time nothing; a 12.5 MiB batch on a loaded 2-core machine overran 2 s (issue 23)
+    c = connect(pool.ipc if request.param == "shm" else pool.tcp, BB, transport=request.param, timeout_s=10.0)
     assert c.transport == request.param
     yield c
     c.close()
@@ -80,8 +82,7 @@ def test_a_big_batch_spans_requests_and_lanes(conn, make_keys):
     src = blocks_for(keys, BB)
     assert all(conn.put(keys, rows_of(src)))
     out = torch.empty_like(src)
-    assert all(conn.get(keys, rows_of(out)))
-    assert torch.equal(out, src)
+    assert_all_hits_exact(conn.get(keys, rows_of(out)), out, src)
 
 
 def test_evicted_keys_are_misses(conn, make_keys):
@@ -91,8 +92,7 @@ def test_evicted_keys_are_misses(conn, make_keys):
     assert all(conn.put(later, rows_of(blocks_for(later, BB))))  # 400 blocks into 256 slots: LRU evicts
     out = torch.empty(200, BB, dtype=torch.uint8)
     assert sum(conn.get(first, rows_of(out))) < 200
-    assert all(conn.get(later, rows_of(out)))
-    assert torch.equal(out, blocks_for(later, BB))
+    assert_all_hits_exact(conn.get(later, rows_of(out)), out, blocks_for(later, BB))
 
 
 def test_put_larger_than_the_pool_is_refused_naming_the_sizes(conn, make_keys):
@@ -170,20 +170,20 @@ def test_nobody_listening_is_unavailable_within_the_timeout():
 
 
 @pytest.mark.parametrize("transport, message", [("stream", "not done by its deadline"),
-                                                ("tcp", "no reply within 0.5 s")])
+                                                ("tcp", "(no reply|not connected) within 0.5 s")])
 def test_a_stopped_pool_is_unavailable_within_the_timeout_then_serves_again(tmp_path, make_keys, transport, message):
     with PoolProcess(tmp_path, capacity="4MiB") as p:
         c = connect(p.tcp, BB, transport=transport, timeout_s=0.5)
         keys = make_keys(8, start=40_000)
         src = blocks_for(keys, BB)
         assert all(c.put(keys, rows_of(src)))
-        p.pause()  # SIGSTOP: the TCP connections stay up, nothing answers
+        p.pause()  # SIGSTOP: the TCP connections stay up, nothing answers (a lane still connecting stays so)
         out = torch.zeros_like(src)
         with pytest.raises(PoolUnavailable, match=message):  # the timeout's path, not a hang
             finishes(lambda: c.get(keys, rows_of(out)))
         p.resume()
-        assert c.get(keys, rows_of(out)) == [True] * 8  # the stale request was dropped with its connection
-        assert torch.equal(out, src)
+        # the stale request was dropped with its connection
+        assert_all_hits_exact(c.get(keys, rows_of(out)), out, src)
         c.close()
 
 
@@ -197,8 +197,7 @@ def test_concurrent_callers_each_get_their_own_bytes(conn, make_keys):
             for _ in range(5):
                 assert all(conn.put(keys, rows_of(src)))
                 out = torch.empty_like(src)
-                assert all(conn.get(keys, rows_of(out)))
-                assert torch.equal(out, src)
+                assert_all_hits_exact(conn.get(keys, rows_of(out)), out, src)
         except Exception as e:  # reported below
             errors.append(e)
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
@@ -229,7 +228,9 @@ def test_expired_leases_are_taken_back_and_late_calls_learn_it(tmp_path, make_ke
         ch.close()
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+# tcp in the default suite; the other transports share its code path (connection.py) and cost a pool restart each
+@pytest.mark.parametrize("transport", ["tcp", *(pytest.param(t, marks=pytest.mark.slow)
+                                                 for t in TRANSPORTS if t != "tcp")])
 def test_a_hello_lost_after_a_restart_is_said_again_not_not_ready_forever(tmp_path, transport, make_keys,
                                                                         monkeypatch):
     """A restarted pool has forgotten its sessions (and, without --block-bytes, its block size: the first put
@@ -264,6 +265,6 @@ def test_a_hello_lost_after_a_restart_is_said_again_not_not_ready_forever(tmp_pa
                     results.append(e.code)
             assert lost and results[-2:] == [True, True], results
             out = torch.zeros_like(data)
-            assert all(c.get(keys, rows_of(out))) and torch.equal(out, data)
+            assert_all_hits_exact(c.get(keys, rows_of(out)), out, data)
         finally:
             c.close()

@@ -52,9 +52,17 @@ def ended_in_time(fn, nbytes: int) -> float:
     return took
 
 
-@pytest.fixture
+@pytest.fixture  # one per test: its proxies listen on 127.0.0.2 at the pool's own port numbers
 def tcp_pool(tmp_path):
     with PoolProcess(tmp_path, capacity="16MiB", block_bytes=BB) as p:
+        yield p
+
+
+# One pool for the shared-memory tests, not one each (a start costs seconds on a loaded machine): each test has
+# its own proxy socket and connection, and reads only the blocks it put.
+@pytest.fixture(scope="module")
+def ipc_pool(tmp_path_factory):
+    with PoolProcess(tmp_path_factory.mktemp("ipc-pool"), ipc=True, tcp=False, capacity="16MiB", block_bytes=BB) as p:
         yield p
 
 
@@ -71,8 +79,10 @@ def proxied(pool: PoolProcess, stream: bool) -> tuple[str, list[TrickleProxy]]:
     return f"tcp://127.0.0.2:{port}", proxies
 
 
-@pytest.mark.parametrize("op", ["get", "put"])
-@pytest.mark.parametrize("transport", ["stream", "tcp"])
+# Each transport with one op in the default suite (a pool start each), the other two in the slow one.
+@pytest.mark.parametrize("transport, op", [("stream", "get"), ("tcp", "put"),
+                                           pytest.param("stream", "put", marks=pytest.mark.slow),
+                                           pytest.param("tcp", "get", marks=pytest.mark.slow)])
 def test_a_trickling_pool_cannot_hold_a_tcp_call_past_its_deadline(tcp_pool, transport, op):
     keys = ns.keys(range(4))
     src = np.full((4, BB), 7, np.uint8)
@@ -98,24 +108,23 @@ def test_a_trickling_pool_cannot_hold_a_tcp_call_past_its_deadline(tcp_pool, tra
 
 
 @pytest.mark.parametrize("op", ["get", "put", "contains"])
-def test_a_trickling_pool_cannot_hold_a_shared_memory_call_past_its_deadline(tmp_path, op):
-    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="16MiB", block_bytes=BB) as p:
-        keys = ns.keys(range(20, 24))
-        src = np.full((4, BB), 9, np.uint8)
-        direct = connect(p.ipc, BB, timeout_s=5.0)
-        assert all(direct.put(keys, rows(src)))
-        px = UnixTrickleProxy(str(tmp_path / "proxy.sock"), p.ipc[len("ipc://"):])
-        alias_token(f"ipc://{px.address}", p.ipc)
-        conn = connect(f"ipc://{px.address}", BB, timeout_s=TIMEOUT_S)
-        out = np.zeros((4, BB), np.uint8)
-        try:
-            assert conn.get(keys, rows(out)) == [True] * 4
-            px.trickle.set()
-            call = {"get": lambda: conn.get(keys, rows(out)), "put": lambda: conn.put(ns.keys(range(30, 34)), rows(src)),
-                    "contains": lambda: conn.contains(keys)}[op]
-            ended_in_time(call, src.nbytes)
-        finally:
-            px.close()
-            conn.close()
-            direct.close()
-            (runtime_dir() / token_name(f"ipc://{px.address}")).unlink(missing_ok=True)
+def test_a_trickling_pool_cannot_hold_a_shared_memory_call_past_its_deadline(ipc_pool, tmp_path, op):
+    keys = ns.keys(range(20, 24))
+    src = np.full((4, BB), 9, np.uint8)
+    direct = connect(ipc_pool.ipc, BB, timeout_s=5.0)
+    assert all(direct.put(keys, rows(src)))
+    px = UnixTrickleProxy(str(tmp_path / "proxy.sock"), ipc_pool.ipc[len("ipc://"):])
+    alias_token(f"ipc://{px.address}", ipc_pool.ipc)
+    conn = connect(f"ipc://{px.address}", BB, timeout_s=TIMEOUT_S)
+    out = np.zeros((4, BB), np.uint8)
+    try:
+        assert conn.get(keys, rows(out)) == [True] * 4
+        px.trickle.set()
+        call = {"get": lambda: conn.get(keys, rows(out)), "put": lambda: conn.put(ns.keys(range(30, 34)), rows(src)),
+                "contains": lambda: conn.contains(keys)}[op]
+        ended_in_time(call, src.nbytes)
+    finally:
+        px.close()
+        conn.close()
+        direct.close()
+        (runtime_dir() / token_name(f"ipc://{px.address}")).unlink(missing_ok=True)

@@ -11,6 +11,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import wire
 from kvtier.auth import secure_client
@@ -97,8 +98,8 @@ def test_pool_survives_bad_requests_and_keeps_serving(daemon, request, delimiter
             assert body["code"] in KNOWN_CODES, f"{body} for {envelope[:80]!r}"
             assert isinstance(body["message"], str) and body["message"]
     out = np.zeros((8, BB), np.uint8)
-    assert conn.get(PROBE, np.uint64(out.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(BB)) == [True] * 8
-    assert (out == src.numpy()).all()
+    hit = conn.get(PROBE, np.uint64(out.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(BB))
+    assert_all_hits_exact(hit, out, src.numpy())
 
 
 def test_oversized_batch_names_the_limit(daemon):
@@ -143,5 +144,5 @@ def test_data_port_survives_garbage(daemon, payload):
         except OSError:
             pass  # reset or closed by the pool (even before our shutdown): it gave up on this stream
     out = np.zeros((8, BB), np.uint8)
-    assert conn.get(PROBE, np.uint64(out.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(BB)) == [True] * 8
-    assert (out == src.numpy()).all()
+    hit = conn.get(PROBE, np.uint64(out.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(BB))
+    assert_all_hits_exact(hit, out, src.numpy())

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from attack import RawClient
+from bytecheck import assert_all_hits_exact
 from kvtier import wire
 from kvtier.keys import Namespace
 from kvtier.transport import connect
@@ -124,7 +125,7 @@ def test_a_stranger_cannot_commit_anothers_reservation_before_its_bytes_are_writ
         assert early["valid"] == [False]  # the reservation is the writer's: the stranger's commit acts on nothing
         assert stored == [True]
         out = filled(1, 0)
-        assert reader.get([x], rows(out)) == [True] and (out == 0xAA).all()
+        assert_all_hits_exact(reader.get([x], rows(out)), out, 0xAA)
         for c in (writer, reader, stranger):
             c.close()
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier.client import MasterClient, api
 from kvtier.store import TieredStore
@@ -68,8 +69,7 @@ def test_puts_follow_route_put_and_gets_follow_the_directory(cluster, make_keys)
         # Another engine gets them from where the directory says, bytes exact, and promotes them.
         assert reader.contains(keys) == [True] * 60  # answered from the directory
         out = torch.empty(60, BB, dtype=torch.uint8)
-        assert reader.get(keys, out) == [True] * 60
-        assert torch.equal(out, blocks_for(keys, BB))
+        assert_all_hits_exact(reader.get(keys, out), out, blocks_for(keys, BB))
         assert reader.stats()["offloads"]["pool"]["promoted"] == 60
     # Heartbeats carry the bandwidth the pools measure serving gets (what the master's cost model prices).
     big = make_keys(160, start=10_000)  # 2.5 MiB: gets of a MiB and more are measured

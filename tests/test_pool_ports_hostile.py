@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from attack import RawClient, host_port, idle_connections, rss_mib
+from bytecheck import assert_no_wrong_bytes
 from kvtier.auth import ClientKeys, generate
 from kvtier.keys import Namespace
 from kvtier.transport import connect
@@ -35,7 +36,8 @@ def rows(a: np.ndarray) -> np.ndarray:
 
 def round_trip(endpoint: str, keys: list[bytes], transport: str = "auto", auth: ClientKeys | None = None,
                timeout_s: float = 2.0, bb: int = BB) -> bool:
-    """Connect, put and get back ``keys``; False if the pool failed any step within the timeout."""
+    """Connect, put and get back ``keys``; False if the pool failed any step within the timeout (a miss included);
+    a wrong byte fails the test at once."""
     src = np.stack([np.full(bb, i % 250 + 1, np.uint8) for i in range(len(keys))])
     out = np.zeros_like(src)
     try:
@@ -43,7 +45,9 @@ def round_trip(endpoint: str, keys: list[bytes], transport: str = "auto", auth: 
     except PoolError:
         return False
     try:
-        return all(c.put(keys, rows(src))) and all(c.get(keys, rows(out))) and np.array_equal(out, src)
+        if not all(c.put(keys, rows(src))):
+            return False
+        return not assert_no_wrong_bytes(c.get(keys, rows(out)), out, src).misses
     except PoolError:
         return False
     finally:

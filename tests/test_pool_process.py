@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bytecheck import assert_all_hits_exact
 from kvtier.keys import Namespace
 from kvtier.pool import process
 from kvtier.pool.process import PoolDaemon
@@ -26,9 +27,8 @@ def _round_trip(pool: PoolDaemon) -> None:
         keys = Namespace("pool-process").keys(range(2))
         rows = np.uint64(src.ctypes.data) + np.arange(2, dtype=np.uint64) * np.uint64(BB)
         assert conn.put(keys, rows) == [True, True]
-        assert conn.get(keys, np.uint64(out.ctypes.data) + np.arange(2, dtype=np.uint64) * np.uint64(BB)) == [True,
-                                                                                                               True]
-        assert np.array_equal(out, src)
+        hit = conn.get(keys, np.uint64(out.ctypes.data) + np.arange(2, dtype=np.uint64) * np.uint64(BB))
+        assert_all_hits_exact(hit, out, src)
     finally:
         conn.close()
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier.transport import connect
 from kvtier.transport import rdma
@@ -82,8 +83,8 @@ def test_round_trip_over_rdma(tmp_path, make_keys):  # pragma: no cover - needs 
         assert conn.put(keys, rows) == [True] * 64  # through the bounce buffer
         out = torch.zeros_like(src)
         conn.register(out.data_ptr(), out.numel())  # zero-copy into registered memory
-        assert conn.get(keys, np.uint64(out.data_ptr()) + np.arange(64, dtype=np.uint64) * np.uint64(BB)) == [True] * 64
-        assert torch.equal(out, src)
+        hit = conn.get(keys, np.uint64(out.data_ptr()) + np.arange(64, dtype=np.uint64) * np.uint64(BB))
+        assert_all_hits_exact(hit, out, src)
         conn.close()
 
 

@@ -56,6 +56,7 @@ def first_evicted(endpoint: str, keys: list[bytes]) -> list[bytes]:
         c.close()
 
 
+@pytest.mark.slow  # a replay bench: a pool per run
 def test_each_run_gets_a_fresh_pool_evicting_by_the_runs_policy(make_keys):
     keys = make_keys(5)
     endpoints = []

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from bytecheck import assert_all_hits_exact
 from kvtier import TieredStore, hostcopy
 from kvtier.config import Config, ConfigError
 from kvtier.keys import Namespace
@@ -35,8 +36,7 @@ def _put_get(conn, n: int, start: int) -> None:
     keys = Namespace("shm-threads").keys(range(start, start + n))
     offs = np.arange(n, dtype=np.uint64) * np.uint64(BB)
     assert conn.put(keys, np.uint64(src.ctypes.data) + offs) == [True] * n
-    assert conn.get(keys, np.uint64(out.ctypes.data) + offs) == [True] * n
-    assert np.array_equal(out, src)
+    assert_all_hits_exact(conn.get(keys, np.uint64(out.ctypes.data) + offs), out, src)
     conn.remove(keys)
 
 

@@ -16,6 +16,7 @@ def pool(tmp_path):
         yield p
 
 
+@pytest.mark.slow  # engine processes across a pool restart
 def test_processes_share_the_node_pool_and_survive_its_restart(pool, tmp_path):
     config = {"mode": "standalone", "pool": pool.ipc, "pool_timeout_ms": 500}
     a, b = Client(config, tmp_path / "a.log"), Client(config, tmp_path / "b.log")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes
 from conftest import blocks_for
 from kvtier import wire
 from kvtier.blocks import block_rows
@@ -61,14 +62,16 @@ def data_port(endpoint: str) -> int:
 
 
 def round_trip(endpoint: str, keys: list[bytes]) -> bool:
-    """Put and get back ``keys`` over the data port; False if the pool failed either."""
+    """Put and get back ``keys`` over the data port; False if the pool failed either (a miss included); a wrong
+    byte fails the test at once."""
     c = connect(endpoint, BB, transport="stream", timeout_s=5.0)
     try:
         data = blocks_for(keys, BB)
         out = torch.zeros_like(data)
-        return (all(c.put(keys, block_rows(data, len(keys), BB).ptrs))
-                and all(c.get(keys, block_rows(out, len(keys), BB, writable=True).ptrs))
-                and torch.equal(out, data))
+        if not all(c.put(keys, block_rows(data, len(keys), BB).ptrs)):
+            return False
+        got = assert_no_wrong_bytes(c.get(keys, block_rows(out, len(keys), BB, writable=True).ptrs), out, data)
+        return not got.misses
     except PoolError:
         return False
     finally:
@@ -208,8 +211,8 @@ def test_a_data_socket_the_pool_dropped_while_idle_is_replaced_not_a_failed_requ
             assert idle  # the data socket waits in the client's free list
             assert until(lambda: closed_by_peer(idle) == len(idle), timeout=10)  # the pool's idle timeout
             out = torch.zeros_like(data)
-            assert all(c.get(keys, block_rows(out, 4, BB, writable=True).ptrs))  # no PoolUnavailable
-            assert torch.equal(out, data)
+            hit = c.get(keys, block_rows(out, 4, BB, writable=True).ptrs)  # no PoolUnavailable
+            assert_all_hits_exact(hit, out, data)
         finally:
             c.close()
 

@@ -20,6 +20,7 @@ def kvtier_cli(*args, cwd=None, env=None):
                           cwd=cwd, env=env)
 
 
+@pytest.mark.slow  # a benchmark sweep with plots
 def test_replay_sweep_writes_json_and_png(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     r = kvtier_cli("replay", SAMPLE, "--limit", "3", "--lanes", "2", "--hbm", "4GiB", "--dram", "10%,50%",

@@ -18,6 +18,7 @@ if not sglang_available():
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import zmq  # noqa: E402
+from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes  # noqa: E402
 from poolproc import PoolProcess  # noqa: E402
 from sglang_harness import (  # noqa: E402
     device_pool,
@@ -98,8 +99,8 @@ def test_mla_with_tp_and_private_stores_is_refused_and_mla_keys_carry_no_tp_rank
         data = fill_pages(h0, [1, 2, 3], seed=20)
         assert r0.batch_set_v1(page_keys(3), page_indices(h0, [1, 2, 3])) == [True] * 3  # the writer rank
         assert r1.batch_exists(page_keys(3)) == 3  # SGLang's MIN over the ranks is 3, not 0
-        assert r1.batch_get_v1(page_keys(3), page_indices(h1, [4, 5, 6])) == [True] * 3
-        assert page_bytes(h1, [4, 5, 6]) == data
+        assert_all_hits_exact(r1.batch_get_v1(page_keys(3), page_indices(h1, [4, 5, 6])), page_bytes(h1, [4, 5, 6]),
+                              data)
     _, m0 = backends("mha", "page_first", tp_size=2, tp_rank=0)
     _, m1 = backends("mha", "page_first", tp_size=2, tp_rank=1)
     _, solo = backends("mha", "page_first", tp_size=1)
@@ -132,8 +133,8 @@ def test_pages_round_trip_bit_exact_in_every_layout(backends, kind, layout):
     fill_pages(host, [1, 2, 3, 4, 5], seed=2)  # SGLang reuses the host pages: the store kept its own copy
     assert backend.batch_exists(keys) == 5
     assert backend.batch_exists(keys + page_keys(2, start=50)) == 5
-    assert backend.batch_get_v1(keys, page_indices(host, [10, 11, 12, 13, 14])) == [True] * 5
-    assert page_bytes(host, [10, 11, 12, 13, 14]) == data
+    hit = backend.batch_get_v1(keys, page_indices(host, [10, 11, 12, 13, 14]))
+    assert_all_hits_exact(hit, page_bytes(host, [10, 11, 12, 13, 14]), data)
     # Another layout of the same model holds other bytes: a namespace of its own.
     other = "page_first" if layout != "page_first" else "layer_first"
     _, other_backend = backends(kind, other)
@@ -167,8 +168,8 @@ def test_pages_served_from_the_ssd_come_back_bit_exact(backends, tmp_path, kind,
     assert backend.store.flush(10)
     assert list(backend.store.tiers[0].contains(backend.page_store.keys(keys[:4]))) == [False] * 4  # evicted from DRAM
     assert backend.batch_exists(keys) == 20
-    assert backend.batch_get_v1(keys, page_indices(host, list(range(30, 50)))) == [True] * 20
-    assert page_bytes(host, list(range(30, 50))) == data
+    hit = backend.batch_get_v1(keys, page_indices(host, list(range(30, 50))))
+    assert_all_hits_exact(hit, page_bytes(host, list(range(30, 50))), data)
     counts = backend.stats()["pages"]
     path = "loaded_direct" if backend.pages.contiguous else "loaded_staged"
     assert counts[path] >= 12 and counts["missed"] == 0  # the ones DRAM lost, read from the SSD
@@ -184,8 +185,8 @@ def test_standalone_pages_go_through_the_node_pool(backends, tmp_path, kind, lay
         data = fill_pages(host, [1, 2, 3, 4], seed=5)
         assert writer.batch_set_v1(keys, page_indices(host, [1, 2, 3, 4])) == [True] * 4
         assert reader.batch_exists(keys) == 4
-        assert reader.batch_get_v1(keys, page_indices(reader_host, [8, 9, 10, 11])) == [True] * 4
-        assert page_bytes(reader_host, [8, 9, 10, 11]) == data
+        hit = reader.batch_get_v1(keys, page_indices(reader_host, [8, 9, 10, 11]))
+        assert_all_hits_exact(hit, page_bytes(reader_host, [8, 9, 10, 11]), data)
         staged = writer.stats()["pages"]["saved_staged"]
         assert staged == (0 if writer.pages.contiguous else 4)  # no DRAM slots to gather into: staging rows
 
@@ -276,8 +277,8 @@ def test_concurrent_calls_from_sglangs_threads_stay_bit_exact(backends):
                 keys, pages = batches[b]
                 backend.batch_set_v1(keys, page_indices(host, pages))
                 backend.batch_exists(keys)
-                if all(backend.batch_get_v1(keys, page_indices(host, out_pages[t]))):
-                    assert page_bytes(host, out_pages[t]) == data[b]
+                hit = backend.batch_get_v1(keys, page_indices(host, out_pages[t]))
+                assert_no_wrong_bytes(hit, page_bytes(host, out_pages[t]), data[b])  # every hit, not all-or-none
         except BaseException as e:  # reported below
             errors.append(e)
 

@@ -10,7 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import block_for, blocks_for
+from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes
+from conftest import blocks_for
 from kvtier.keys import Namespace
 from kvtier.pins import PinTable
 from kvtier.tiers.ssd import DirectoryInUse, DiskTier
@@ -38,8 +39,7 @@ def test_put_get_bit_exact_aligned_and_bounced(tmp_path, make_keys, aligned):
     src.copy_(data)
     assert t.put(keys, src) == [True] * 20
     out = aligned_blocks(20, BB) if aligned else torch.zeros(20 * BB + 8, dtype=torch.uint8)[8:].view(20, BB)
-    assert t.get(keys, out) == [True] * 20
-    assert torch.equal(out, data)
+    assert_all_hits_exact(t.get(keys, out), out, data)
     outs = [np.zeros(BB, np.uint8) for _ in range(3)]  # a list of separate buffers
     assert t.get(keys[5:8], outs) == [True] * 3
     assert all(np.array_equal(o, data[5 + i].numpy()) for i, o in enumerate(outs))
@@ -60,7 +60,7 @@ def test_block_not_a_multiple_of_the_alignment_is_padded(tmp_path, make_keys):
     out = torch.zeros(12, bb, dtype=torch.uint8)
     hit = t.get(keys, out)
     assert sum(hit) == t.stats().blocks == 10 and hit[8:] == [True] * 4
-    assert all(torch.equal(out[i], data[i]) for i in range(12) if hit[i])
+    assert_no_wrong_bytes(hit, out, data)
     t.close()
 
 
@@ -156,11 +156,11 @@ def test_deleted_and_truncated_segment_files_become_misses(tmp_path, make_keys):
     out = torch.zeros(16, BB, dtype=torch.uint8)
     hit = t.get(keys, out)
     assert sum(hit) == 16 - 4 - 2
-    assert all(torch.equal(out[i], data[i]) for i in range(16) if hit[i])
+    assert_no_wrong_bytes(hit, out, data)
     extra = t.stats().extra
     assert extra["dropped_at_open_segment_file_missing"] == 4 and extra["dropped_at_open_segment_file_truncated"] == 2
     assert t.put(keys, data) == [True] * 16  # the files are recreated / extended on the next write
-    assert t.get(keys, out) == [True] * 16 and torch.equal(out, data)
+    assert_all_hits_exact(t.get(keys, out), out, data)
     t.close()
 
 
@@ -211,7 +211,7 @@ def test_corrupted_bytes_are_a_counted_miss_never_data(tmp_path, make_keys):
         assert t.contains(keys[1:2]) == [False] and gone[-1:] == keys[1:2]  # dropped, and the store is told
         assert t.put(keys[1:2], data[1:2]) == [True]
         out2 = torch.zeros(1, BB, dtype=torch.uint8)
-        assert t.get(keys[1:2], out2) == [True] and torch.equal(out2[0], data[1])
+        assert_all_hits_exact(t.get(keys[1:2], out2), out2[0], data[1])
     assert t.stats().extra["checksum_failures"] == 2 and gone == [keys[1]] * 2
     t.close()
 
@@ -242,7 +242,7 @@ def test_tmpfs_fallback_warns_once(tmp_path, make_keys, caplog):
             data = blocks_for(keys, BB)
             t.put(keys, data)
             out = torch.zeros(6, BB, dtype=torch.uint8)
-            assert t.get(keys, out) == [True] * 6 and torch.equal(out, data)
+            assert_all_hits_exact(t.get(keys, out), out, data)
             t.close()
         assert not t.direct
         warnings = [r for r in caplog.records if "no O_DIRECT" in r.getMessage()]
@@ -261,7 +261,7 @@ def test_dev_shm_works_either_way(make_keys):
         keys = make_keys(3)
         t.put(keys, blocks_for(keys, BB))
         out = torch.zeros(3, BB, dtype=torch.uint8)
-        assert t.get(keys, out) == [True] * 3 and torch.equal(out, blocks_for(keys, BB))
+        assert_all_hits_exact(t.get(keys, out), out, blocks_for(keys, BB))
         t.close()
 
 
@@ -274,7 +274,7 @@ def test_write_behind_is_readable_before_it_lands_and_survives_the_source(tmp_pa
     src.zero_()  # the caller's buffer is free once put_later returns
     assert sorted(fut.result(10)) == sorted(keys)
     out = torch.zeros(24, BB, dtype=torch.uint8)
-    assert t.get(keys, out) == [True] * 24 and torch.equal(out, data)
+    assert_all_hits_exact(t.get(keys, out), out, data)
     assert t.flush(10) and t.stats().extra["staged"] == 0
     t.close()
 
@@ -288,7 +288,7 @@ def test_put_later_without_waiting_drops_what_does_not_fit(tmp_path, make_keys):
     assert written == s.blocks and written + s.extra.get("offload_dropped", 0) == 40
     out = torch.zeros(40, BB, dtype=torch.uint8)
     hit = t.get(keys, out)
-    assert sum(hit) == written and all(torch.equal(out[i], block_for(keys[i], BB)) for i in range(40) if hit[i])
+    assert assert_no_wrong_bytes(hit, out, blocks_for(keys, BB)).hits == written
     t.close()
 
 

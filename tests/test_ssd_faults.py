@@ -11,6 +11,7 @@ import subprocess
 
 import torch
 
+from bytecheck import assert_no_wrong_bytes
 from conftest import blocks_for
 from kvtier import Namespace, TieredStore
 from ssd_helpers import loop_ext4, mounted, open_tier
@@ -41,7 +42,7 @@ def test_full_filesystem_stops_admission_and_dram_keeps_serving(tmp_path, caplog
         hit = store.get(KEYS[:24], out)
         assert hit[20:] == [True] * 4  # DRAM
         assert sum(hit) == 4 + ssd["blocks"] - sum(1 for k in KEYS[20:24] if store.tiers[1].contains([k])[0])
-        assert all(torch.equal(out[i], data[i]) for i in range(24) if hit[i])
+        assert_no_wrong_bytes(hit, out, data)
         assert store.tiers[1].put_later(KEYS[30:31], data[:1], wait=False) is None  # refuses, does not raise
         store.close()
 
@@ -63,7 +64,7 @@ def test_device_out_of_space_under_the_filesystem(tmp_path, caplog):
         assert not all(held)
         out = torch.zeros(160, BB, dtype=torch.uint8)
         hit = t.get(KEYS, out)  # what it still serves is bit-exact (or a counted miss)
-        assert all(torch.equal(out[i], data[i]) for i in range(160) if hit[i])
+        assert_no_wrong_bytes(hit, out, data)
         t.close()
 
 
@@ -80,7 +81,7 @@ def test_read_errors_are_misses_and_stop_admission(tmp_path, caplog):
             hit = t.get(KEYS[:48], out)
         extra = t.stats().extra
         assert not all(hit) and extra["read_errors"] == hit.count(False)
-        assert all(torch.equal(out[i], data[i]) for i in range(48) if hit[i])
+        assert_no_wrong_bytes(hit, out, data)
         assert not extra["admitting"] and "EIO" in extra["stopped_reason"]
         assert t.contains([k for k, h in zip(KEYS, hit) if not h]) == [False] * hit.count(False)
         t.close()

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier.blocks import block_rows
 from kvtier.client import MasterClient
@@ -95,7 +96,7 @@ def test_blocks_a_lookup_found_are_pinned_before_it_answers(tmp_path):
     dram.contains = real
     assert found.length == 4
     out = torch.zeros(4, BB, dtype=torch.uint8)
-    assert store.get(KEYS[:4], out) == [True] * 4 and torch.equal(out, blocks_for(KEYS[:4], BB))
+    assert_all_hits_exact(store.get(KEYS[:4], out), out, blocks_for(KEYS[:4], BB))
     store.close()
 
 
@@ -151,7 +152,7 @@ def test_prepare_put_answers_once_and_claims_until_written(two_tiers):
     # One look per tier for the plan (DRAM about all six, the SSD about the four DRAM lacks), none after it.
     assert (dram.calls, ssd.calls) == (2, 2)  # the two plans
     out = torch.zeros(6, BB, dtype=torch.uint8)
-    assert store.get(KEYS[:6], out) == [True] * 6 and torch.equal(out, data)
+    assert_all_hits_exact(store.get(KEYS[:6], out), out, data)
     with store.prepare_put(KEYS[:6]) as again:  # released at exit: nothing left in flight
         assert again.fresh == []
     assert store.stats()["inflight_puts"] == 0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import Namespace, StoreEvent, TieredStore
 from kvtier.hostcopy import copy_rows
@@ -48,7 +49,7 @@ def test_a_block_being_filled_is_in_flight_for_others_and_invisible_until_publis
     first.join(10)
     assert results[0].stored == 4 and results[0].ok
     out = torch.zeros(4, BB, dtype=torch.uint8)
-    assert store.get(keys, out) == [True] * 4 and torch.equal(out, data)
+    assert_all_hits_exact(store.get(keys, out), out, data)
     store.close()
 
 
@@ -95,7 +96,7 @@ def test_write_through_copies_the_filled_slots_to_the_ssd(tmp_path):
     assert store.tiers[1].contains(keys) == [True] * 3
     store.tiers[0].remove(keys)  # read them back from the SSD alone
     out = torch.zeros(3, BB, dtype=torch.uint8)
-    assert store.get(keys, out) == [True] * 3 and torch.equal(out, data)
+    assert_all_hits_exact(store.get(keys, out), out, data)
     store.close()
 
 
@@ -150,7 +151,7 @@ def test_a_held_block_of_the_batch_evicted_before_the_reservation_leaks_nothing(
     assert store.contains(keys) == [False, True, True, True]
     assert store.put(keys, data).stored == 1  # the removed one can be stored again
     out = torch.zeros_like(data)
-    assert store.get(keys, out) == [True] * 4 and torch.equal(out, data)
+    assert_all_hits_exact(store.get(keys, out), out, data)
     assert top.stats().used_bytes == 4 * BB
 
 

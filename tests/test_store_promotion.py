@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import Namespace, StoreEvent, TieredStore
 from kvtier.tiers.dram import DramTier
@@ -45,7 +46,7 @@ def test_a_promotion_is_counted_and_announced_once_by_the_store(tmp_path):
         events: list[StoreEvent] = []
         store.add_listener(events.append)
         out = torch.zeros(2, BB, dtype=torch.uint8)
-        assert store.get(KEYS[:2], out) == [True, True] and torch.equal(out, DATA[:2])
+        assert_all_hits_exact(store.get(KEYS[:2], out), out, DATA[:2])
         assert list(dram.contains(KEYS[:2])) == [True, True]
         stats = store.stats()
         assert stats["promoted"] == 2 and stats["offload"]["promoted"] == 2

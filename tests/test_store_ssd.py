@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes
 from conftest import blocks_for
 from kvtier import Config, ConfigError, Namespace, StoreEvent, TieredStore
 from kvtier.tiers.dram import DramTier
@@ -44,7 +45,7 @@ def test_on_evict_writes_exactly_what_dram_evicts_and_gets_fall_through(tmp_path
     assert store.flush(10)
     assert held_in(store, "dram", keys) == keys[6:] and held_in(store, "ssd", keys) == keys[:6]
     out = torch.zeros(10, BB, dtype=torch.uint8)
-    assert store.get(keys, out) == [True] * 10 and torch.equal(out, data)
+    assert_all_hits_exact(store.get(keys, out), out, data)
     assert store.lookup_prefix(keys).runs == [("ssd", 6), ("dram", 4)]  # not promoted
     store.close()
 
@@ -117,7 +118,7 @@ def test_promotion_brings_ssd_hits_back_to_dram(tmp_path):
     events = []
     store.add_listener(events.append)
     out = torch.zeros(2, BB, dtype=torch.uint8)
-    assert store.get(keys[:2], out) == [True, True] and torch.equal(out, data[:2])
+    assert_all_hits_exact(store.get(keys[:2], out), out, data[:2])
     assert store.lookup_prefix(keys[:2]).runs == [("dram", 2)]
     assert StoreEvent("stored", "dram", keys[:2]) in events
     assert store.stats()["offload"]["promoted"] == 2
@@ -168,13 +169,13 @@ def test_a_write_scheduled_before_dram_evicts_still_completes(tmp_path, policy):
     assert disk.entered.wait(10)
     assert held_in(store, "dram", keys) == keys[4:]
     out = torch.zeros(6, BB, dtype=torch.uint8)
-    assert store.get(keys, out) == [True] * 6 and torch.equal(out, data)  # 0..3 served from staging
+    assert_all_hits_exact(store.get(keys, out), out, data)  # 0..3 served from staging
     disk.gate.set()
     assert store.flush(10)
     store.close()
     disk = DiskTier(tmp_path, 32 * BB, BB, segment_bytes=8 * BB)  # and they really are on disk
     out = torch.zeros(4, BB, dtype=torch.uint8)
-    assert disk.get(keys[:4], out) == [True] * 4 and torch.equal(out, data[:4])
+    assert_all_hits_exact(disk.get(keys[:4], out), out, data[:4])
     disk.close()
 
 
@@ -246,5 +247,5 @@ def test_tiny_blocks_for_a_replayer(tmp_path):
     assert ssd["extra"]["slot_bytes"] == 64 and ssd["capacity_bytes"] == 200 * 64 and ssd["blocks"] == 200
     out = torch.zeros(300, 64, dtype=torch.uint8)
     hit = store.get(keys, out)
-    assert sum(hit) == 250 and all(torch.equal(out[i], data[i]) for i in range(300) if hit[i])
+    assert assert_no_wrong_bytes(hit, out, data).hits == 250
     store.close()

@@ -211,6 +211,7 @@ def test_bad_hints_are_ignored_not_fatal(raw, caplog):
 # ---- the benchmark --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a benchmark
 def test_bench_vllm_writes_rows_beside_memcpy(tmp_path):
     import json
     import subprocess
