@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import logging
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import Executor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    f"(Apache-2.0, see its NOTICE.md): with {' '.join(DEMO_CAPACITY_ARGS)} (plotted "
                                    f"to --plot, default ./{DEMO_PLOT}), then with {' '.join(DEMO_TIER_ARGS)}.")
     add_output_arguments(d, plot_default=DEMO_PLOT)
+    add_jobs_argument(d, default=available_cpus())
     d.set_defaults(func=run_demo)
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def add_jobs_argument(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--jobs", type=int, default=default, metavar="N",
+                   help=f"replay the sweep's runs in N worker processes, each run on its own (default {default}; "
+                        "1: one after another in this process)")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, plot_default: str | None = None) -> None:
@@ -101,10 +116,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="load bandwidth per second from a tier, e.g. dram=50GB (defaults: dram 50 GB/s, "
                         "pool 25 GB/s, ssd 6 GB/s)")
     add_output_arguments(p)
+    add_jobs_argument(p, default=1)
 
 
 def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
-    report = replay(args, title)
+    with _run_pool(args.jobs) as pool:
+        report = replay(args, title, pool)
     if args.json:
         from kvtier.bench.common import write_json
 
@@ -112,8 +129,9 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     return 0
 
 
-def replay(args: argparse.Namespace, title: str = "kvtier replay") -> dict[str, Any]:
-    """Run the sweep ``args`` describe: print the table, draw ``args.plot``; return the JSON report."""
+def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: Executor | None = None) -> dict[str, Any]:
+    """Run the sweep ``args`` describe (its runs on ``pool``'s workers if given): print the table, draw
+    ``args.plot``; return the JSON report."""
     from kvtier.replay.plot import plot_hit_rates, require_matplotlib
     from kvtier.replay.replayer import ReplayConfig
     from kvtier.replay.report import print_table, to_json
@@ -155,7 +173,7 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay") -> dict[str, 
                                 head_dim=args.head_dim, dtype=args.dtype)
     sweep = Sweep(workload, layout, name, hbm, tiers, policies, service, config, extra,
                   progress=lambda desc, total: _bar(args, desc, total, unit="req"))
-    points = sweep.run()
+    points = sweep.run(pool)
     print_table(sweep, points, title)
     cpu = sum(r.result.cpu_s for p in points for r in p.runs.values())
     opt = sum(r.opt_cpu_s for p in points for r in p.runs.values())
@@ -183,20 +201,35 @@ def run_demo(args: argparse.Namespace) -> int:
         quiet = ["--no-progress"] if args.no_progress else []
         plot = ["--plot", str(args.plot)] if args.plot else []
         print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
-        report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *quiet]),
-                        title="kvtier demo, DRAM capacity")
-        if args.plot:
-            print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
-                  "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and the "
-                  "infinite cache")
-        print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
-        report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *quiet]),
-                                 title="kvtier demo, tiers under DRAM")
+        with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
+            report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *quiet]),
+                            title="kvtier demo, DRAM capacity", pool=pool)
+            if args.plot:
+                print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
+                      "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
+                      "the infinite cache")
+            print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
+            report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *quiet]),
+                                     title="kvtier demo, tiers under DRAM", pool=pool)
     if args.json:
         from kvtier.bench.common import write_json
 
         write_json(report, args.json)
     return 0
+
+
+@contextmanager
+def _run_pool(jobs: int) -> Iterator[Executor | None]:
+    from kvtier.replay.sweep import run_pool
+
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    pool = run_pool(jobs)
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
 
 def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> tuple[dict[str, Any], dict[str, Any]]:

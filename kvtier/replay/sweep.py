@@ -8,10 +8,13 @@ Each run's own access stream gives its OPT and infinite-cache limits (memoised w
 
 from __future__ import annotations
 
+import copy
 import logging
+import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -204,19 +207,44 @@ class Sweep:
             grid = [{**g, key: c} for g in grid for c in caps]
         return grid
 
-    def run(self) -> list[SweepPoint]:
+    def run(self, executor: Executor | None = None) -> list[SweepPoint]:
+        """Every run of the grid, in this process one after another, or spread over ``executor``'s worker
+        processes (``run_pool``): each run builds its own store and replays on its own virtual clock, so
+        its result does not depend on where or beside what it ran."""
         unique, bb = self.workload.unique_blocks, self.block_bytes
         hbm_blocks = self.hbm.blocks(unique, bb)
-        out = []
+        out, grid = [], []
         for caps in self.points():
             blocks = {k: c.blocks(unique, bb) for k, c in caps.items()}
             labels = {HBM: self.hbm.label(unique, bb), **{k.removesuffix("_capacity"): c.label(unique, bb)
                                                           for k, c in caps.items()}}
             point = SweepPoint({HBM: hbm_blocks, **{k.removesuffix("_capacity"): v for k, v in blocks.items()}},
                                labels)
-            for policy in self.policies:
-                point.runs[policy] = self.run_one(policy, hbm_blocks, blocks, labels)
+            grid += [(point, policy, blocks, labels) for policy in self.policies]
             out.append(point)
+        if executor is None:
+            for point, policy, blocks, labels in grid:
+                point.runs[policy] = self.run_one(policy, hbm_blocks, blocks, labels)
+            return out
+        shipped = copy.copy(self)  # what a worker needs: no progress callback (a closure over a tty)
+        shipped.progress = None
+        shipped.limits = LimitsCache()
+        futures = {executor.submit(shipped.run_one, policy, hbm_blocks, blocks, labels): i
+                   for i, (_, policy, blocks, labels) in enumerate(grid)}
+        bar = self.progress(f"{len(grid)} runs", self.workload.requests * len(grid)) if self.progress else None
+        done: dict[int, PolicyRun] = {}
+        try:
+            for future in as_completed(futures):
+                run = done[futures[future]] = future.result()
+                if bar is not None:
+                    bar.update(run.result.requests)
+        finally:
+            if bar is not None:
+                bar.close()
+            for future in futures:
+                future.cancel()
+        for i, (point, policy, _, _) in enumerate(grid):  # the grid's order, whatever order runs ended in
+            point.runs[policy] = done[i]
         return out
 
     def run_one(self, policy: str, hbm_blocks: int, tier_blocks: Mapping[str, int],
@@ -244,3 +272,13 @@ class Sweep:
                  result.requests, result.cpu_s)
         result.stream = np.empty(0, np.int32)  # hundreds of MB for a large set; the limits are all we keep
         return PolicyRun(policy, result, limits, self.workload.block_tokens, opt_cpu, store_limits)
+
+
+def run_pool(jobs: int) -> ProcessPoolExecutor | None:
+    """Worker processes for ``Sweep.run`` (None for ``jobs`` <= 1: runs stay in this process). Spawned, not
+    forked: this process may hold threads (a progress bar's, the executor's own) that a fork would copy
+    mid-lock. Each worker imports torch once (the DRAM tier's, ~2 s of CPU) where this process, which then
+    builds no store, does not."""
+    if jobs <= 1:
+        return None
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
