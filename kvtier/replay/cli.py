@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 DEMO_TRACES = ("sample-traces", "agentic-cc")
 # Eight of the ten sample traces, 8 lanes, HBM 5% of their unique blocks (an engine's HBM is small against the
 # sessions it serves): first DRAM at 2%..25%, drawn as a PNG; then DRAM 10% without and with a second node's
-# DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 30 s of CPU (each pool
-# point starts a fresh kvtier-pool: ~2 s).
+# DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 70 s of CPU in all (each pool
+# run starts a fresh kvtier-pool: ~2.5 s of it), so the 16 runs go to one worker process per CPU (--jobs).
 DEMO_COMMON = ["--limit", "8", "--lanes", "8", "--hbm", "5%", "--policy", "default,lru"]
 DEMO_CAPACITY_ARGS = [*DEMO_COMMON, "--dram", "2%,5%,10%,25%"]
 DEMO_TIER_ARGS = [*DEMO_COMMON, "--dram", "10%", "--pool", "0,25%", "--ssd", "0,50%", "--set", "pool_offload=on_evict"]
