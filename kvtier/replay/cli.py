@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import Config
+from kvtier.hostcopy import usable_cores
 from kvtier.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    f"(Apache-2.0, see its NOTICE.md): with {' '.join(DEMO_CAPACITY_ARGS)} (plotted "
                                    f"to --plot, default ./{DEMO_PLOT}), then with {' '.join(DEMO_TIER_ARGS)}.")
     add_output_arguments(d, plot_default=DEMO_PLOT)
-    add_jobs_argument(d, default=available_cpus())
+    add_jobs_argument(d, default=usable_cores())
     d.set_defaults(func=run_demo)
-
-
-def available_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def add_jobs_argument(p: argparse.ArgumentParser, default: int) -> None:

@@ -173,7 +173,8 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
 
 
 class Sweep:
-    """Runs the grid. Single-threaded; each run owns and closes its store."""
+    """Runs the grid, one run at a time here or on worker processes (``run``); each run owns and closes its
+    store."""
 
     def __init__(
         self, workload: Workload, layout: BlockLayout, model: str, hbm: Capacity, tiers: Mapping[str, list[Capacity]],
@@ -281,4 +282,10 @@ def run_pool(jobs: int) -> ProcessPoolExecutor | None:
     builds no store, does not."""
     if jobs <= 1:
         return None
-    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    return ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_log_like,
+                               initargs=(logging.getLogger().getEffectiveLevel(),))
+
+
+def _log_like(level: int) -> None:
+    """A worker logs at its parent's level (a spawned process starts with no logging set up)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
