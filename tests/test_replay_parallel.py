@@ -13,7 +13,7 @@ import kvtier
 from kvtier.replay.replayer import ReplayConfig
 from kvtier.replay.service import ServiceModel
 from kvtier.replay.sizing import model_layout, parse_capacities, parse_capacity
-from kvtier.replay.sweep import PolicyRun, Sweep, run_pool
+from kvtier.replay.sweep import PolicyRun, RunPool, Sweep, run_pool
 from kvtier.replay.workload import load_workload
 
 SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"
@@ -38,7 +38,7 @@ def test_runs_in_worker_processes_measure_what_runs_in_this_process_measure(tmp_
                   ReplayConfig(lanes=2), {"ssd_path": str(tmp_path / "ssd")})
     here = sweep.run()
     pool = run_pool(2)
-    assert pool is not None and run_pool(1) is None
+    assert isinstance(pool, RunPool) and pool.jobs == 2 and run_pool(1) is None
     with pool:
         there = sweep.run(pool)
     assert [p.labels for p in there] == [p.labels for p in here]

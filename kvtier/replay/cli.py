@@ -9,14 +9,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import Executor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import Config
 from kvtier.hostcopy import usable_cores
 from kvtier.units import parse_bytes
+
+if TYPE_CHECKING:
+    from kvtier.replay.sweep import RunPool
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     return 0
 
 
-def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: Executor | None = None) -> dict[str, Any]:
+def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool | None = None) -> dict[str, Any]:
     """Run the sweep ``args`` describe (its runs on ``pool``'s workers if given): print the table, draw
     ``args.plot``; return the JSON report."""
     from kvtier.replay.plot import plot_hit_rates, require_matplotlib
@@ -215,7 +217,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _run_pool(jobs: int) -> Iterator[Executor | None]:
+def _run_pool(jobs: int) -> Iterator[RunPool | None]:
     from kvtier.replay.sweep import run_pool
 
     if jobs < 1:
@@ -225,7 +227,7 @@ def _run_pool(jobs: int) -> Iterator[Executor | None]:
         yield pool
     finally:
         if pool is not None:
-            pool.shutdown(cancel_futures=True)
+            pool.close()
 
 
 def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> tuple[dict[str, Any], dict[str, Any]]:
