@@ -68,13 +68,16 @@ class PoolDaemon:
             cmd += ["--auth-dir", str(_make_keys(self._dir))]
         self._proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + self.start_timeout_s
-        while not ready.exists():
-            if self._proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise RuntimeError(f"kvtier-pool did not start (exit code {self._proc.poll()}; command: "
-                                   f"{' '.join(cmd)})")
-            time.sleep(0.02)
-        self.endpoints = json.loads(ready.read_text())["endpoints"]
+        try:
+            while not ready.exists():
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvtier-pool did not start (exit code {self._proc.poll()}; command: "
+                                       f"{' '.join(cmd)})")
+                time.sleep(0.02)
+            self.endpoints = json.loads(ready.read_text())["endpoints"]
+        except BaseException:  # a Ctrl-C while it starts too: no `with` will call __exit__ for a failed __enter__
+            self.__exit__()
+            raise
         return self
 
     def client_auth(self, endpoint: str) -> ClientKeys | None:

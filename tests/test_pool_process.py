@@ -58,3 +58,33 @@ def test_pool_without_dev_shm_falls_back_to_its_temp_dir_and_logs(monkeypatch, t
             assert any(p.name.endswith(".shm") for p in temp.iterdir())
     assert "does not exist here" in caplog.text
     assert not temp.exists()
+
+
+def test_an_interrupt_while_the_pool_starts_stops_it_and_removes_its_directories(monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt) in the wait for the ready file: ``with`` calls no __exit__ for a failed
+    __enter__, so __enter__ itself must stop the process and remove its directories."""
+    pool = PoolDaemon(1 << 20, BB)
+    started = []
+    real_popen = process.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    real_sleep = process.time.sleep
+
+    def interrupted(s):  # the first sleep is the wait's (the time module is shared: later ones are real)
+        if len(started) == 1 and not getattr(interrupted, "done", False):
+            interrupted.done = True
+            raise KeyboardInterrupt
+        real_sleep(s)
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    monkeypatch.setattr(process.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with pool:
+            pass
+    proc = started[0]
+    assert proc.poll() is not None  # stopped (and reaped), not left running
+    assert pool.shm_dir is None and pool._dir is None
+    assert not [d for d in Path("/dev/shm").glob(f"kvtier-pool-{os.getpid()}-*")]

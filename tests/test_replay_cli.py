@@ -76,6 +76,7 @@ def test_replay_mooncake_jsonl(tmp_path):
     (["--model", "gpt-9"], "unknown model 'gpt-9'"),
     (["--model", "llama-3.1-8b", "--layers", "2"], "either --model or --layers"),
     (["--bandwidth", "dram"], "--bandwidth 'dram': expected KEY=VALUE"),
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, args, message):
     assert main(["replay", str(SAMPLE), "--limit", "1", "--no-progress", *args]) == 2  # in-process: fast

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.replay import opt
-from kvtier.replay.opt import LimitsCache, belady_hits, infinite_hits, next_use
+from kvtier.replay.opt import LimitsCache, belady_hits, infinite_hits, next_use, peak_reuse
 from replaykit import brute_force_opt
 
 
@@ -52,6 +52,25 @@ def test_belady_with_heap_sweeps_matches_reference(monkeypatch, chunk):
     for capacity in (1, 4, 17):
         stream = rng.zipf(1.3, 3000) % 200
         assert belady_hits(stream, capacity) == reference_belady(stream.tolist(), capacity)
+
+
+def reference_peak_reuse(stream: list[int]) -> int:
+    """After each access: how many blocks seen so far are accessed again later; the largest count."""
+    return max((len({b for b in stream[:t + 1] if b in stream[t + 1:]}) for t in range(len(stream))), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stream=st.lists(st.integers(0, 9), max_size=40))
+def test_peak_reuse_is_the_smallest_cache_that_reaches_the_infinite_cache(stream):
+    """At capacity >= peak_reuse belady_hits answers without its loop: the infinite cache's hits. The bound is
+    tight (one block less and MIN misses), and the loop agrees with the shortcut where both apply."""
+    s = np.asarray(stream, dtype=np.int32)
+    peak = peak_reuse(next_use(s))
+    assert peak == reference_peak_reuse(stream)
+    for capacity in range(max(peak - 2, 1), peak + 2):  # (the reference needs room for one)
+        assert belady_hits(s, capacity) == reference_belady(stream, capacity)
+    if peak > 0:
+        assert belady_hits(s, peak) == infinite_hits(s) > belady_hits(s, peak - 1)
 
 
 def test_limits_are_memoised_per_stream_and_capacity():

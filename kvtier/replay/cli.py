@@ -8,11 +8,17 @@ import logging
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import Config
+from kvtier.hostcopy import usable_cores
 from kvtier.units import parse_bytes
+
+if TYPE_CHECKING:
+    from kvtier.replay.sweep import RunPool
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +26,8 @@ log = logging.getLogger(__name__)
 DEMO_TRACES = ("sample-traces", "agentic-cc")
 # Eight of the ten sample traces, 8 lanes, HBM 5% of their unique blocks (an engine's HBM is small against the
 # sessions it serves): first DRAM at 2%..25%, drawn as a PNG; then DRAM 10% without and with a second node's
-# DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 30 s of CPU (each pool
-# point starts a fresh kvtier-pool: ~2 s).
+# DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 70 s of CPU in all (each pool
+# run starts a fresh kvtier-pool: ~2.5 s of it), so the 16 runs go to one worker process per CPU (--jobs).
 DEMO_COMMON = ["--limit", "8", "--lanes", "8", "--hbm", "5%", "--policy", "default,lru"]
 DEMO_CAPACITY_ARGS = [*DEMO_COMMON, "--dram", "2%,5%,10%,25%"]
 DEMO_TIER_ARGS = [*DEMO_COMMON, "--dram", "10%", "--pool", "0,25%", "--ssd", "0,50%", "--set", "pool_offload=on_evict"]
@@ -43,7 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    f"(Apache-2.0, see its NOTICE.md): with {' '.join(DEMO_CAPACITY_ARGS)} (plotted "
                                    f"to --plot, default ./{DEMO_PLOT}), then with {' '.join(DEMO_TIER_ARGS)}.")
     add_output_arguments(d, plot_default=DEMO_PLOT)
+    add_jobs_argument(d, default=usable_cores())
     d.set_defaults(func=run_demo)
+
+
+def add_jobs_argument(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--jobs", type=int, default=default, metavar="N",
+                   help=f"replay the sweep's runs in N worker processes, each run on its own (default {default}; "
+                        "1: one after another in this process)")
 
 
 def add_output_arguments(p: argparse.ArgumentParser, plot_default: str | None = None) -> None:
@@ -101,10 +114,12 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                    help="load bandwidth per second from a tier, e.g. dram=50GB (defaults: dram 50 GB/s, "
                         "pool 25 GB/s, ssd 6 GB/s)")
     add_output_arguments(p)
+    add_jobs_argument(p, default=1)
 
 
 def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
-    report = replay(args, title)
+    with _run_pool(args.jobs) as pool:
+        report = replay(args, title, pool)
     if args.json:
         from kvtier.bench.common import write_json
 
@@ -112,8 +127,9 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
     return 0
 
 
-def replay(args: argparse.Namespace, title: str = "kvtier replay") -> dict[str, Any]:
-    """Run the sweep ``args`` describe: print the table, draw ``args.plot``; return the JSON report."""
+def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool | None = None) -> dict[str, Any]:
+    """Run the sweep ``args`` describe (its runs on ``pool``'s workers if given): print the table, draw
+    ``args.plot``; return the JSON report."""
     from kvtier.replay.plot import plot_hit_rates, require_matplotlib
     from kvtier.replay.replayer import ReplayConfig
     from kvtier.replay.report import print_table, to_json
@@ -155,7 +171,7 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay") -> dict[str, 
                                 head_dim=args.head_dim, dtype=args.dtype)
     sweep = Sweep(workload, layout, name, hbm, tiers, policies, service, config, extra,
                   progress=lambda desc, total: _bar(args, desc, total, unit="req"))
-    points = sweep.run()
+    points = sweep.run(pool)
     print_table(sweep, points, title)
     cpu = sum(r.result.cpu_s for p in points for r in p.runs.values())
     opt = sum(r.opt_cpu_s for p in points for r in p.runs.values())
@@ -183,20 +199,35 @@ def run_demo(args: argparse.Namespace) -> int:
         quiet = ["--no-progress"] if args.no_progress else []
         plot = ["--plot", str(args.plot)] if args.plot else []
         print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
-        report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *quiet]),
-                        title="kvtier demo, DRAM capacity")
-        if args.plot:
-            print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
-                  "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and the "
-                  "infinite cache")
-        print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
-        report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *quiet]),
-                                 title="kvtier demo, tiers under DRAM")
+        with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
+            report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *quiet]),
+                            title="kvtier demo, DRAM capacity", pool=pool)
+            if args.plot:
+                print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
+                      "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
+                      "the infinite cache")
+            print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
+            report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *quiet]),
+                                     title="kvtier demo, tiers under DRAM", pool=pool)
     if args.json:
         from kvtier.bench.common import write_json
 
         write_json(report, args.json)
     return 0
+
+
+@contextmanager
+def _run_pool(jobs: int) -> Iterator[RunPool | None]:
+    from kvtier.replay.sweep import run_pool
+
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    pool = run_pool(jobs)
+    try:
+        yield pool
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> tuple[dict[str, Any], dict[str, Any]]:

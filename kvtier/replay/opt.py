@@ -43,6 +43,16 @@ def infinite_hits(stream: np.ndarray) -> int:
     return int(len(stream) - len(np.unique(stream))) if len(stream) else 0
 
 
+def peak_reuse(nxt: np.ndarray) -> int:
+    """The most blocks that are, at one moment, waiting for a later access (``nxt``: ``next_use``'s answer):
+    a cache this large keeps every one of them, so its hits are the infinite cache's."""
+    n = len(nxt)
+    reused = nxt < n
+    # Block accessed at t, next at m: waiting over steps t..m-1 (the access at m consumes it).
+    waiting = np.cumsum(np.bincount(np.flatnonzero(reused), minlength=n) - np.bincount(nxt[reused], minlength=n))
+    return int(waiting.max()) if n else 0
+
+
 def belady_hits(stream: np.ndarray, capacity: int, nxt: np.ndarray | None = None) -> int:
     """Hits of Belady's MIN (with bypass) on ``stream`` with room for ``capacity`` blocks.
 
@@ -50,12 +60,15 @@ def belady_hits(stream: np.ndarray, capacity: int, nxt: np.ndarray | None = None
     (``kept[i]`` is set while the block accessed at i is held, waiting for that access). Held entries are on
     a max-heap; entries consumed by a hit stay in the heap as stale values smaller than the current index,
     so the heap's top is always a held block while any is held, and stale entries are swept out in batches.
+    Where ``capacity`` is at least ``peak_reuse`` nothing is ever evicted: every re-access hits, no loop.
     """
     n = len(stream)
     if capacity <= 0 or n == 0:
         return 0
     if nxt is None:
         nxt = next_use(stream)
+    if capacity >= peak_reuse(nxt):
+        return int(np.count_nonzero(nxt < n))
     kept = bytearray(n + 1)
     heap: list[int] = []  # -next_use of held blocks, plus stale entries (<= current index)
     held = hits = 0
@@ -97,6 +110,7 @@ class LimitsCache:
 
     def __init__(self) -> None:
         self._memo: dict[tuple[int, bytes, int], Limits] = {}
+        self._next_use: dict[tuple[int, bytes], np.ndarray] = {}  # the last stream's only: it can be large
 
     def limits(self, stream: np.ndarray, capacity: int) -> Limits:
         import xxhash
@@ -104,6 +118,9 @@ class LimitsCache:
         key = (len(stream), xxhash.xxh3_128_digest(np.ascontiguousarray(stream)), capacity)  # hashes in place
         got = self._memo.get(key)
         if got is None:
-            got = Limits(len(stream), infinite_hits(stream), belady_hits(stream, capacity), capacity)
+            nxt = self._next_use.get(key[:2])
+            if nxt is None:  # one stream, several capacities (HBM + store, store alone): computed once
+                self._next_use = {key[:2]: (nxt := next_use(stream))}
+            got = Limits(len(stream), infinite_hits(stream), belady_hits(stream, capacity, nxt), capacity)
             self._memo[key] = got
         return got

@@ -8,10 +8,15 @@ Each run's own access stream gives its OPT and infinite-cache limits (memoised w
 
 from __future__ import annotations
 
+import copy
 import logging
+import functools
+import itertools
+import multiprocessing
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -170,7 +175,8 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
 
 
 class Sweep:
-    """Runs the grid. Single-threaded; each run owns and closes its store."""
+    """Runs the grid, one run at a time here or on worker processes (``run``); each run owns and closes its
+    store."""
 
     def __init__(
         self, workload: Workload, layout: BlockLayout, model: str, hbm: Capacity, tiers: Mapping[str, list[Capacity]],
@@ -204,19 +210,38 @@ class Sweep:
             grid = [{**g, key: c} for g in grid for c in caps]
         return grid
 
-    def run(self) -> list[SweepPoint]:
+    def run(self, pool: RunPool | None = None) -> list[SweepPoint]:
+        """Every run of the grid, in this process one after another, or spread over ``pool``'s worker
+        processes: each run builds its own store and replays on its own virtual clock, so its result does not
+        depend on where or beside what it ran."""
         unique, bb = self.workload.unique_blocks, self.block_bytes
         hbm_blocks = self.hbm.blocks(unique, bb)
-        out = []
+        out, grid = [], []
         for caps in self.points():
             blocks = {k: c.blocks(unique, bb) for k, c in caps.items()}
             labels = {HBM: self.hbm.label(unique, bb), **{k.removesuffix("_capacity"): c.label(unique, bb)
                                                           for k, c in caps.items()}}
             point = SweepPoint({HBM: hbm_blocks, **{k.removesuffix("_capacity"): v for k, v in blocks.items()}},
                                labels)
-            for policy in self.policies:
-                point.runs[policy] = self.run_one(policy, hbm_blocks, blocks, labels)
+            grid += [(point, policy, blocks, labels) for policy in self.policies]
             out.append(point)
+        if pool is None:
+            for point, policy, blocks, labels in grid:
+                point.runs[policy] = self.run_one(policy, hbm_blocks, blocks, labels)
+            return out
+        shipped = copy.copy(self)  # what a worker needs: no progress callback (a closure over a tty)
+        shipped.progress = None
+        shipped.limits = LimitsCache()
+        calls = [functools.partial(shipped.run_one, policy, hbm_blocks, blocks, labels)
+                 for _, policy, blocks, labels in grid]
+        bar = self.progress(f"{len(grid)} runs", self.workload.requests * len(grid)) if self.progress else None
+        try:
+            runs = pool.map(calls, on_result=(lambda run: bar.update(run.result.requests)) if bar else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        for (point, policy, _, _), run in zip(grid, runs):
+            point.runs[policy] = run
         return out
 
     def run_one(self, policy: str, hbm_blocks: int, tier_blocks: Mapping[str, int],
@@ -244,3 +269,59 @@ class Sweep:
                  result.requests, result.cpu_s)
         result.stream = np.empty(0, np.int32)  # hundreds of MB for a large set; the limits are all we keep
         return PolicyRun(policy, result, limits, self.workload.block_tokens, opt_cpu, store_limits)
+
+
+class RunPool:
+    """Worker processes for ``Sweep.run``, reusable across sweeps (a worker's imports, torch's ~2 s of CPU
+    among them, are paid once). Spawned, not forked: this process may hold threads (a progress bar's, the
+    executor's own) that a fork would copy mid-lock. A worker takes a Ctrl-C as this process would (the run
+    under way closes its store and stops its pool daemon), and no run waits queued in a worker: a run is
+    handed out only when a worker is free, so an interrupted sweep starts nothing more."""
+
+    def __init__(self, jobs: int) -> None:
+        if jobs < 2:
+            raise ValueError(f"a pool of workers needs jobs >= 2, got {jobs}")
+        self.jobs = jobs
+        self._executor = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_start_worker,
+                                             initargs=(logging.getLogger().getEffectiveLevel(),))
+
+    def map(self, calls: list[Callable[[], PolicyRun]],
+            on_result: Callable[[PolicyRun], Any] | None = None) -> list[PolicyRun]:
+        """Each call's result, in the calls' order; ``on_result`` sees each as it ends. The first error is
+        raised once the calls under way have ended (those not started never are)."""
+        results: dict[int, PolicyRun] = {}
+        running: dict[Future[PolicyRun], int] = {}
+        todo = iter(enumerate(calls))
+        try:
+            while True:
+                for i, call in itertools.islice(todo, self.jobs - len(running)):
+                    running[self._executor.submit(call)] = i
+                if not running:
+                    return [results[i] for i in range(len(calls))]
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    results[running.pop(future)] = run = future.result()
+                    if on_result is not None:
+                        on_result(run)
+        finally:
+            wait(running)  # what a run under way holds (its store, a pool daemon) is released before we go on
+
+    def close(self) -> None:
+        self._executor.shutdown()
+
+    def __enter__(self) -> RunPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_pool(jobs: int) -> RunPool | None:
+    """Worker processes for ``Sweep.run``, or None for ``jobs`` <= 1 (runs stay in this process)."""
+    return RunPool(jobs) if jobs > 1 else None
+
+
+def _start_worker(level: int) -> None:
+    """A worker logs at its parent's level (a spawned process starts with no logging set up)."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
