@@ -37,8 +37,9 @@ ENV_CUDA_ARCH = "KVTIER_CUDA_ARCH"  # GPU architectures native_build.py compiles
 ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": hostcopy.py and keytable.py skip the native CPU library
 ENV_RDMA_DEVICE = "KVTIER_RDMA_DEVICE"  # name[:port[:gid_index]]: the device kvtier/transport/rdma.py opens
 ENV_ENGINE_PYTHON = "KVTIER_ENGINE_PYTHON"  # the real vLLM engine's python for bench/engine_proc.py (tests, bench)
+ENV_RUNTIME_DIR = "KVTIER_RUNTIME_DIR"  # the directory of keyless daemons' owner tokens (kvtier/auth/owner.py)
 ENV_NOT_CONFIG = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_NATIVE_CPU, ENV_RDMA_DEVICE,
-                            ENV_ENGINE_PYTHON})
+                            ENV_ENGINE_PYTHON, ENV_RUNTIME_DIR})
 
 
 @dataclass

@@ -85,7 +85,7 @@ class MasterMetrics:
         # key not admitted, a wrong or missing owner token, closed in the handshake), port="metrics" the HTTP port.
         self.refused = Counter("kvtier_master_refused_connections", "Connections closed or refused, by port and "
                                "reason (zmq: auth_refused_key, auth_handshake_failed, auth_refused_token, "
-                               "auth_no_token, zmq_closed_in_handshake; metrics: the HTTP port's limits)",
+                               "auth_no_token, auth_refused_uid, zmq_closed_in_handshake; metrics: the HTTP port's limits)",
                                ["port", "reason"], registry=r)
         for reason in HTTP_REASONS:  # every reason's series from the start: rate() sees the first refusal
             self.refused.labels("metrics", reason)

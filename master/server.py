@@ -191,7 +191,7 @@ class MasterServer:
         serving = False
         try:
             if gate is not None:
-                gate.secure(sock)
+                gate.secure(sock, self.settings.bind)
                 gate.watch(sock, ctx)
             sock.bind(self.settings.bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -33,6 +33,7 @@ REFUSED = (
     ("zmq_handshake_timeouts", "zmq", "handshake_timeout"), ("zmq_closed_in_handshake", "zmq", "closed_in_handshake"),
     ("auth_refused_key", "zmq", "key_not_authorized"), ("auth_handshake_failed", "zmq", "curve_handshake_failed"),
     ("auth_refused_token", "zmq", "wrong_owner_token"), ("auth_no_token", "zmq", "no_owner_token"),
+    ("auth_refused_uid", "zmq", "other_uid_on_ipc"),
     ("zmq_accept_failed", "zmq", "accept_failed"),
     ("stream_refused", "stream", "all_busy"), ("stream_pending_dropped", "stream", "pending_full"),
     ("stream_pending_timeouts", "stream", "handshake_timeout"), ("stream_auth_refused", "stream", "bad_token"),

@@ -138,9 +138,10 @@ class PoolServer:
         try:
             if self.gate is not None:
                 self.gate.start(self._ctx)
-                self.gate.secure(frontend)
             self._watch = PortWatch(frontend, self._ctx, lambda name, n: self.state.count(**{name: n}), self.gate)
             for endpoint in s.bind:
+                if self.gate is not None:
+                    self.gate.secure(frontend, endpoint)  # per bind: each endpoint admits its own owner token
                 bind_private(frontend, endpoint)
                 endpoints.append(frontend.getsockopt_string(zmq.LAST_ENDPOINT))
             if self.owner is not None:

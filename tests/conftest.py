@@ -29,3 +29,28 @@ def make_keys():
 
 # The vLLM connector tests' fixtures (model, ipc_dir, engine), found by name; they import vLLM only when used.
 pytest_plugins = ["vllm_fixtures"]
+
+
+def pytest_configure(config):
+    """The suite's own owner-token directory (kvtier/auth/owner.py; 0700, as the daemons check): token files
+    an earlier run's daemons left (killed ones keep theirs) must not make this run's clients speak PLAIN to a
+    server on a reused port. Daemons started as subprocesses inherit it."""
+    import os
+    import tempfile
+
+    from kvtier.config import ENV_RUNTIME_DIR
+
+    config._kvtier_runtime_dir = tempfile.mkdtemp(prefix="kvtier-tests-runtime-")  # mkdtemp: mode 0700
+    os.environ[ENV_RUNTIME_DIR] = config._kvtier_runtime_dir
+
+
+def pytest_unconfigure(config):
+    import os
+    import shutil
+
+    from kvtier.config import ENV_RUNTIME_DIR
+
+    d = getattr(config, "_kvtier_runtime_dir", None)
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+        os.environ.pop(ENV_RUNTIME_DIR, None)

@@ -69,10 +69,10 @@ def test_non_config_variables_are_not_keys():
     # The build and library switches live in the same KVTIER_ namespace; a store must still start with them set.
     env = {"KVTIER_CACHE_DIR": "/tmp/x", "KVTIER_CUDA_ARCH": "90", "KVTIER_NATIVE_CPU": "0",
            "KVTIER_RDMA_DEVICE": "mlx5_0:1:3", "KVTIER_ENGINE_PYTHON": "/opt/engine/bin/python",
-           "KVTIER_DRAM_CAPACITY": "2GiB"}
+           "KVTIER_RUNTIME_DIR": "/tmp/kvtier-tokens", "KVTIER_DRAM_CAPACITY": "2GiB"}
     assert Config.load(None, environ=env).dram_capacity == 2 * 2**30
     assert ENV_NOT_CONFIG == {"KVTIER_CONFIG", "KVTIER_CACHE_DIR", "KVTIER_CUDA_ARCH", "KVTIER_NATIVE_CPU",
-                              "KVTIER_RDMA_DEVICE", "KVTIER_ENGINE_PYTHON"}
+                              "KVTIER_RDMA_DEVICE", "KVTIER_ENGINE_PYTHON", "KVTIER_RUNTIME_DIR"}
 
 
 def test_every_kvtier_variable_in_the_tree_is_a_key_or_reserved():

@@ -67,8 +67,8 @@ class ServerAuth(HandshakeGate):
         """What the admitted key ``key`` (z85 text: a message's User-Id) may do (kvtier/auth/roles.py)."""
         return self.book.permissions(key)
 
-    def secure(self, sock: zmq.Socket[Any]) -> None:
-        """Make ``sock`` a CURVE server (before it binds)."""
+    def secure(self, sock: zmq.Socket[Any], bind: str = "") -> None:
+        """Make ``sock`` a CURVE server (before it binds; one key for every ``bind``)."""
         sock.curve_server = True
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
