@@ -5,6 +5,7 @@ real client as uid 65534 under setpriv (root only)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -174,3 +175,62 @@ def test_a_clean_stop_leaves_a_file_another_daemon_rewrote(tmp_path):
     assert path.read_text() == "n" * 43
     path.unlink()
 
+
+SQUATTER = str(Path(__file__).parent / "owner_squatter.py")
+
+
+@AS_NOBODY
+@pytest.mark.parametrize("mode", ["null", "plain"])
+def test_a_squatter_on_a_dead_pools_ipc_path_gets_neither_the_token_nor_a_client(public_dir, mode):
+    """The owner's pool died (its token file stays) and another user binds its ipc path as a fake pool. The
+    owner's client never presents the token to a socket file another uid owns, and refuses every reply whose
+    kernel credentials are another uid's: a NULL squatter's hello reply is refused (not_owner), a PLAIN one
+    (admitting any password) never completes a handshake. Negative control: the same fake pool run by the
+    owner (PLAIN) is believed (its hello's node comes back) and is sent the token, so the refusal is the uid's."""
+    from kvtier.transport.base import PoolUnavailable
+    from kvtier.transport.channel import Channel
+    from kvtier.transport.connection import hello
+
+    squat = public_dir / "squat"
+    squat.mkdir()
+    os.chown(squat, NOBODY, NOBODY)
+    endpoint = f"ipc://{squat}/pool.sock"
+    token = runtime_dir(create=True) / token_name(endpoint)
+    token.write_text("t" * 43)
+    token.chmod(0o600)
+
+    def against(user: int | None) -> tuple[object, dict]:
+        prefix = ["setpriv", "--reuid", str(user), "--regid", str(user), "--clear-groups"] if user else []
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(Path(__file__).parent.parent)}
+        proc = subprocess.Popen([*prefix, sys.executable, SQUATTER, endpoint, mode], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env, cwd="/")
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            ctx = zmq.Context()
+            ch = Channel(endpoint, ctx, timeout_s=1.5)
+            try:
+                got: object = hello(ch, 4096)
+            except PoolUnavailable as e:
+                got = e
+            finally:
+                ch.close()
+                ctx.term()
+            out, _ = proc.communicate("", timeout=30)
+            return got, json.loads(out.strip().splitlines()[-1])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            Path(f"{squat}/pool.sock").unlink(missing_ok=True)
+
+    got, seen = against(NOBODY)
+    assert isinstance(got, PoolUnavailable), got
+    assert got.code == ("not_owner" if mode == "null" else "timeout"), got
+    assert seen["passwords"] == [] and seen["served"] == (1 if mode == "null" else 0), seen
+    if mode == "null":
+        assert f"refused a reply from uid {NOBODY}" in got.message
+        return
+    # The control: the owner's own fake pool (PLAIN, the token file and socket file both the owner's) is believed
+    # and receives the token, so an empty list of passwords above means the squatter was never sent it.
+    got, seen = against(None)
+    assert not isinstance(got, Exception) and got.node == "squatter" and got.uid == os.geteuid(), got
+    assert seen["passwords"] == ["t" * 43], seen

@@ -6,6 +6,7 @@ reports nothing).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ import zmq
 
 from kvtier.auth.files import AuthError, Keypair, endpoint_key_name, load_keypair, load_public
 from kvtier.auth.owner import client_claim, owner_token
+from kvtier.auth.peercred import ipc_cred
+
+log = logging.getLogger("kvtier.auth")
 
 
 @dataclass(frozen=True)
@@ -51,17 +55,45 @@ class ClientKeys:
         sock.curve_serverkey = self.server
 
 
-def secure_client(sock: zmq.Socket[Any], endpoint: str, keys: ClientKeys | None) -> None:
+def secure_client(sock: zmq.Socket[Any], endpoint: str, keys: ClientKeys | None) -> bool:
     """Set what ``sock`` presents to the daemon at ``endpoint``, before it connects: ``keys`` when given, else
     the owner token of a keyless daemon of this user if one is published for ``endpoint`` (read once per
-    socket), else nothing (a daemon started with --insecure-bind). The one place every client socket asks."""
+    socket), else nothing (a daemon started with --insecure-bind). The one place every client socket asks.
+
+    True: the daemon must be this user's own (an owner token is published for it), so a reply over ipc from
+    another uid is a squatter's (``not_owner``, the caller's check of each reply's kernel credentials). An ipc
+    socket file another uid owns is not ours to begin with: the token is not presented there at all."""
     if keys is not None:
         keys.apply(sock)
-        return
+        return False
     token = owner_token(endpoint)
-    if token is not None:
-        sock.plain_username = client_claim().encode()
-        sock.plain_password = token.encode()
+    if token is None:
+        return False
+    holder = ipc_file_owner(endpoint)
+    if holder is not None and holder != os.geteuid():
+        log.warning("not presenting the owner token to %s: its socket file belongs to uid %d, not to this user (a "
+                    "process squatting a stopped daemon's path?)", endpoint, holder)
+        return True
+    sock.plain_username = client_claim().encode()
+    sock.plain_password = token.encode()
+    return True
+
+
+def not_owner(peer: str) -> int | None:
+    """The uid of an ipc peer (zmq's Peer-Address, kernel credentials) that is not this user; None for this
+    user or a peer without credentials (tcp)."""
+    cred = ipc_cred(peer)
+    return cred.uid if cred is not None and cred.uid != os.geteuid() else None
+
+
+def ipc_file_owner(endpoint: str) -> int | None:
+    """The uid owning the socket file of an ipc:// ``endpoint``; None for tcp, an abstract socket, no file."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    try:
+        return os.stat(endpoint[len("ipc://"):]).st_uid
+    except OSError:
+        return None
 
 
 def silence_hint(endpoint: str, keys: ClientKeys | None) -> str:
@@ -77,4 +109,4 @@ def silence_hint(endpoint: str, keys: ClientKeys | None) -> str:
             "serves only its own user's processes unless started with --insecure-bind)")
 
 
-__all__ = ["ClientKeys", "secure_client", "silence_hint"]
+__all__ = ["ClientKeys", "not_owner", "secure_client", "silence_hint"]

@@ -37,7 +37,9 @@ import zmq
 
 from kvtier import wire
 from kvtier.auth import ClientKeys, secure_client, silence_hint
+from kvtier.auth.client import not_owner
 from kvtier.auth.peercred import peer_address
+from kvtier.ratelog import RateLimitedLog
 from kvtier.transport.base import PoolError, PoolProtocolError, PoolRefused, PoolUnavailable
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,12 @@ class Channel:
         self._count = 0
         self._cv = threading.Condition()
         self._closed = False
+        # An owner token is published for the endpoint: only this user's own daemon may answer. Over ipc each
+        # reply's kernel credentials say who did; the last peer proven ours is kept, so a reply from the same
+        # connection costs one string compare.
+        self._owner_only = False
+        self._peer_ok = ""
+        self._bad = RateLimitedLog(log)
 
     # ---- calls -----------------------------------------------------------------------------------------
 
@@ -166,6 +174,16 @@ class Channel:
     # ---- internals -------------------------------------------------------------------------------------
 
     def _handle(self, req: Request, ok: bool, body: dict[str, Any], data: list[Any], peer: str) -> None:
+        if self._owner_only and peer != self._peer_ok:
+            uid = not_owner(peer)
+            if uid is not None:  # nothing of this reply is used: not its epoch, not its bytes
+                why = (f"{req.op}: refused a reply from uid {uid} (the kernel's credentials of the ipc peer): this "
+                       f"user's own pool should be there (an owner token is published for it); a process of "
+                       f"another user is squatting the socket path")
+                self._bad("not_owner", logging.WARNING, "pool %s: %s", self.endpoint, why)
+                req.error = PoolUnavailable(self.endpoint, why, "not_owner")
+                return
+            self._peer_ok = peer
         epoch = body.get("epoch")
         if isinstance(epoch, int):
             self.epoch = epoch
@@ -230,7 +248,8 @@ class Channel:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        secure_client(sock, self.endpoint, self.auth)
+        if secure_client(sock, self.endpoint, self.auth):
+            self._owner_only = True
         sock.connect(self.endpoint)
         return sock
 
