@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,6 @@ class Served:
                 os.chmod(b[len("ipc://"):], 0o666)  # the socket file lets anyone try: the gate must refuse
         self.gate.publish(self.endpoints)
         self._stop = False
-        import threading
-
         self._thread = threading.Thread(target=self._echo, daemon=True)
         self._thread.start()
 
