@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier import wire
+from kvtier.auth import forget_tokens
 from kvtier.client.master import MasterError
 from kvtier.keys import Namespace
 from kvtier.status import EXIT_MALFORMED, gather, render
@@ -58,6 +59,7 @@ class FakeMaster:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind("tcp://127.0.0.1:*")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        forget_tokens([self.endpoint])  # as a NULL daemon does: a killed pool's token on this port means PLAIN
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
