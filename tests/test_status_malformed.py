@@ -39,7 +39,7 @@ VALID: dict[str, Any] = {
                              "requests": {"lookup": {"ok": 4, "bad_request": 1}},
                              "recent_errors": [{"at": NOW, "op": "lookup", "code": "bad_request", "message": "x"}]}},
     wire.NODES: {"nodes": [{"node": "pool-a", "state": "live", "address": "tcp://a:1", "silent_s": 0.2,
-                            "rpc_latency_s": 0.0004, "tiers": [{"name": "dram", "capacity": 1 << 20,
+                            "rpc_latency_s": 0.0004, "labels": {"dram_pages": "2 MiB"}, "tiers": [{"name": "dram", "capacity": 1 << 20,
                                                                  "used": 1 << 19, "bw": 6.7e9}]},
                            {"node": "pool-b", "state": "dead", "address": None, "silent_s": 30.0,
                             "rpc_latency_s": None, "tiers": []}]},
@@ -118,6 +118,8 @@ CASES = [  # (answers, what the one line must name)
     (_broken(wire.NODES, ("nodes", 0, "tiers", 0, "capacity"), "1 MiB"), "nodes[0].tiers[0].capacity: expected a "
                                                                           "count"),
     (_broken(wire.NODES, ("nodes",), {"pool-a": "live"}), "nodes: expected an array"),
+    (_broken(wire.NODES, ("nodes", 0, "labels"), ["dram_pages"]), "nodes[0].labels: expected a map"),
+    (_broken(wire.NODES, ("nodes", 0, "labels", "dram_pages"), 2), "nodes[0].labels.dram_pages: expected a string"),
     (_broken(wire.PING, ("uptime_s",), math.inf), "ping.uptime_s: expected seconds"),
     (_broken(wire.PING, ("activity", "recent_errors", 0, "at"), 1e300), "ping.activity.recent_errors[0].at"),
     (_broken(wire.PING, ("activity", "lookups", "hits"), [7]), "ping.activity.lookups.hits"),
