@@ -17,9 +17,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.keys import KEY_BYTES
+
 Check = Callable[[Any, str], None]
 MAX_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z: the last second datetime.fromtimestamp takes
-KEY_BYTES = 16
 
 
 class MalformedStatus(ValueError):
