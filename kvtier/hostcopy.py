@@ -6,7 +6,8 @@ from a fragment table (kvtier.kernels builds it). When the native library is mis
 was never built, a platform without a C compiler at install) the same copies run through ctypes.memmove,
 one call per row, after one logged warning: slower for small rows, never wrong.
 
-``copy_rows(..., threads=0)`` and ``CopyThreads`` pick the threads of a batch by measurement: each copy of a batch of
+``CopyThreads`` (one per copy site: a tier's puts, its gets, a connection's) picks the threads of a batch by
+measurement (``configured`` 0): each copy of a batch of
 PARALLEL_MIN_BYTES or more is timed, and the next batch gets the thread count whose copies ran fastest here
 lately (every choice measured by the first batches, the others re-measured every REPROBE_S): a second thread
 pays where it gets a core of its own and the memory bus has room, and neither the core count nor the load
@@ -164,20 +165,14 @@ class CopyThreads:
         return threads
 
 
-# The copies whose caller asks for threads=0 and keeps no CopyThreads of its own (a tier configured with
-# copy_threads 0): one process-wide measurement.
-SHARED = CopyThreads()
-
-
 def copy_rows(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray | int, threads: int = 1) -> None:
-    """dst[i] <- src[i] for nbytes[i] bytes. All arrays uint64 and contiguous; rows must not overlap.
-
-    ``threads`` 0: as many as SHARED picks by measured rate (CopyThreads)."""
+    """dst[i] <- src[i] for nbytes[i] bytes on ``threads`` (>= 1) threads. All arrays uint64 and contiguous;
+    rows must not overlap. Threads by measured rate: a CopyThreads of the copy site's own (its measurements are
+    of that site's copies, not another tier's or connection's)."""
+    if threads < 1:
+        raise ValueError(f"copy_rows: threads must be >= 1, got {threads} (by measured rate: CopyThreads(0).copy)")
     n = len(dst)
     if n == 0:
-        return
-    if threads == 0:
-        SHARED.copy(dst, src, nbytes)
         return
     if len(src) != n:
         raise ValueError(f"copy_rows: {n} destinations but {len(src)} sources")

@@ -26,7 +26,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 MOUNTS = "/proc/self/mounts"
@@ -108,7 +107,7 @@ def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> torch.Tensor:
     shared, advised onto huge pages where the kernel's shmem setting allows."""
     path.parent.mkdir(parents=True, exist_ok=True)
     huge = hugetlbfs_page(path.parent) if huge_pages else 0
-    size = -(-nbytes // huge) * huge if huge else nbytes
+    size = _whole_pages(nbytes, huge)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -133,11 +132,15 @@ def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> torch.Tensor:
     return tensor[:nbytes]
 
 
-def map_length(fd: int, nbytes: int) -> int:
-    """The length to map ``nbytes`` of a shared buffer's file: whole huge pages in a hugetlbfs mount (its
-    mappings must be), ``nbytes`` elsewhere."""
-    block = os.fstatvfs(fd).f_bsize
-    return -(-nbytes // block) * block if block > PAGE else nbytes
+def map_length(path: str | Path, nbytes: int) -> int:
+    """The length to map ``nbytes`` of the shared buffer's file ``path`` (another process's, as _map_file made
+    it): whole huge pages in a hugetlbfs mount (its mappings must be; ``hugetlbfs_page`` answers which),
+    ``nbytes`` elsewhere."""
+    return _whole_pages(nbytes, hugetlbfs_page(Path(path).parent))
+
+
+def _whole_pages(nbytes: int, page: int) -> int:
+    return -(-nbytes // page) * page if page else nbytes
 
 
 def thp_mode(setting: str) -> str:

@@ -174,7 +174,7 @@ class MetricsServer:
         try:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.limits.head_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin before 3.11
                 self._refuse(peer, "head_timeout", "an unfinished request head",
                              f"no whole head within {self.limits.head_s:g} s")
                 return
@@ -204,7 +204,7 @@ class MetricsServer:
             writer.close()
             try:
                 await asyncio.wait_for(writer.wait_closed(), self.limits.send_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 self._refuse(peer, "send_timeout", f"an answer of {len(answer)} B",
                              f"not read within {self.limits.send_s:g} s")
         except ConnectionError:

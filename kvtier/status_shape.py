@@ -17,9 +17,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.keys import KEY_BYTES
+
 Check = Callable[[Any, str], None]
 MAX_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z: the last second datetime.fromtimestamp takes
-KEY_BYTES = 16
 
 
 class MalformedStatus(ValueError):
@@ -150,7 +151,8 @@ PING = record({}, {"uptime_s": duration, "lease_s": duration, "keys": count, "di
                    "locations": count, "backend": BACKEND, "nodes": map_of(count), "activity": ACTIVITY})
 TIER = record({"name": text, "capacity": count, "used": count}, {"bw": nullable(number)})
 NODE = record({"node": text, "state": text}, {"address": nullable(text), "silent_s": duration,
-                                              "rpc_latency_s": nullable(number), "tiers": nullable(list_of(TIER))})
+                                              "rpc_latency_s": nullable(number), "tiers": nullable(list_of(TIER)),
+                                              "labels": nullable(map_of(text))})
 NODES = list_of(NODE)
 TOP = both(record({"keys": list_of(key), "heat": list_of(number), "count": list_of(count),
                    "last": list_of(timestamp)}), same_length("keys", "heat", "count", "last"))

@@ -36,6 +36,13 @@ class StoreLookup:
         """Keys among the first ``upto`` (default: the whole prefix) held in ``tier``."""
         return count_in_runs(self.runs, tier, self.length if upto is None else min(upto, self.length))
 
+    @property
+    def tiers(self) -> list[str]:
+        """The compatibility view of ``runs`` (the field this answer had before them, for callers written
+        against it): ``tiers[i]`` names the (highest) tier holding key i, one name per held key. Built on each
+        call, O(length): new code reads ``runs`` or ``count``."""
+        return [name for name, n in self.runs for _ in range(n)][: self.length]
+
 
 def count_in_runs(runs: Sequence[tuple[str, int]], tier: str, upto: int) -> int:
     """How many of the first ``upto`` keys described by ``runs`` (tier name, count) are held in ``tier``

@@ -16,6 +16,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtier import wire
+from kvtier.auth.gate import REASONS as GATE_REASONS
 from kvtier.metrics_http import REASONS as HTTP_REASONS
 from kvtier.metrics_http import MetricsServer
 
@@ -84,10 +85,13 @@ class MasterMetrics:
         # One family for every door, as the pool's: port="zmq" the request socket's gate (kvtier/auth: a CurveZMQ
         # key not admitted, a wrong or missing owner token, closed in the handshake), port="metrics" the HTTP port.
         self.refused = Counter("kvtier_master_refused_connections", "Connections closed or refused, by port and "
-                               "reason (zmq: auth_refused_key, auth_handshake_failed, auth_refused_token, "
-                               "auth_no_token, auth_refused_uid, zmq_closed_in_handshake; metrics: the HTTP port's limits)",
+                               "reason (zmq: key_not_authorized, handshake_failed, wrong_owner_token, "
+                               "no_owner_token, other_uid_on_ipc, closed_in_handshake; metrics: the HTTP port's limits)",
                                ["port", "reason"], registry=r)
-        for reason in HTTP_REASONS:  # every reason's series from the start: rate() sees the first refusal
+        # Every reason's series from the start: rate() sees the first refusal.
+        for reason in GATE_REASONS.values():
+            self.refused.labels("zmq", reason)
+        for reason in HTTP_REASONS:
             self.refused.labels("metrics", reason)
         self.http = MetricsServer(r, lambda reason: self.refused.labels("metrics", reason).inc(),
                                   logging.getLogger("kvtier.master"))
@@ -99,9 +103,12 @@ class MasterMetrics:
                                         registry=r)
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
-    def refused_connections(self, reason: str) -> None:
-        """A connection refused by the gate (kvtier/auth), from its ZAP or monitor thread."""
-        self.refused.labels("zmq", reason).inc()
+    def refused_connections(self, counter: str) -> None:
+        """A connection refused by the gate (kvtier/auth), from its ZAP or monitor thread: ``counter`` is the
+        gate's counter name, labelled as the pool labels it (kvtier.auth.gate.REASONS)."""
+        # .get: a counter a gate adds before the table names it is still counted (under its own name), never
+        # an exception in the ZAP thread.
+        self.refused.labels("zmq", GATE_REASONS.get(counter, counter)).inc()
 
     def observe(self, op: str, status: str, seconds: float, nkeys: int) -> None:
         label = op if op in KNOWN_OPS else "unknown"

@@ -35,6 +35,7 @@ The design, and why:
   new history begins with every node out of sync, so every node is answered ``resync`` at its next contact
   and sends a full inventory; a master that never applied the lost entries (it trailed) just applies the
   ``_rebase`` entry as it follows the log. ``kvtier_master_directory_losses`` counts what each master found.
+  The check and the rebase are shared_history.py.
 
 Runs on the master's event loop; the Redis calls are asyncio (redis.asyncio).
 
@@ -62,6 +63,7 @@ from kvtier.master.metrics import MasterMetrics
 from kvtier.master.nodes import DEAD
 from kvtier.master.redis_log import EpochChanged, RedisLog, pack, unpack
 from kvtier.master.service import MasterSettings, MasterState
+from kvtier.master.shared_history import EMPTY, count_loss, history_lost, rebase
 from kvtier.wire import WireError
 
 log = logging.getLogger("kvtier.master")
@@ -77,15 +79,6 @@ APPEND_BATCH_BYTES = 8 << 20  # commands per append script call, by size
 
 class _Resync(Exception):
     """This master's view no longer follows the log (a gap, a step back, another epoch): reload it."""
-
-
-# What a master found when it checked the directory's history (the kvtier_master_directory_losses label).
-EMPTY, BEHIND, REWRITTEN = "empty", "behind", "rewritten"
-
-
-def _stream_id(eid: bytes) -> tuple[int, int]:
-    ms, _, seq = eid.partition(b"-")
-    return int(ms), int(seq or 0)
 
 
 class SharedBackend:
@@ -238,7 +231,7 @@ class SharedBackend:
         (the module doc's last two points)."""
         epoch = await self.log.epoch()
         if epoch is None:  # Redis lost everything: this master's view is the best left
-            self._lost(EMPTY, "redis holds no epoch (restarted without its data, or flushed)")
+            count_loss(self.metrics, self.url, EMPTY, "redis holds no epoch (restarted without its data, or flushed)")
             if await self._seed(self.state):
                 self.last_n, self.last_id = 0, b"0-0"
                 self._stepped_back = False
@@ -247,10 +240,10 @@ class SharedBackend:
                 return
             epoch = await self.log.epoch()
         if epoch == self.epoch:
-            lost = await self._history_lost()
+            lost = await history_lost(self.log, self.last_n, self.last_id, self._stepped_back)
             if lost is not None:
-                self._lost(*lost)
-                await self._rebase(lost[1])
+                count_loss(self.metrics, self.url, *lost)
+                await rebase(self.log, self.epoch or "", lost[1], self.state.wall(), self.id)
             elif self.mode == READ_ONLY:
                 self._refresh_leases()
                 self._set_mode(OK, "redis answers again")
@@ -260,43 +253,6 @@ class SharedBackend:
         state, n, last = await self._load()
         self._swap(state, n, last)
         self._set_mode(OK, "reloaded")
-
-    async def _history_lost(self) -> tuple[str, str] | None:
-        """(what, why) if the log under this master's epoch no longer holds the entry it applied last as it
-        was (Redis restarted behind its last writes, an older copy restored, entries appended after either);
-        None if it does, or if a trim behind a snapshot took it (this master fell behind: a plain reload)."""
-        counter = await self.log.counter()
-        if counter < self.last_n:
-            return BEHIND, f"redis's log counter is {counter}, behind entry {self.last_n} this master applied"
-        if self._stepped_back:
-            return REWRITTEN, f"the log stepped back to an entry at or before {self.last_n}, which this master applied"
-        if self.last_n == 0:
-            return None
-        n = await self.log.entry_n(self.last_id)
-        if n == self.last_n:
-            return None
-        if n is None:
-            first = await self.log.first_id()
-            if first is not None and _stream_id(first) > _stream_id(self.last_id):
-                return None  # trimmed behind a snapshot taken past this master
-        what = "gone" if n is None else f"entry {n} now"
-        return REWRITTEN, f"entry {self.last_n} this master applied last (id {self.last_id.decode()}) is {what}"
-
-    def _lost(self, what: str, why: str) -> None:
-        self.metrics.directory_losses.labels(what).inc()
-        log.warning("kvtier-master: the shared directory in %s lost writes this master applied (%s): starting a "
-                    "new epoch; every node resyncs with a full inventory", self.url, why)
-
-    async def _rebase(self, why: str) -> None:
-        """Replace the epoch this master followed and log ``_rebase`` under the new one (the reload that follows
-        applies it); nothing if another master did first (the reload applies theirs)."""
-        epoch = self.log.new_epoch()
-        e = commands.entry(commands.REBASE, {"epoch": epoch, "why": why}, None, self.state.wall(), self.id, 0)
-        n = await self.log.rebase(self.epoch or "", epoch, pack(e))
-        if n is None:
-            log.info("kvtier-master: another master started a new epoch first")
-        else:
-            log.warning("kvtier-master: new epoch %s from log entry %d", epoch, n)
 
     def _refresh_leases(self) -> None:
         """After a time when no master could log a death, every node gets a lease from now."""

@@ -29,6 +29,7 @@ import msgpack
 import zmq
 
 from kvtier.auth import DataTokens
+from kvtier.auth.peercred import peer_address
 
 SESSION_BYTES = 32
 
@@ -65,11 +66,7 @@ def from_zmq(frame: zmq.Frame, curve: bool) -> tuple[str, str]:
             key = frame.get("User-Id") or ""
         except zmq.ZMQError:  # not authenticated (cannot happen past a CURVE handshake, but never a crash)
             key = ""
-    try:
-        address = frame.get("Peer-Address") or "?"
-    except zmq.ZMQError:
-        address = "?"
-    return str(key), peer_of(str(address))
+    return str(key), peer_of(peer_address(frame) or "?")
 
 
 @functools.lru_cache(maxsize=4096)

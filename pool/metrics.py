@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.auth.gate import REASONS as GATE_REASONS
 from kvtier.metrics_http import REASONS as HTTP_REASONS
 from kvtier.metrics_http import MetricsServer
 from kvtier.pool.ops import OPS
@@ -28,13 +29,10 @@ from kvtier.pool.replicas import REFUSALS
 from kvtier.pool.state import PoolState
 
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 100e-3, 1.0)
-# (counter in PoolState.counters, port label, reason label)
+# (counter in PoolState.counters, port label, reason label); the gate's own as the master labels them.
 REFUSED = (
-    ("zmq_handshake_timeouts", "zmq", "handshake_timeout"), ("zmq_closed_in_handshake", "zmq", "closed_in_handshake"),
-    ("auth_refused_key", "zmq", "key_not_authorized"), ("auth_handshake_failed", "zmq", "curve_handshake_failed"),
-    ("auth_refused_token", "zmq", "wrong_owner_token"), ("auth_no_token", "zmq", "no_owner_token"),
-    ("auth_refused_uid", "zmq", "other_uid_on_ipc"),
-    ("zmq_accept_failed", "zmq", "accept_failed"),
+    *((name, "zmq", reason) for name, reason in GATE_REASONS.items()),
+    ("zmq_handshake_timeouts", "zmq", "handshake_timeout"), ("zmq_accept_failed", "zmq", "accept_failed"),
     ("stream_refused", "stream", "all_busy"), ("stream_pending_dropped", "stream", "pending_full"),
     ("stream_pending_timeouts", "stream", "handshake_timeout"), ("stream_auth_refused", "stream", "bad_token"),
     ("stream_idle_closed", "stream", "idle_made_room"), ("stream_overdue", "stream", "message_deadline"),

@@ -183,3 +183,25 @@ def test_put_never_evicts_keys_of_its_own_batch(make_keys):
     k3 = make_keys(1, start=3)[0]
     assert t.put([keys[0], keys[2], k3], blocks_for([keys[0], keys[2], k3], BB)) == [True, True, False]
     assert list(t.contains([keys[0], keys[2], k3])) == [True, True, False]
+
+
+def test_copy_threads_0_measures_each_tiers_puts_and_gets_apart(make_keys):
+    """copy_threads 0: a tier's puts and its gets are timed by CopyThreads of their own, not by one process-wide
+    measurement another tier's (or direction's) copies move."""
+    bb, n = 64 << 10, 32  # 2 MiB batches: large enough to be timed (hostcopy.PARALLEL_MIN_BYTES)
+    a, b = (DramTier(n * bb, bb, copy_threads=0) for _ in range(2))
+    for t in (a, b):
+        t.attach(PinTable(), None)
+    keys = make_keys(n)
+    data = blocks_for(keys, bb)
+
+    def measured(copies):
+        return sum(copies.rate(c, n * bb) > 0 for c in copies.choices)
+
+    assert a.put(keys, data) == [True] * n
+    assert measured(a.put_copies) == 1 and measured(a.get_copies) == 0
+    assert measured(b.put_copies) == 0 and measured(b.get_copies) == 0
+    out = torch.zeros_like(data)
+    assert_all_hits_exact(a.get(keys, out), out, data)
+    assert measured(a.get_copies) == 1 and measured(b.get_copies) == 0
+    assert a.put_copies is not b.put_copies and a.put_copies is not a.get_copies

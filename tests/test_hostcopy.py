@@ -17,10 +17,10 @@ def test_copy_rows_any_sizes_and_alignments(threads):
     offs_src = [7 + sum(sizes[:i]) + i for i in range(len(sizes))]
     offs_dst = [3 + sum(sizes[:i]) + 2 * i for i in range(len(sizes))]
     order = rng.permutation(len(sizes))
-    hostcopy.copy_rows(
-        np.array([dst.ctypes.data + offs_dst[i] for i in order], np.uint64),
-        np.array([src.ctypes.data + offs_src[i] for i in order], np.uint64),
-        np.array([sizes[i] for i in order], np.uint64), threads)
+    copy = hostcopy.CopyThreads().copy if threads == 0 else lambda d, s, n: hostcopy.copy_rows(d, s, n, threads)
+    copy(np.array([dst.ctypes.data + offs_dst[i] for i in order], np.uint64),
+         np.array([src.ctypes.data + offs_src[i] for i in order], np.uint64),
+         np.array([sizes[i] for i in order], np.uint64))
     for s, a, b in zip(sizes, offs_src, offs_dst):
         assert np.array_equal(dst[b:b + s], src[a:a + s])
     # Bytes outside the rows were not touched.

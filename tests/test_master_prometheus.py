@@ -67,3 +67,26 @@ def test_prometheus_scrapes_the_master(tmp_path):
     finally:
         prom.close()
         agent.close(), store.close(), master.kill()
+
+
+def test_both_daemons_label_a_gate_refusal_alike():
+    """One event, one reason label: the master starts every gate reason's series at zero and labels a counted
+    refusal as the pool's table does (fails when either daemon names the gate's counters its own way)."""
+    from prometheus_client import generate_latest
+
+    from kvtier.auth.gate import REASONS
+    from master.metrics import MasterMetrics
+    from pool.metrics import REFUSED
+
+    pool_labels = {name: reason for name, port, reason in REFUSED if port == "zmq"}
+    m = MasterMetrics()
+    try:
+        text = generate_latest(m.registry).decode()
+        for counter, reason in REASONS.items():
+            assert pool_labels[counter] == reason
+            assert f'kvtier_master_refused_connections_total{{port="zmq",reason="{reason}"}} 0.0' in text
+        m.refused_connections("auth_no_token")
+        text = generate_latest(m.registry).decode()
+        assert 'kvtier_master_refused_connections_total{port="zmq",reason="no_owner_token"} 1.0' in text
+    finally:
+        m.close()

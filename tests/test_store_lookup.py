@@ -49,6 +49,7 @@ def test_batch_answers_equal_per_key_answers(tmp_path_factory, held, order):
         runs = [(t, len(list(run))) for t, run in groupby(truth[:length])]
         found = store.lookup_prefix(asked)
         assert found == StoreLookup(length, runs)
+        assert found.tiers == truth[:length]  # the compatibility view: one (highest) tier name per held key
         assert [found.count(t) for t in ("dram", "ssd")] == [truth[:length].count(t) for t in ("dram", "ssd")]
         assert [found.count("ssd", upto=u) for u in range(length + 2)] == [
             truth[: min(u, length)].count("ssd") for u in range(length + 2)]

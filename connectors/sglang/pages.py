@@ -11,7 +11,7 @@ segments per page (pointer, size), in an order of its own (SGLANG-HICACHE.md):
 | MLA ``page_first`` / ``_direct``   | 1                 | the page itself (read and written in place)   |
 
 A kvtier block is the page's segments concatenated in that order (``offsets``), so a page moves with one
-batched copy per direction (``copy_rows``: one native call for a whole batch of segments). The bytes keep
+batched copy per direction (``CopyThreads.copy``: one native call for a whole batch of segments). The bytes keep
 SGLang's host layout, so the block's namespace fingerprints what decides them: pool class, layout, dtype,
 page size, segment sizes, and the interface (v1 pages in segment order; ``interface_v1`` off: SGLang's flat
 data pages, whose order differs for MHA ``layer_first``).
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.hostcopy import copy_rows
+from kvtier.hostcopy import CopyThreads
 
 GEOMETRY_VERSION = 1
 
@@ -49,6 +49,8 @@ class HostPages:
         self.page_size = int(pool.page_size)
         self.interface = interface
         self.copy_threads = copy_threads
+        # Each direction timed on its own (copy_threads 0: by measured rate, kvtier.hostcopy.CopyThreads).
+        self._copies = {True: CopyThreads(copy_threads), False: CopyThreads(copy_threads)}  # by to_blocks
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
         if not sizes or len(ptrs) != len(sizes) or any(int(s) <= 0 for s in sizes):
             raise PageGeometryError(f"{type(pool).__name__} ({pool.layout}) describes a page as pointers {len(ptrs)} "
@@ -108,7 +110,7 @@ class HostPages:
         sizes = np.broadcast_to(self.segment_bytes, (n, self.segments)).ravel()
         outside = np.ascontiguousarray(segments, dtype=np.uint64).ravel()
         dst, src = (inside, outside) if to_blocks else (outside, inside)
-        copy_rows(dst, src, sizes, self.copy_threads)
+        self._copies[to_blocks].copy(dst, src, sizes)
 
     def describe(self) -> str:
         d = self.description

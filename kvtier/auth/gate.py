@@ -23,6 +23,18 @@ log = logging.getLogger("kvtier.auth")
 LOG_EVERY_S = 60.0  # one line per kind of refusal per minute (with how many more were held back)
 MONITOR_POLL_MS = 200
 
+# The counters a gate passes to ``count(name)`` (server.py, owner.py, HandshakeGate below) -> the ``reason`` label
+# both daemons give them on port="zmq" of their refused-connections metric: one table, so kvtier-pool and
+# kvtier-master name one event alike (README "Metrics").
+REASONS: dict[str, str] = {
+    "auth_refused_key": "key_not_authorized",  # a CurveZMQ client key not admitted
+    "auth_handshake_failed": "handshake_failed",  # the handshake failed (wrong server key, a broken client)
+    "auth_refused_token": "wrong_owner_token",  # a keyless daemon's owner token, but not this one
+    "auth_no_token": "no_owner_token",  # no owner token at all (another user's client, or one with keys)
+    "auth_refused_uid": "other_uid_on_ipc",  # the right token, but the kernel says another uid on an ipc socket
+    "zmq_closed_in_handshake": "closed_in_handshake",  # hung up (or timed out) before the handshake ended
+}
+
 
 class HandshakeGate:
     """The shared half of a daemon's gate. Subclasses say what a failed handshake means (``explain``)."""
@@ -97,4 +109,4 @@ class HandshakeGate:
         self.counted(self.CLOSED_COUNTER)
 
 
-__all__ = ["LOG_EVERY_S", "HandshakeGate"]
+__all__ = ["LOG_EVERY_S", "REASONS", "HandshakeGate"]

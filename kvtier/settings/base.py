@@ -11,6 +11,7 @@ from dataclasses import field
 from typing import Any
 
 from kvtier.units import parse_bytes
+from kvtier.wire.pool import ENDPOINT_SCHEMES
 
 OFFLOADS = ("write_through", "on_evict", "second_hit")  # when a lower tier gets DRAM's blocks (offload.py)
 
@@ -52,9 +53,10 @@ def check_positive(key: str, value: float) -> None:
 
 def endpoint_list(key: str, value: str) -> list[str]:
     """The comma-separated endpoints of ``value``, blanks dropped; ConfigError naming ``key`` for one that is
-    not tcp:// or ipc:// (a zmq connect would fail on it only when the tier is built, in the workers)."""
+    not tcp:// or ipc:// (ENDPOINT_SCHEMES: a zmq connect would fail on it only when the tier is built, in the
+    workers)."""
     endpoints = [e.strip() for e in value.split(",") if e.strip()]
-    bad = [e for e in endpoints if not e.startswith(("tcp://", "ipc://"))]
+    bad = [e for e in endpoints if not e.startswith(ENDPOINT_SCHEMES)]
     if bad:
         raise ConfigError(f"{key}: {bad[0]!r} is not a tcp://host:port or ipc:///path endpoint")
     return endpoints

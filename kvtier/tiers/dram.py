@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.blocks import block_rows
-from kvtier.hostcopy import copy_rows
+from kvtier.hostcopy import CopyThreads
 from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
@@ -63,7 +63,9 @@ class DramTier(AddressableSlots):
         self._rows = self._buffer.tensor.view(num_slots, block_bytes)
         self._base = np.uint64(self._buffer.ptr)
         self._dtypes = tuple(dtypes)
-        self._copy_threads = copy_threads
+        # A put's copies and a get's are timed apart (as the shm transport's): their rates differ (a get copies
+        # out of memory the put side just warmed, into the caller's), and neither is another tier's.
+        self.put_copies, self.get_copies = CopyThreads(copy_threads), CopyThreads(copy_threads)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)  # removes wait here for keys being handed down
         self._stats = TierStats(self.name, self.capacity_bytes, 0, 0)
@@ -96,7 +98,7 @@ class DramTier(AddressableSlots):
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
         res = self.reserve(keys)
         if res.slots:
-            copy_rows(res.addresses, rows.ptrs[res.index], self.block_bytes, self._copy_threads)
+            self.put_copies.copy(res.addresses, rows.ptrs[res.index], self.block_bytes)
         self.commit(res)
         return res.held
 
@@ -107,7 +109,7 @@ class DramTier(AddressableSlots):
             index = [i for i, h in enumerate(hit) if h]
             if index:
                 src = np.fromiter((addresses[i] for i in index), dtype=np.uint64, count=len(index))
-                copy_rows(rows.ptrs[index], src, self.block_bytes, self._copy_threads)
+                self.get_copies.copy(rows.ptrs[index], src, self.block_bytes)
         return hit
 
     def remove(self, keys: Sequence[bytes]) -> int:

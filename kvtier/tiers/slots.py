@@ -111,7 +111,8 @@ class SlotTable:
     (``slot_of``), or doomed (dropped while ``busy``: its readers, its writer, or for the SSD an index entry not
     yet deleted, count in ``busy``; it is freed when that count reaches 0, ``free_idle_doomed``). With
     ``leaving`` (DRAM), an evicted key moves to ``leaving`` (key -> its old slot, now its new owner's) before it
-    leaves ``slot_of``, so a lock-free reader of the maps sees it in one or the other; the owner ends that state
+    leaves ``slot_of`` (both under the owner's lock, as every reader is), so a reader still finds it held, and
+    readable at its old slot, until its hand-down ends; the owner ends that state
     (``end_leaving``). With ``leaving`` the held keys (``slot_of`` and ``leaving``) are also indexed in a native
     KeyTable (``held``: one probe pass per batch, no Python work per key: what every lookup of the store asks; an
     evicted key stays in it until its hand-down ends, like ``leaving``).
@@ -315,7 +316,7 @@ class SlotTable:
                         del slot_of[v]
                 else:
                     for v, s in zip(evicted, taken):
-                        leaving[v] = s  # first: a lock-free reader sees the key in one map or the other
+                        leaving[v] = s  # still held (readable here) until its hand-down ends
                         del slot_of[v]
                 self.stats.evictions += len(evicted)
                 victims += evicted

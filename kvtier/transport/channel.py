@@ -51,14 +51,19 @@ TRACKER_WAIT_S = 5.0  # after closing a lane, zmq releases the frames it held wi
 class Answer:
     """A reply: its body and data frames, the pool's epoch, and when (time.monotonic()) its request was last
     handed to zmq, i.e. no later than the pool began serving it (a lease it grants runs from after this).
-    ``peer``: zmq's Peer-Address of the connection it came on (over ipc:// the pool process's kernel-reported
-    uid, gid and pid: kvtier/auth/peercred.py)."""
+    ``head``: the reply's first frame, kept for ``peer``."""
 
     body: dict[str, Any]
     data: list[Any]
     epoch: int
     sent: float = 0.0
-    peer: str = ""
+    head: Any = None
+
+    @property
+    def peer(self) -> str:
+        """zmq's Peer-Address of the connection the reply came on (over ipc:// the pool process's kernel-reported
+        uid, gid and pid: kvtier/auth/peercred.py). Read when asked (only the hello does), not for every reply."""
+        return peer_address(self.head) if self.head is not None else ""
 
 
 @dataclass
@@ -173,7 +178,9 @@ class Channel:
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _handle(self, req: Request, ok: bool, body: dict[str, Any], data: list[Any], peer: str) -> None:
+    def _handle(self, req: Request, ok: bool, body: dict[str, Any], data: list[Any], head: Any) -> None:
+        # Only a channel that presented an owner token pays for the peer's credentials, on every reply.
+        peer = peer_address(head) if self._owner_only else ""
         if self._owner_only and peer != self._peer_ok:
             uid = not_owner(peer)
             if uid is not None:  # nothing of this reply is used: not its epoch, not its bytes
@@ -194,7 +201,7 @@ class Channel:
             return
         if req.on_reply is not None:
             try:
-                req.on_reply(Answer(body, data, epoch if isinstance(epoch, int) else -1, req.sent, peer))
+                req.on_reply(Answer(body, data, epoch if isinstance(epoch, int) else -1, req.sent, head))
             except PoolError as e:
                 req.error = e
             except (wire.WireError, KeyError, TypeError, ValueError) as e:
@@ -336,7 +343,7 @@ class _Run:
         self.load[id(entry[0])] -= 1
         self.progress = time.monotonic()
         entry[1].done = True
-        self.ch._handle(entry[1], ok, body, frames[1:], peer_address(frames[0]))
+        self.ch._handle(entry[1], ok, body, frames[1:], frames[0])
 
 
 __all__ = ["Answer", "Channel", "Request"]

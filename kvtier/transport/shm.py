@@ -62,7 +62,7 @@ class Mapping:
                 raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
                                         f"{nbytes}", wire.ERR_BAD_MESSAGE)
             # whole huge pages where the pool made its file in a hugetlbfs mount (kvtier.hostmem)
-            self._mm = mmap.mmap(fd, map_length(fd, nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = mmap.mmap(fd, map_length(path, nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]

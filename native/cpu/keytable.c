@@ -1,5 +1,5 @@
 /*
- * Probe loops of the master's key table (master/table.py): open addressing with linear probing over 16-byte
+ * Probe loops of the master's key table (kvtier/keytable.py): open addressing with linear probing over 16-byte
  * keys held as two uint64 columns plus a one-byte slot state.
  *
  * Why native: the table's numpy path costs ~25 vectorized passes per 2,000-key batch (one per probe round,
