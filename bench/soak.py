@@ -54,6 +54,7 @@ SAMPLE_S = 0.5
 TIMELINE_S = 2.0  # the report's timeline of ops, hits and misses: one row per this many seconds
 START_TIMEOUT_S = 120.0
 FAULT_RESTART_S = 2.0
+SERVE_BETWEEN_FAULTS_S = 4.0  # at least this long between a restart and the next fault
 BATCH = 8
 
 
@@ -262,13 +263,19 @@ def soak(duration_s: float, clients: int, faults: bool, *, block_bytes: int = 16
             w.stdin.flush()
         if faults:
             plan = [(duration_s / 3, pools[0]), (2 * duration_s / 3, master)]
+            serving_since = run_start
             for at, victim in plan:
-                time.sleep(max(0.0, run_start + at - time.monotonic()))
+                # Each fault waits for its time, and for the cluster to have served SERVE_BETWEEN_FAULTS_S since
+                # the last restart: on a busy 2-core machine a restarted pool took ~6 s to be ready, and a master
+                # killed before it had served left no window in which to see it serve again.
+                time.sleep(max(0.0, run_start + at - time.monotonic(),
+                               serving_since + SERVE_BETWEEN_FAULTS_S - time.monotonic()))
                 victim.kill()
                 faults_done.append({"t_s": round(time.monotonic() - t_start, 1), "killed": victim.name})
                 time.sleep(FAULT_RESTART_S)
                 victim.start(t_start)
-                faults_done.append({"t_s": round(time.monotonic() - t_start, 1), "restarted": victim.name})
+                serving_since = time.monotonic()
+                faults_done.append({"t_s": round(serving_since - t_start, 1), "restarted": victim.name})
         results = []
         for i, w in enumerate(workers):
             out, _ = w.communicate(timeout=duration_s + START_TIMEOUT_S)
