@@ -76,6 +76,20 @@ class Reference:
             self._memo[key] = out
         return self._memo[key]
 
+    def resumed(self, prompt: list[int], blocks: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+        """What vLLM computes for ``prompt`` when its first ``blocks`` blocks are already cached and it prefills
+        the rest: the shape of a load that failed at block ``blocks`` and was recomputed from there (vLLM's
+        kv_load_failure_policy=recompute). On some CPUs that chunked prefill rounds differently from a one-shot
+        one in the last bits of the logprobs, so a recompute is compared with this, not with __call__."""
+        key = (max_tokens, -1 - blocks, *prompt)
+        if key not in self._memo:
+            assert self.engine.reset_prefix_cache()
+            self.engine.generate([prompt[: blocks * BLOCK]], 1)  # caches exactly its ``blocks`` full blocks
+            out = self.engine.generate([prompt], max_tokens)[0]
+            assert out["cached"] == blocks * BLOCK
+            self._memo[key] = out
+        return self._memo[key]
+
 
 class Engines:
     """Starts engine processes for a scope and closes every one at its end; logs go to ``logs``."""
