@@ -31,6 +31,9 @@ def make_keys():
 pytest_plugins = ["vllm_fixtures"]
 
 
+RUNTIME_DIR = pytest.StashKey[str]()  # this run's owner-token directory (pytest_configure)
+
+
 def pytest_configure(config):
     """The suite's own owner-token directory (kvtier/auth/owner.py; 0700, as the daemons check): token files
     an earlier run's daemons left (killed ones keep theirs) must not make this run's clients speak PLAIN to a
@@ -40,8 +43,8 @@ def pytest_configure(config):
 
     from kvtier.config import ENV_RUNTIME_DIR
 
-    config._kvtier_runtime_dir = tempfile.mkdtemp(prefix="kvtier-tests-runtime-")  # mkdtemp: mode 0700
-    os.environ[ENV_RUNTIME_DIR] = config._kvtier_runtime_dir
+    config.stash[RUNTIME_DIR] = tempfile.mkdtemp(prefix="kvtier-tests-runtime-")  # mkdtemp: mode 0700
+    os.environ[ENV_RUNTIME_DIR] = config.stash[RUNTIME_DIR]
 
 
 def pytest_unconfigure(config):
@@ -50,7 +53,7 @@ def pytest_unconfigure(config):
 
     from kvtier.config import ENV_RUNTIME_DIR
 
-    d = getattr(config, "_kvtier_runtime_dir", None)
+    d = config.stash.get(RUNTIME_DIR, None)
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
         os.environ.pop(ENV_RUNTIME_DIR, None)
