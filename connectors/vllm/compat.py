@@ -119,6 +119,18 @@ def request_stop_reason(request: Request) -> int | str | None:
     return request.stop_reason
 
 
+def request_shared_prefix_boundary(request: Request) -> int:
+    """``Request.shared_prefix_boundary``: tokens of a prefix a second request was seen sharing (0: none); 0.32
+    to 0.34."""
+    return int(request.shared_prefix_boundary)
+
+
+def prefix_cache_retention_interval(config: VllmConfig) -> int | None:
+    """``CacheConfig.prefix_cache_retention_interval`` (0.32 to 0.34; default 0: only the engine's own hit
+    points; N: also every N tokens; None: every block)."""
+    return config.cache_config.prefix_cache_retention_interval
+
+
 def load_format_name(load: LoadConfig) -> str:
     """``LoadConfig.load_format`` as its name: a lower-cased string in 0.32 and 0.33 (an enum in older vLLM)."""
     return str(load.load_format)
@@ -126,4 +138,5 @@ def load_format_name(load: LoadConfig) -> str:
 
 __all__: list[Any] = ["SUPPORTED", "EngineRanks", "UnsupportedVllmVersion", "VLLM_VERSION", "check_version",
                       "engine_ranks", "load_format_name", "parse_version", "plan_kv_cache_configs",
-                      "request_session_id", "request_stop_reason", "request_transfer_params"]
+                      "prefix_cache_retention_interval", "request_session_id", "request_shared_prefix_boundary",
+                      "request_stop_reason", "request_transfer_params"]
