@@ -96,7 +96,9 @@ def describe_groups(kv_cache_config: Any, *, speculative: bool = False) -> tuple
         return (GroupSpec(0, FULL, int(spec.block_size), tuple(groups[0].layer_names),
                           mla=isinstance(spec, MLAAttentionSpec), spec=spec),)
     out = []
-    for i, group in enumerate(groups):
+    # Groups outside transfer_group_ids are replicas vLLM rebuilds from their source group after a load.
+    for i in kv_cache_config.transfer_group_ids:
+        group = groups[i]
         spec = group.kv_cache_spec
         if group.is_eagle_group or speculative:
             raise UnsupportedCacheGroup(

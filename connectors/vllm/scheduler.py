@@ -179,13 +179,14 @@ class SchedulerSide:
             self._release(lk)
             return
         end = lk.start + count
-        if any(end > len(t) for t in tracked.tables):
+        if any(end > len(tracked.tables[g.index]) for g in self.groups):
             log.error("kvtier: request %s has %s blocks, the load needs %d; not loading", req_id,
                       [len(t) for t in tracked.tables], end)
             self._release(lk)
             return
         hashes, ids, groups = [], [], []
-        for group, table in zip(self.groups, tracked.tables):
+        for group in self.groups:
+            table = tracked.tables[group.index]
             for i in group.needed(lk.start, end):
                 if table[i] == NULL_BLOCK:
                     continue  # vLLM holds no block there (outside the group's window): nothing to load
@@ -236,7 +237,8 @@ class SchedulerSide:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
         boundaries = hit_boundaries(request.num_prompt_tokens, request_shared_prefix_boundary(request), request.num_tokens,
                                     self.block_size, self.retention_interval) if self.hybrid else ()
-        for gi, (group, table) in enumerate(zip(self.groups, tracked.tables)):
+        for gi, group in enumerate(self.groups):
+            table = tracked.tables[group.index]
             # Only full blocks whose hash exists (speculative tokens have none yet) and that are allocated.
             full = min(computed_tokens // self.block_size, self.num_hashed_blocks(request), len(table))
             start = tracked.stored[gi]
@@ -278,8 +280,8 @@ class SchedulerSide:
         invalid = set(invalid_block_ids or ())
         if invalid:  # those blocks are recomputed by vLLM: save them again when they are
             for tracked in self._tracked.values():
-                for gi, table in enumerate(tracked.tables):
-                    for i, block in enumerate(table[: tracked.stored[gi]]):
+                for gi, group in enumerate(self.groups):
+                    for i, block in enumerate(tracked.tables[group.index][: tracked.stored[gi]]):
                         if block in invalid and block != NULL_BLOCK:
                             tracked.stored[gi] = i
                             break
