@@ -48,7 +48,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from kvtier.connectors.vllm.compat import plan_kv_cache_configs  # noqa: E402
+from kvtier.connectors.vllm.compat import VLLM_VERSION, plan_kv_cache_configs  # noqa: E402
 
 BLOCK = 16
 LAYERS = 3
@@ -255,6 +255,8 @@ class Engine:
             done = start + so.num_scheduled_tokens[req_id] >= req.num_tokens
             req_ids.append(req_id)
             sampled.append([7 + len(req.all_token_ids) % 100] if done else [])
+        if VLLM_VERSION >= (0, 34):  # 0.34 derives the index from req_ids
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 
