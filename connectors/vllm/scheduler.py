@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .compat import request_shared_prefix_boundary
+from .compat import request_shared_prefix_boundary, resumed_req_ids
 from .groups import FULL, GroupSpec, hit_boundaries, is_hybrid, save_mask
 from .lookup import ConnectorLookup
 from .hints import AgentHints, hints_of
@@ -215,13 +215,14 @@ class SchedulerSide:
             tracked.stored = [max(s, new.num_computed_tokens // self.block_size) for s in tracked.stored]
             self._plan_save(tracked, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], meta)
         cached = so.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                if req_id in cached.resumed_req_ids:
+                if req_id in resumed:
                     tracked.tables = [list(t) for t in new_ids]
                 else:
                     for table, ids in zip(tracked.tables, new_ids):
