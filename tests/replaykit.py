@@ -40,7 +40,7 @@ def trace(name: str, requests: list[dict[str, Any]]) -> Trace:
 def sweep(traces: list[Trace], lanes: int = 1, offload: str = "write-through", prefill: float = 1e9,
           decode: float = 1e9, bandwidth: float = 1e18, think_cap: float = 60.0, seed: int = 0,
           extra: dict[str, Any] | None = None, sessions: bool = False, hints: bool = False) -> Sweep:
-    name, layout = model_layout(None, BT, **MODEL)
+    name, layout, _ = model_layout(None, BT, **MODEL)
     service = ServiceModel(prefill, decode, {"dram": bandwidth, "ssd": bandwidth / 4})
     config = ReplayConfig(lanes=lanes, think_cap_s=think_cap, offload=offload, sessions=sessions, hints=hints)
     workload = Workload(traces, seed=seed, source="test")

@@ -1,0 +1,199 @@
+"""HybridCache: one request of a hybrid model through HBM and the store, storing only what can be used.
+
+The store holds three kinds of objects, each a run of store slots (``units``) of ``unit_bytes`` each (the
+full-history groups' bytes of one block, so a full-history block is one slot and the others round to whole
+slots; the rounding is reported):
+
+* a full-history block: the request's block key itself (the uniform replay's key, so the chain is the same);
+* a window group's block: ``units`` keys derived from the block's key and the group;
+* the recurrent state at a boundary: ``units`` keys derived from the key of the block before it.
+
+A request's hit is the deepest boundary ``restorable_depth`` allows with what HBM and the store hold, looked
+for among the boundaries the engine ever checkpointed (an index kept here, as the engine knows where it left
+checkpoints; presence is always asked of HBM and the store). What the request's prefill computes is stored
+write-through: its full-history blocks, and at each new checkpoint (hybrid.checkpoints) the state and each
+window group's tail. Derived keys are xxh3-128 of the block key and a tag, so they never meet a block key.
+
+Bytes stored and loaded are counted exactly, per group; ``whole_bytes_stored`` is what storing every group of
+every stored block whole (one packed block) would have written for the same blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvtier.replay.hbm import HbmPrefixCache
+from kvtier.replay.hybrid import HybridModel, checkpoints, restorable_depth
+from kvtier.store import TieredStore
+
+STATE = "state"
+FULL = "full"
+
+
+@dataclass(frozen=True)
+class Objects:
+    """How many store slots each kind of object takes, and the bytes it really holds."""
+
+    unit_bytes: int
+    window_units: tuple[int, ...]
+    window_bytes: tuple[int, ...]
+    tails: tuple[int, ...]
+    state_units: int
+    whole_block_bytes: int
+
+    @classmethod
+    def of(cls, model: HybridModel, block_tokens: int) -> Objects:
+        unit = model.full_block_bytes(block_tokens)
+        wbytes = tuple(model.window_block_bytes(g, block_tokens) for g in model.windows)
+        return cls(unit, tuple(max(1, round(b / unit)) for b in wbytes), wbytes,
+                   tuple(g.tail_blocks(block_tokens) for g in model.windows),
+                   max(1, round(model.state_bytes / unit)) if model.state_bytes else 0,
+                   model.layout(block_tokens).nbytes)
+
+    def rounding(self, model: HybridModel) -> float:
+        """The largest relative error of an object's room in slots against its real bytes."""
+        errs = [abs(u * self.unit_bytes - b) / b for u, b in zip(self.window_units, self.window_bytes)]
+        if model.state_bytes:
+            errs.append(abs(self.state_units * self.unit_bytes - model.state_bytes) / model.state_bytes)
+        return max(errs, default=0.0)
+
+
+def _derived(key: bytes, tag: bytes, units: int) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(key + tag + i.to_bytes(2, "little")) for i in range(units)]
+
+
+class HybridCache:
+    """Serves requests of one replay (single-threaded). ``result`` is the ReplayResult it adds to."""
+
+    def __init__(self, model: HybridModel, block_tokens: int, store: TieredStore | None, hbm: HbmPrefixCache,
+                 unique_blocks: int, bandwidth: dict[str, float], result: object) -> None:
+        self.model, self.bt, self.store, self.hbm = model, block_tokens, store, hbm
+        self.obj = Objects.of(model, block_tokens)
+        self.interval = model.interval_tokens // block_tokens
+        self._bandwidth = bandwidth
+        self.result = result
+        self._seen = np.zeros(max(unique_blocks, 1), bool)  # global ids some request has had in its prompt
+        self._checkpointed = np.zeros(max(unique_blocks, 1), bool)  # a checkpoint was ever made after this block
+        self._rows = np.zeros((0, store.block_bytes if store else 1), np.uint8)
+        self._put_limit = store.tiers[0].stats().capacity_bytes // store.block_bytes if store else 0
+        res = self.result
+        res.group_bytes_stored = {FULL: 0, **{g.name: 0 for g in model.windows}, **({STATE: 0} if model.recurrent
+                                                                                   else {})}
+        res.group_bytes_loaded = dict.fromkeys(res.group_bytes_stored, 0)
+
+    # ---- the objects at a boundary ---------------------------------------------------------------------
+
+    def _objects(self, keys: list[bytes], d: int) -> list[tuple[str, int, list[bytes]]]:
+        """(group, real bytes, slot keys) of each object restoring at boundary ``d`` needs besides the
+        full-history blocks: the state at d, then each window group's tail before d, block by block."""
+        out = []
+        if self.model.recurrent and d:
+            out.append((STATE, self.model.state_bytes, _derived(keys[d - 1], b"state", self.obj.state_units)))
+        for g, (tail, units, nbytes) in enumerate(zip(self.obj.tails, self.obj.window_units, self.obj.window_bytes)):
+            tag = b"w" + g.to_bytes(1, "little")
+            name = self.model.windows[g].name
+            out += [(name, nbytes, _derived(keys[i], tag, units)) for i in range(max(0, d - tail), d)]
+        return out
+
+    def _boundary_keys(self, keys: list[bytes], d: int) -> list[bytes]:
+        return [k for _, _, ks in self._objects(keys, d) for k in ks]
+
+    def _deepest(self, keys: list[bytes], gids: np.ndarray, full_prefix: int,
+                 held: Callable[[list[bytes]], bool]) -> int:
+        """The deepest checkpointed boundary <= ``full_prefix`` whose state and window tails ``held`` says are
+        all there (0 if none)."""
+        cands = np.flatnonzero(self._checkpointed[gids[:full_prefix]]) + 1  # boundary d follows block d - 1
+        for d in cands[::-1].tolist():
+            if held(self._boundary_keys(keys, d)):
+                return d
+        return 0
+
+    # ---- one request -----------------------------------------------------------------------------------
+
+    def serve(self, keys: list[bytes], gids: np.ndarray) -> tuple[int, int, float]:
+        """(HBM blocks, store blocks, load seconds) of one request arriving with block ``keys`` (global ids
+        ``gids``); stores what its prefill computes and admits it all to HBM."""
+        n, hbm, store = len(keys), self.hbm, self.store
+        res = self.result
+        junction = int(np.argmin(self._seen[gids])) if not self._seen[gids].all() else n
+        self._seen[gids] = True
+        fh = hbm.prefix(keys)
+        h = self._deepest(keys, gids, fh, lambda ks: all(k in hbm for k in ks))
+        d, load_s = h, 0.0
+        if store is not None and fh < n:
+            f_all = fh + store.lookup_prefix(keys[fh:]).length
+        else:
+            f_all = fh
+        if store is not None and f_all > h:
+            def held(ks: list[bytes]) -> bool:
+                rest = [k for k in ks if k not in hbm]
+                return not rest or all(store.contains(rest))
+
+            d = self._deepest(keys, gids, f_all, held)
+        if d > h:
+            loaded = keys[fh:d]
+            loaded_bytes = {FULL: max(d - fh, 0) * self.obj.unit_bytes}
+            for name, nbytes, ks in self._objects(keys, d):
+                missing = [k for k in ks if k not in hbm]
+                loaded += missing
+                loaded_bytes[name] = loaded_bytes.get(name, 0) + nbytes * len(missing) // len(ks)
+            found = store.lookup_prefix(loaded)  # type: ignore[union-attr]
+            got = self.store.get(loaded, self._buffer(len(loaded))) if found.length == len(loaded) else []  # type: ignore[union-attr]
+            if not got or not all(got):  # gone between the lookup and the get: recompute from HBM's boundary
+                res.lost_blocks += max(d - h, 1)
+                d = h
+            else:
+                total = 0
+                per_tier: dict[str, int] = {}
+                for tier, count in found.runs:
+                    per_tier[tier] = per_tier.get(tier, 0) + count
+                for tier, count in per_tier.items():
+                    nbytes = count * self.obj.unit_bytes
+                    load_s += nbytes / self._bandwidth[tier]
+                    share = (d - h) * self.bt * count // len(loaded)
+                    res.hit_tokens[tier] += share
+                    total += share
+                res.hit_tokens[found.runs[-1][0]] += (d - h) * self.bt - total  # the rounding remainder
+                for name, b in loaded_bytes.items():
+                    res.group_bytes_loaded[name] += b
+        new = checkpoints(n, d, junction, self.interval)
+        made: list[bytes] = []
+        for c in new:
+            made += self._boundary_keys(keys, c)
+            self._checkpointed[gids[c - 1]] = True
+        if store is not None:
+            self._store(keys, d, new, made)
+        # HBM: what the request used or made, its checkpoints' objects most recent (they make its blocks
+        # usable); write-through has stored everything below HBM already, so the victims are dropped.
+        if n:
+            hbm.admit(made[::-1] + self._boundary_keys(keys, d)[::-1] + keys)
+        return h, d - h, load_s
+
+    def _store(self, keys: list[bytes], d: int, new: list[int], made: list[bytes]) -> None:
+        """Write-through: the computed full-history blocks (tail first, as the uniform replay does), then the
+        new checkpoints' objects; count what the store did not hold before."""
+        res = self.result
+        computed = keys[d:]
+        fresh = self._put(computed[::-1])
+        res.group_bytes_stored[FULL] += fresh * self.obj.unit_bytes
+        res.whole_bytes_stored += fresh * self.obj.whole_block_bytes
+        for c in new:  # a share of an object's slots new (the rest held already): that share of its bytes
+            for name, nbytes, ks in self._objects(keys, c):
+                res.group_bytes_stored[name] += self._put(ks) * nbytes // len(ks)
+
+    def _put(self, keys: list[bytes]) -> int:
+        """Store ``keys`` (in batches the top tier can hold); how many were new."""
+        stored = 0
+        for start in range(0, len(keys), self._put_limit or 1):
+            batch = keys[start:start + (self._put_limit or 1)]
+            stored += self.store.put(batch, self._buffer(len(batch))).stored  # type: ignore[union-attr]
+        return stored
+
+    def _buffer(self, n: int) -> np.ndarray:
+        if len(self._rows) < n:
+            self._rows = np.zeros((max(n, 2 * len(self._rows)), self._rows.shape[1]), np.uint8)
+        return self._rows[:n]
