@@ -99,7 +99,8 @@ class HybridCache:
             out += [(name, nbytes, _derived(keys[i], tag, units)) for i in range(max(0, d - tail), d)]
         return out
 
-    def _boundary_keys(self, keys: list[bytes], d: int) -> list[bytes]:
+    def boundary_keys(self, keys: list[bytes], d: int) -> list[bytes]:
+        """The store keys of every object restoring at boundary ``d`` needs besides the full-history blocks."""
         return [k for _, _, ks in self._objects(keys, d) for k in ks]
 
     def _deepest(self, keys: list[bytes], gids: np.ndarray, full_prefix: int,
@@ -108,7 +109,7 @@ class HybridCache:
         all there (0 if none)."""
         cands = np.flatnonzero(self._checkpointed[gids[:full_prefix]]) + 1  # boundary d follows block d - 1
         for d in cands[::-1].tolist():
-            if held(self._boundary_keys(keys, d)):
+            if held(self.boundary_keys(keys, d)):
                 return d
         return 0
 
@@ -163,14 +164,14 @@ class HybridCache:
         new = checkpoints(n, d, junction, self.interval)
         made: list[bytes] = []
         for c in new:
-            made += self._boundary_keys(keys, c)
+            made += self.boundary_keys(keys, c)
             self._checkpointed[gids[c - 1]] = True
         if store is not None:
             self._store(keys, d, new, made)
         # HBM: what the request used or made, its checkpoints' objects most recent (they make its blocks
         # usable); write-through has stored everything below HBM already, so the victims are dropped.
         if n:
-            hbm.admit(made[::-1] + self._boundary_keys(keys, d)[::-1] + keys)
+            hbm.admit(made[::-1] + self.boundary_keys(keys, d)[::-1] + keys)
         return h, d - h, load_s
 
     def _store(self, keys: list[bytes], d: int, new: list[int], made: list[bytes]) -> None:
