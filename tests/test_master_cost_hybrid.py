@@ -119,6 +119,7 @@ def test_the_plan_is_the_argmin_over_restore_points(full, points, rate, bt):
     ({"at": [99], "counts": [1], "keys": STATE[0]}, "'at'"),
     ({"at": [3], "counts": [1], "keys": b"x" * 5}, "whole number"),
     ({"at": [True], "counts": [1], "keys": STATE[0]}, "'at'"),
+    ({"at": list(range(1, 4098)), "counts": [1] * 4097, "keys": STATE[0]}, "the limit is 4096"),
 ])
 def test_bad_checkpoints_are_refused_naming_the_field(checkpoints, message):
     st = state()
