@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -29,6 +30,9 @@ import xxhash
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.hybrid import HybridModel, checkpoints, restorable_depth
 from kvtier.store import TieredStore
+
+if TYPE_CHECKING:
+    from kvtier.replay.replayer import ReplayResult
 
 STATE = "state"
 FULL = "full"
@@ -70,7 +74,7 @@ class HybridCache:
     """Serves requests of one replay (single-threaded). ``result`` is the ReplayResult it adds to."""
 
     def __init__(self, model: HybridModel, block_tokens: int, store: TieredStore | None, hbm: HbmPrefixCache,
-                 unique_blocks: int, bandwidth: dict[str, float], result: object) -> None:
+                 unique_blocks: int, bandwidth: dict[str, float], result: ReplayResult) -> None:
         self.model, self.bt, self.store, self.hbm = model, block_tokens, store, hbm
         self.obj = Objects.of(model, block_tokens)
         self.interval = model.interval_tokens // block_tokens
@@ -136,45 +140,53 @@ class HybridCache:
 
             d = self._deepest(keys, gids, f_all, held)
         if d > h:
-            loaded = keys[fh:d]
-            loaded_bytes = {FULL: max(d - fh, 0) * self.obj.unit_bytes}
-            for name, nbytes, ks in self._objects(keys, d):
-                missing = [k for k in ks if k not in hbm]
-                loaded += missing
-                loaded_bytes[name] = loaded_bytes.get(name, 0) + nbytes * len(missing) // len(ks)
-            found = store.lookup_prefix(loaded)  # type: ignore[union-attr]
-            got = self.store.get(loaded, self._buffer(len(loaded))) if found.length == len(loaded) else []  # type: ignore[union-attr]
-            if not got or not all(got):  # gone between the lookup and the get: recompute from HBM's boundary
-                res.lost_blocks += max(d - h, 1)
-                d = h
-            else:
-                total = 0
-                per_tier: dict[str, int] = {}
-                for tier, count in found.runs:
-                    per_tier[tier] = per_tier.get(tier, 0) + count
-                for tier, count in per_tier.items():
-                    nbytes = count * self.obj.unit_bytes
-                    load_s += nbytes / self._bandwidth[tier]
-                    share = (d - h) * self.bt * count // len(loaded)
-                    res.hit_tokens[tier] += share
-                    total += share
-                res.hit_tokens[found.runs[-1][0]] += (d - h) * self.bt - total  # the rounding remainder
-                for name, b in loaded_bytes.items():
-                    res.group_bytes_loaded[name] += b
+            d, load_s = self._load(keys, fh, h, d)
         new = checkpoints(n, d, junction, self.interval)
         made: list[bytes] = []
         for c in new:
             made += self.boundary_keys(keys, c)
             self._checkpointed[gids[c - 1]] = True
         if store is not None:
-            self._store(keys, d, new, made)
+            self._store(keys, d, new)
         # HBM: what the request used or made, its checkpoints' objects most recent (they make its blocks
         # usable); write-through has stored everything below HBM already, so the victims are dropped.
         if n:
             hbm.admit(made[::-1] + self.boundary_keys(keys, d)[::-1] + keys)
         return h, d - h, load_s
 
-    def _store(self, keys: list[bytes], d: int, new: list[int], made: list[bytes]) -> None:
+    def _load(self, keys: list[bytes], fh: int, h: int, d: int) -> tuple[int, float]:
+        """Read what restoring at ``d`` needs and HBM lacks (the full-history blocks past HBM's ``fh``, the
+        boundary's objects) from the store: (the boundary restored, load seconds). The hit's tokens past HBM's
+        boundary ``h`` are credited to the tiers in proportion to the slots each served; a slot gone between
+        the lookup and the get makes it a miss back to ``h``."""
+        store, hbm, res = self.store, self.hbm, self.result
+        assert store is not None
+        loaded = keys[fh:d]
+        loaded_bytes = {FULL: max(d - fh, 0) * self.obj.unit_bytes}
+        for name, nbytes, ks in self._objects(keys, d):
+            missing = [k for k in ks if k not in hbm]
+            loaded += missing
+            loaded_bytes[name] = loaded_bytes.get(name, 0) + nbytes * len(missing) // len(ks)
+        found = store.lookup_prefix(loaded)
+        got = store.get(loaded, self._buffer(len(loaded))) if found.length == len(loaded) else []
+        if not got or not all(got):
+            res.lost_blocks += max(d - h, 1)
+            return h, 0.0
+        per_tier: dict[str, int] = {}
+        for tier, count in found.runs:
+            per_tier[tier] = per_tier.get(tier, 0) + count
+        load_s, credited = 0.0, 0
+        for tier, count in per_tier.items():
+            load_s += count * self.obj.unit_bytes / self._bandwidth[tier]
+            share = (d - h) * self.bt * count // len(loaded)
+            res.hit_tokens[tier] += share
+            credited += share
+        res.hit_tokens[found.runs[-1][0]] += (d - h) * self.bt - credited  # the rounding remainder
+        for name, b in loaded_bytes.items():
+            res.group_bytes_loaded[name] += b
+        return d, load_s
+
+    def _store(self, keys: list[bytes], d: int, new: list[int]) -> None:
         """Write-through: the computed full-history blocks (tail first, as the uniform replay does), then the
         new checkpoints' objects; count what the store did not hold before."""
         res = self.result
