@@ -1,11 +1,15 @@
 """Hybrid models in the replay: the hit rule (the deepest boundary every cache group can be restored at), the
 checkpoint rule, hits and bytes per group worked out by hand on a real store, and OPT bounding them."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvtier
 from kvtier.keys import Namespace
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.hybrid import HYBRID_MODELS, HybridModel, WindowGroup, checkpoints, restorable_depth
@@ -185,3 +189,29 @@ def test_checkpoint_interval_is_a_multiple_of_the_block():
         model_layout("qwen3-next-80b-a3b", BT, checkpoint_interval=100)
     with pytest.raises(ValueError, match="for a hybrid model"):
         model_layout("llama-3.1-8b", BT, checkpoint_interval=BT)
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+
+def test_replay_cli_reports_a_hybrid_model_per_group(tmp_path, capsys):
+    """One sample trace through `kvtier replay --model qwen3-next-80b-a3b`: the JSON has the bytes per group and
+    against every group whole; `--store-groups whole` replays packed blocks, which store far more per token."""
+    from kvtier.cli import main
+
+    sample = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc" / "trace_0427.json.gz"
+    common = [str(sample), "--lanes", "1", "--hbm", "5%", "--dram", "25%", "--policy", "lru", "--no-progress",
+              "--model", "qwen3-next-80b-a3b"]
+    assert main(["replay", *common, "--json", str(tmp_path / "useful.json")]) == 0
+    out = capsys.readouterr().out
+    assert "storing only what can be used" in out and "whole/tok" in out
+    rep = json.loads((tmp_path / "useful.json").read_text())
+    assert rep["model"]["hybrid"]["state_bytes"] == HYBRID_MODELS["qwen3-next-80b-a3b"].state_bytes
+    pol = rep["policies"]["lru"]
+    hy = pol["hybrid"]
+    assert set(hy["group_bytes_stored"]) == {"full", "state"} and hy["group_bytes_stored"]["state"] > 0
+    assert 0 < hy["stored_vs_whole"] < 0.2  # a 37.7 MiB state per block, stored at checkpoints only
+    assert 0 <= pol["hit_rate"] <= pol["opt_hit_rate"] <= pol["infinite_hit_rate"]
+    assert main(["replay", *common, "--store-groups", "whole", "--json", str(tmp_path / "whole.json")]) == 0
+    whole = json.loads((tmp_path / "whole.json").read_text())["policies"]["lru"]
+    assert "hybrid" not in whole
+    assert sum(whole["bytes_stored"].values()) > 5 * sum(hy["group_bytes_stored"].values())

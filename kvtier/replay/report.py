@@ -170,20 +170,21 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
 def _print_hybrid_bytes(points: list[SweepPoint]) -> None:
     """Per run: bytes stored per input token by group, against storing every group of the same blocks whole."""
     names = list(next(iter(points[0].runs.values())).result.group_bytes_stored)
-    print(f"\n{'dram':>20}  {'policy':<10}{'stored/tok':>11}" + "".join(f"{g:>15}" for g in names)
-          + f"{'whole/tok':>11}{'ratio':>7}{'loaded/tok':>11}")
+    lower = [t for t in points[0].capacity_blocks if t != HBM]
+    print("\n" + "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<10}{'stored/tok':>11}"
+          + "".join(f"{g:>15}" for g in names) + f"{'whole/tok':>11}{'ratio':>7}{'loaded/tok':>11}")
     for point in points:
-        label = point.labels.get("dram", "")
+        label = "".join(f"{point.labels.get(t, ''):>20}" for t in lower)
         for name, run in point.runs.items():
             r = run.result
             n = r.input_tokens or 1
             stored = sum(r.group_bytes_stored.values())
             ratio = stored / r.whole_bytes_stored if r.whole_bytes_stored else 0.0
-            print(f"{label:>20}  {name:<10}{format_bytes(stored / n):>11}"
+            print(f"{label}  {name:<10}{format_bytes(stored / n):>11}"
                   + "".join(f"{format_bytes(r.group_bytes_stored[g] / n):>15}" for g in names)
                   + f"{format_bytes(r.whole_bytes_stored / n):>11}{ratio:>7.3f}"
                   + f"{format_bytes(sum(r.group_bytes_loaded.values()) / n):>11}")
-            label = ""
+            label = " " * len(label)
     print("stored/tok: bytes written to the store per input token (only what can be used: full-history blocks, "
           "and state and window tails at checkpoints), per group after it;\nwhole/tok: every group of the same "
           "blocks stored whole; loaded/tok: bytes read from the store per input token.")
