@@ -105,6 +105,10 @@ def to_json(sweep: Sweep, points: list[SweepPoint]) -> dict[str, Any]:
     it bounds every policy. ``opt_dram_only_hit_rate`` is the same optimum at the store's capacity alone
     (HBM left out: with write-through, HBM's blocks are in DRAM too). ``prefill_utilization`` is the modeled
     GPU's busy share; ``saturated`` is true above 90%.
+    A hybrid model's run (storing only what can be used) adds ``"hybrid"`` to each policy: ``group_bytes_stored``
+    and ``group_bytes_loaded`` (real bytes per cache group), ``whole_bytes_stored`` (every group of the same
+    blocks stored whole), ``stored_per_input_token``, ``whole_per_input_token`` and ``stored_vs_whole``; its
+    ``model`` names the groups (``"hybrid"``) and ``slot_bytes`` (what one store slot stands for).
     The top level repeats the first point's fields, so a single-capacity run reads
     ``{"policies": ..., "opt_hit_rate": ..., "infinite_hit_rate": ...}``.
     """
