@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier.keys import Namespace
 from kvtier.replay.hbm import HbmPrefixCache
-from kvtier.replay.hybrid import HYBRID_MODELS, HybridModel, WindowGroup, checkpoints, restorable_depth
+from kvtier.replay.hybrid import STATE, HYBRID_MODELS, HybridModel, WindowGroup, checkpoints, restorable_depth
 from kvtier.replay.hybrid_replay import HybridCache
 from kvtier.replay.replayer import HBM, ReplayResult
 from kvtier.replay.sizing import model_layout
@@ -53,19 +53,33 @@ def presence(draw):
     return full_prefix, window_held, tails, state_held
 
 
-@settings(max_examples=300, deadline=None)
-@given(presence())
-def test_restorable_depth_is_the_deepest_boundary_every_group_allows(case):
+def held_in(window_held, state_held):
+    """The presence oracle of arrays: window group g's block i, the state at boundary d."""
+    return lambda objs: all(state_held[i] if g == STATE else window_held[g][i] for g, i in objs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(presence(), st.data())
+def test_restorable_depth_is_the_deepest_boundary_every_group_allows(case, data):
     full_prefix, window_held, tails, state_held = case
-    d = restorable_depth(full_prefix, window_held, tails, state_held)
+    n = max((len(h) for h in window_held), default=full_prefix)
+    n = len(state_held) - 1 if state_held is not None else n
+    recurrent = state_held is not None
+    states = state_held if recurrent else np.ones(n + 1, bool)
+    d = restorable_depth(full_prefix, range(n + 1), tails, recurrent, held_in(window_held, states))
     assert d == brute_force_depth(full_prefix, window_held, tails, state_held)
     assert 0 <= d <= full_prefix  # never deeper than the full-history blocks allow
-    if state_held is not None and d:
+    # Only the candidates count: a boundary the engine never checkpointed is not a hit.
+    cands = data.draw(st.sets(st.integers(0, n)))
+    got = restorable_depth(full_prefix, cands, tails, recurrent, held_in(window_held, states))
+    assert got == max([c for c in cands if brute_force_depth(min(c, full_prefix), window_held, tails, state_held)
+                       == c] + [0])
+    if recurrent and d:
         assert state_held[d]  # KV without its state is never a hit
         # Losing the state at d falls back to the deepest boundary before d that still has everything.
         lost = state_held.copy()
         lost[d] = False
-        back = restorable_depth(full_prefix, window_held, tails, lost)
+        back = restorable_depth(full_prefix, range(n + 1), tails, True, held_in(window_held, lost))
         assert back < d and back == brute_force_depth(d - 1, window_held, tails, state_held)
 
 
@@ -118,6 +132,18 @@ def test_a_hit_needs_the_window_tail_before_its_boundary():
     assert res.group_bytes_stored == {"full": 5 * F, "sw": 3 * F}
     assert res.group_bytes_loaded == {"full": 4 * F, "sw": 2 * F}
     assert res.whole_bytes_stored == 5 * 2 * F  # every block of both groups
+
+
+def test_a_window_model_restores_where_stored_tails_make_a_window_whole():
+    """Window 129 tokens (2 blocks). Checkpoints at 4 (tail 2,3) and 6 (tail 4,5): boundary 5 is no checkpoint,
+    but its window (blocks 3,4) is whole, so r2 restores 5. With recurrent state as well it restores only at
+    the checkpoint 4 (the state exists only there)."""
+    reqs = [req([1, 2, 3, 4]), req([1, 2, 3, 4, 5, 6]), req([1, 2, 3, 4, 5, 9])]
+    res = replay(sweep([trace("w", reqs)], hybrid=WINDOW), "lru", 0, 64, record=True).result
+    assert [r.store_blocks for r in res.records] == [0, 4, 5]
+    both = HybridModel("tiny-both-2", full_bytes_per_token=32, windows=WINDOW.windows, state_bytes=4096)
+    res = replay(sweep([trace("w", reqs)], hybrid=both), "lru", 0, 64, record=True).result
+    assert [r.store_blocks for r in res.records] == [0, 4, 4]
 
 
 def test_a_missing_state_falls_back_to_the_previous_checkpoint():

@@ -11,7 +11,7 @@ A hybrid model's cache groups live by different rules (see ../shared/reference/H
   state checkpointed at exactly d, and the engine keeps state only at its checkpoints (align mode).
 
 So a hybrid hit at boundary d (``restorable_depth``) needs every full-history block before d, each window
-group's tail before d, and the state at d. Checkpoints (``checkpoints``) are where the engine keeps state and
+group's tail before d, and the state at d (``boundary_objects``). Checkpoints (``checkpoints``) are where the engine keeps state and
 window tails: the end of each request's prompt (its last full block), a fork junction (the depth at which a
 request leaves every prefix seen before: the second sighting of that prefix, where subagents fork off a shared
 context), and, with ``interval_tokens``, every so many tokens (vLLM's ``prefix_cache_retention_interval``; 0,
@@ -25,10 +25,8 @@ connectors choose their own keys and object granularity.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvtier.layout import BlockLayout, CacheGroup
 
@@ -113,28 +111,28 @@ class HybridModel:
         return "; ".join(parts)
 
 
-def restorable_depth(full_prefix: int, window_held: list[np.ndarray], tails: list[int],
-                     state_held: np.ndarray | None, candidates: np.ndarray | None = None) -> int:
-    """The deepest boundary d (in blocks) at which every group can be restored.
+STATE = -1  # the group index boundary_objects gives the recurrent state
 
-    ``full_prefix``: leading full-history blocks held (d <= full_prefix). ``window_held[g][i]``: window group
-    g's block i is held; ``tails[g]``: blocks group g needs before d. ``state_held[d]``: the state at boundary d
-    is held (None: no recurrent group). ``candidates``: boundaries worth asking about (default 0..full_prefix);
-    0 is always restorable (nothing is restored)."""
-    if candidates is None:
-        candidates = np.arange(full_prefix + 1)
-    ok = candidates[candidates <= full_prefix]
-    if state_held is not None:
-        ok = ok[state_held[ok]]
-    for held, t in zip(window_held, tails):
-        if not len(ok) or t == 0:
-            continue
-        # held blocks before each boundary: a window [d - t, d) is whole when it counts t held blocks
-        # (clipped at 0: a boundary closer to the root than t needs only the blocks it has).
-        before = np.concatenate([[0], np.cumsum(held, dtype=np.int64)])
-        lo = np.maximum(ok - t, 0)
-        ok = ok[before[ok] - before[lo] == ok - lo]
-    return int(ok.max()) if len(ok) else 0
+
+def boundary_objects(d: int, tails: Sequence[int], recurrent: bool) -> list[tuple[int, int]]:
+    """What restoring at boundary ``d`` (in blocks) needs besides the full-history blocks before it: the state
+    at d, as ``(STATE, d)``, and each window group g's blocks i before d that its window covers, as ``(g, i)``
+    (``tails[g]`` of them, fewer near the root)."""
+    out = [(STATE, d)] if recurrent and d else []
+    for g, t in enumerate(tails):
+        out += [(g, i) for i in range(max(0, d - t), d)]
+    return out
+
+
+def restorable_depth(full_prefix: int, candidates: Iterable[int], tails: Sequence[int], recurrent: bool,
+                     held: Callable[[list[tuple[int, int]]], bool]) -> int:
+    """The deepest boundary at which every group can be restored: among ``candidates`` (the boundaries the
+    engine ever checkpointed), the deepest within the ``full_prefix`` leading full-history blocks held whose
+    ``boundary_objects`` ``held`` says are all there; 0 (nothing restored) if none."""
+    for d in sorted(candidates, reverse=True):
+        if 0 < d <= full_prefix and held(boundary_objects(d, tails, recurrent)):
+            return d
+    return 0
 
 
 def checkpoints(blocks: int, restored: int, junction: int, interval_blocks: int) -> list[int]:

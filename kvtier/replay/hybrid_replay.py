@@ -9,8 +9,9 @@ slots; the rounding is reported):
 * the recurrent state at a boundary: ``units`` keys derived from the key of the block before it.
 
 A request's hit is the deepest boundary ``restorable_depth`` allows with what HBM and the store hold, looked
-for among the boundaries the engine ever checkpointed (an index kept here, as the engine knows where it left
-checkpoints; presence is always asked of HBM and the store). What the request's prefill computes is stored
+for among the boundaries that may be restorable (an index kept here, as the engine knows where it left
+checkpoints: a checkpoint's boundary, and for a model without recurrent state any boundary a stored window tail
+covers; presence is always asked of HBM and the store). What the request's prefill computes is stored
 write-through: its full-history blocks, and at each new checkpoint (hybrid.checkpoints) the state and each
 window group's tail. Derived keys are xxh3-128 of the block key and a tag, so they never meet a block key.
 
@@ -28,13 +29,13 @@ import numpy as np
 import xxhash
 
 from kvtier.replay.hbm import HbmPrefixCache
-from kvtier.replay.hybrid import HybridModel, checkpoints, restorable_depth
+from kvtier.replay.hybrid import STATE, HybridModel, boundary_objects, checkpoints, restorable_depth
 from kvtier.store import TieredStore
 
 if TYPE_CHECKING:
     from kvtier.replay.replayer import ReplayResult
 
-STATE = "state"
+STATE_NAME = "state"  # the recurrent state's name among the groups in the report
 FULL = "full"
 
 
@@ -81,11 +82,15 @@ class HybridCache:
         self._bandwidth = bandwidth
         self.result = result
         self._seen = np.zeros(max(unique_blocks, 1), bool)  # global ids some request has had in its prompt
-        self._checkpointed = np.zeros(max(unique_blocks, 1), bool)  # a checkpoint was ever made after this block
+        # Boundaries that may be restorable, by the global id of the block before them: a checkpoint's; for a
+        # model without recurrent state also every boundary whose previous block a stored window tail covers
+        # (its window may be whole there: vLLM hits a sliding-window group at any block its window holds).
+        self._candidates = np.zeros(max(unique_blocks, 1), bool)
+        self._min_tail = min((t for t in self.obj.tails if t), default=1)  # a tail of 0 needs nothing
         self._rows = np.zeros((0, store.block_bytes if store else 1), np.uint8)
         self._put_limit = store.tiers[0].stats().capacity_bytes // store.block_bytes if store else 0
         res = self.result
-        res.group_bytes_stored = {FULL: 0, **{g.name: 0 for g in model.windows}, **({STATE: 0} if model.recurrent
+        res.group_bytes_stored = {FULL: 0, **{g.name: 0 for g in model.windows}, **({STATE_NAME: 0} if model.recurrent
                                                                                    else {})}
         res.group_bytes_loaded = dict.fromkeys(res.group_bytes_stored, 0)
 
@@ -93,14 +98,17 @@ class HybridCache:
 
     def _objects(self, keys: list[bytes], d: int) -> list[tuple[str, int, list[bytes]]]:
         """(group, real bytes, slot keys) of each object restoring at boundary ``d`` needs besides the
-        full-history blocks: the state at d, then each window group's tail before d, block by block."""
+        full-history blocks (hybrid.boundary_objects)."""
+        return self._keyed(keys, boundary_objects(d, self.obj.tails, self.model.recurrent))
+
+    def _keyed(self, keys: list[bytes], objects: list[tuple[int, int]]) -> list[tuple[str, int, list[bytes]]]:
         out = []
-        if self.model.recurrent and d:
-            out.append((STATE, self.model.state_bytes, _derived(keys[d - 1], b"state", self.obj.state_units)))
-        for g, (tail, units, nbytes) in enumerate(zip(self.obj.tails, self.obj.window_units, self.obj.window_bytes)):
-            tag = b"w" + g.to_bytes(1, "little")
-            name = self.model.windows[g].name
-            out += [(name, nbytes, _derived(keys[i], tag, units)) for i in range(max(0, d - tail), d)]
+        for g, i in objects:
+            if g == STATE:  # the state at boundary i follows block i - 1
+                out.append((STATE_NAME, self.model.state_bytes, _derived(keys[i - 1], b"state", self.obj.state_units)))
+            else:
+                out.append((self.model.windows[g].name, self.obj.window_bytes[g],
+                            _derived(keys[i], b"w" + g.to_bytes(1, "little"), self.obj.window_units[g])))
         return out
 
     def boundary_keys(self, keys: list[bytes], d: int) -> list[bytes]:
@@ -109,13 +117,11 @@ class HybridCache:
 
     def _deepest(self, keys: list[bytes], gids: np.ndarray, full_prefix: int,
                  held: Callable[[list[bytes]], bool]) -> int:
-        """The deepest checkpointed boundary <= ``full_prefix`` whose state and window tails ``held`` says are
-        all there (0 if none)."""
-        cands = np.flatnonzero(self._checkpointed[gids[:full_prefix]]) + 1  # boundary d follows block d - 1
-        for d in cands[::-1].tolist():
-            if held(self.boundary_keys(keys, d)):
-                return d
-        return 0
+        """The deepest boundary every group can be restored at (hybrid.restorable_depth), among the candidates,
+        with what ``held`` says is there."""
+        cands = np.flatnonzero(self._candidates[gids[:full_prefix]]) + 1  # boundary d follows block d - 1
+        return restorable_depth(full_prefix, cands.tolist(), self.obj.tails, self.model.recurrent,
+                                lambda objs: held([k for _, _, ks in self._keyed(keys, objs) for k in ks]))
 
     # ---- one request -----------------------------------------------------------------------------------
 
@@ -145,7 +151,10 @@ class HybridCache:
         made: list[bytes] = []
         for c in new:
             made += self.boundary_keys(keys, c)
-            self._checkpointed[gids[c - 1]] = True
+            if self.model.recurrent:
+                self._candidates[gids[c - 1]] = True
+            else:
+                self._candidates[gids[max(0, c - self._min_tail):c]] = True
         if store is not None:
             self._store(keys, d, new)
         # HBM: what the request used or made, its checkpoints' objects most recent (they make its blocks
