@@ -90,9 +90,9 @@ class HybridCache:
         self._rows = np.zeros((0, store.block_bytes if store else 1), np.uint8)
         self._put_limit = store.tiers[0].stats().capacity_bytes // store.block_bytes if store else 0
         res = self.result
-        res.group_bytes_stored = {FULL: 0, **{g.name: 0 for g in model.windows}, **({STATE_NAME: 0} if model.recurrent
-                                                                                   else {})}
-        res.group_bytes_loaded = dict.fromkeys(res.group_bytes_stored, 0)
+        groups = [FULL, *(g.name for g in model.windows), *([STATE_NAME] if model.recurrent else [])]
+        res.group_bytes_stored = dict.fromkeys(groups, 0)
+        res.group_bytes_loaded = dict.fromkeys(groups, 0)
 
     # ---- the objects at a boundary ---------------------------------------------------------------------
 
@@ -105,7 +105,8 @@ class HybridCache:
         out = []
         for g, i in objects:
             if g == STATE:  # the state at boundary i follows block i - 1
-                out.append((STATE_NAME, self.model.state_bytes, _derived(keys[i - 1], b"state", self.obj.state_units)))
+                state = _derived(keys[i - 1], b"state", self.obj.state_units)
+                out.append((STATE_NAME, self.model.state_bytes, state))
             else:
                 out.append((self.model.windows[g].name, self.obj.window_bytes[g],
                             _derived(keys[i], b"w" + g.to_bytes(1, "little"), self.obj.window_units[g])))
