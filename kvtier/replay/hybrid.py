@@ -11,8 +11,8 @@ A hybrid model's cache groups live by different rules (see ../shared/reference/H
   state checkpointed at exactly d, and the engine keeps state only at its checkpoints (align mode).
 
 So a hybrid hit at boundary d (``restorable_depth``) needs every full-history block before d, each window
-group's tail before d, and the state at d (``boundary_objects``). Checkpoints (``checkpoints``) are where the engine keeps state and
-window tails: the end of each request's prompt (its last full block), a fork junction (the depth at which a
+group's tail before d, and the state at d (``boundary_objects``). Checkpoints (``checkpoints``) are where the
+engine keeps state and window tails: the end of each request's prompt (its last full block), a fork junction (the depth at which a
 request leaves every prefix seen before: the second sighting of that prefix, where subagents fork off a shared
 context), and, with ``interval_tokens``, every so many tokens (vLLM's ``prefix_cache_retention_interval``; 0,
 vLLM's default, keeps the semantic checkpoints only). Storing "only what can be used" stores the full-history
