@@ -27,6 +27,7 @@ MAX_TIERS = 8  # tiers per node (each becomes a directory location: a bit in eve
 MAX_PEERS = 256  # path_bw entries per heartbeat (peer node ids)
 MAX_CANDIDATES = 4096  # candidate workers per cost query
 MAX_POLICY = 64  # a placement policy's name
+MAX_CHECKPOINTS = 4096  # a hybrid prompt's restore points per cost query
 
 Body = Mapping[str, Any]
 _MISSING = object()
@@ -87,6 +88,17 @@ def labels(body: Body, key: str = "labels") -> dict[str, str]:
             raise WireError(ERR_TOO_LARGE, f"field {key!r}: label {k!r} is {len(v)} characters, the limit is "
                                            f"{MAX_LABEL_VALUE}")
     return m
+
+
+def int_list(body: Body, key: str, max_entries: int, lo: int, hi: int) -> list[int]:
+    """A list of at most ``max_entries`` integers, each in [lo, hi] (bool is not an integer here)."""
+    v = field(body, key, list)
+    if len(v) > max_entries:
+        raise WireError(ERR_TOO_LARGE, f"field {key!r}: {len(v)} entries, the limit is {max_entries}")
+    for i, x in enumerate(v):
+        if type(x) is not int or not lo <= x <= hi:  # noqa: E721 - bool is not a count
+            raise WireError(ERR_BAD_REQUEST, f"field {key!r}[{i}]: expected an integer in [{lo}, {hi}]")
+    return v
 
 
 def str_list(body: Body, key: str, max_entries: int, max_len: int = MAX_NAME) -> list[str]:

@@ -19,7 +19,7 @@ from kvtier import wire
 from kvtier.auth.roles import ADMIN, DATA, HINTS, READ
 from kvtier.master import limits
 from kvtier.master.access import ANONYMOUS, Caller
-from kvtier.master.cost import CostRequest
+from kvtier.master.cost import CostRequest, RestorePoints
 from kvtier.master.directory import location_words
 from kvtier.master.placement import PlacementError, PlacementRequest, known_placements
 from kvtier.master.replication import choose_holders
@@ -73,14 +73,50 @@ def cost(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, A
     if prompt < len(keys) * bt:
         raise WireError(ERR_BAD_REQUEST, f"model: prompt_tokens {prompt} is less than {len(keys)} keys x "
                                          f"block_tokens {bt}")
-    slots, masks = st.directory.masks(keys, st.live_mask())
+    live = st.live_mask()
+    slots, masks = st.directory.masks(keys, live)
     held = masks.any(axis=1)
     prefix_len = len(keys) if held.all() else int(np.argmin(held))
+    restore, touched = None, [slots[held]]
+    if body.get("checkpoints") is not None:  # a hybrid prompt: only its held restore points count
+        restore, prefix_len, obj_slots = _restore_points(st, body, len(keys), prefix_len, live)
+        touched.append(obj_slots)
     if field(body, "touch", bool, True):
-        st.touch(slots[held])
+        st.touch(np.concatenate(touched))
     plans = st.cost.plans(masks, st.directory.block_bytes(slots), prefix_len, candidates,
-                          CostRequest(bt, rate, prompt))
+                          CostRequest(bt, rate, prompt), restore)
     return {"n": len(keys), "prefix_blocks": prefix_len, "plans": plans}
+
+
+def _restore_points(st: MasterState, body: Body, n: int, prefix_len: int,
+                    live: np.ndarray) -> tuple[RestorePoints, int, np.ndarray]:
+    """A hybrid prompt's ``checkpoints`` ({"at": [boundary blocks, ascending], "counts": [objects per boundary],
+    "keys": the objects' keys, boundary by boundary}) -> (the restore points held within the held prefix, the
+    deepest of them: the prefix a plan may load, the held objects' slots). A boundary one of whose objects no
+    live node holds is no restore point."""
+    cp = field(body, "checkpoints", dict)
+    try:
+        at = limits.int_list(cp, "at", limits.MAX_CHECKPOINTS, 1, n)
+        counts = limits.int_list(cp, "counts", limits.MAX_CHECKPOINTS, 1, st.settings.max_batch_keys)
+        obj_keys = keys_field(cp, "keys", st.settings.max_batch_keys)
+    except WireError as e:
+        raise WireError(e.code, f"checkpoints: {e.message}") from None
+    if len(at) != len(counts) or any(b <= a for a, b in zip(at, at[1:])):
+        raise WireError(ERR_BAD_REQUEST, "checkpoints: 'at' must ascend and have one 'counts' entry per boundary")
+    if sum(counts) != len(obj_keys):
+        raise WireError(ERR_BAD_REQUEST, f"checkpoints: 'counts' add up to {sum(counts)}, 'keys' has "
+                                         f"{len(obj_keys)} keys")
+    slots, masks = st.directory.masks(obj_keys, live)
+    owner = np.repeat(np.arange(len(at)), counts)
+    held = masks.any(axis=1)
+    whole = np.ones(len(at), bool)
+    np.logical_and.at(whole, owner, held)
+    at_arr = np.asarray(at, np.int64)
+    ok = whole & (at_arr <= prefix_len)
+    keep = ok[owner]
+    index = np.cumsum(ok) - 1  # old boundary index -> index among the restore points kept
+    restore = RestorePoints(at_arr[ok], index[owner[keep]], masks[keep], st.directory.block_bytes(slots[keep]))
+    return restore, int(at_arr[ok][-1]) if ok.any() else 0, slots[held]
 
 
 def route_put(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str, Any]:

@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from hypothesis import strategies as st
+
+from kvtier.replay.hybrid import HybridModel
 from kvtier.replay.replayer import ReplayConfig
 from kvtier.replay.service import ServiceModel
 from kvtier.replay.sizing import model_layout, parse_capacity
@@ -39,13 +42,19 @@ def trace(name: str, requests: list[dict[str, Any]]) -> Trace:
 
 def sweep(traces: list[Trace], lanes: int = 1, offload: str = "write-through", prefill: float = 1e9,
           decode: float = 1e9, bandwidth: float = 1e18, think_cap: float = 60.0, seed: int = 0,
-          extra: dict[str, Any] | None = None, sessions: bool = False, hints: bool = False) -> Sweep:
-    name, layout = model_layout(None, BT, **MODEL)
+          extra: dict[str, Any] | None = None, sessions: bool = False, hints: bool = False,
+          hybrid: HybridModel | None = None) -> Sweep:
+    """A sweep of ``traces`` with the tiny explicit model, or ``hybrid`` (its store slots are its full-history
+    blocks: see hybrid_replay.py)."""
+    if hybrid is None:
+        name, layout, _ = model_layout(None, BT, **MODEL)
+    else:
+        name, layout = hybrid.name, hybrid.layout(BT)
     service = ServiceModel(prefill, decode, {"dram": bandwidth, "ssd": bandwidth / 4})
     config = ReplayConfig(lanes=lanes, think_cap_s=think_cap, offload=offload, sessions=sessions, hints=hints)
     workload = Workload(traces, seed=seed, source="test")
     return Sweep(workload, layout, name, parse_capacity("0"), {"dram_capacity": [parse_capacity("0")]},
-                 ["lru"], service, config, extra)
+                 ["lru"], service, config, extra, hybrid=hybrid)
 
 
 def replay(sw: Sweep, policy: str, hbm_blocks: int, dram_blocks: int, record: bool = False,
@@ -72,3 +81,29 @@ def brute_force_opt(stream: list[int], capacity: int) -> int:
         return max(best(t + 1, c) for c in options)
 
     return best(0, frozenset())
+
+
+# ---- random traces (hypothesis) -------------------------------------------------------------------------
+
+@st.composite
+def agent_requests(draw, next_id: list[int], depth: int = 0):
+    """Prefix-chained requests: each keeps a prefix of the previous context and appends fresh blocks."""
+    chain: list[int] = []
+    out = []
+    for _ in range(draw(st.integers(1, 5))):
+        if depth == 0 and out and draw(st.integers(0, 4)) == 0:
+            group = [sub(draw(agent_requests(next_id, 1)), t=0.0, duration=0.0)
+                     for _ in range(draw(st.integers(1, 2)))]
+            out += group
+        keep = draw(st.integers(0, len(chain)))
+        add = draw(st.integers(0, 4))
+        chain = chain[:keep] + list(range(next_id[0], next_id[0] + add))
+        next_id[0] += add
+        out.append(req(chain, think=draw(st.sampled_from([0.0, 1.0, 7.0])), out=draw(st.integers(1, 50)),
+                       extra_tokens=draw(st.integers(0, BT - 1))))
+    return out
+
+
+@st.composite
+def workloads(draw):
+    return [trace(f"t{i}", draw(agent_requests([1]))) for i in range(draw(st.integers(1, 3)))]

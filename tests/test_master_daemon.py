@@ -81,6 +81,27 @@ def test_store_events_reach_the_directory_and_the_router_ranks_holders_first(mas
         a1.close(), a2.close(), s1.close(), s2.close()
 
 
+def test_router_prices_a_hybrid_prompt_at_its_held_restore_point(master):
+    """A hybrid model's prompt through the SDK and a real master: w1 holds 12 full-attention blocks but the
+    recurrent state only at block 6 (the state at 12 is nowhere), so the plan restores 6 blocks plus that
+    state, and the rest is recomputed; priced as a uniform prompt it would load all 12."""
+    keys = NS.keys(range(12))
+    states = Namespace("daemon-test/state").keys(range(12))  # the state after block i, as a connector keys it
+    s, agent = node_holding(master, keys + [states[5]])
+    try:
+        with MasterClient(master.endpoint) as m:
+            router = Router(m, NS, block_tokens=16, prefill_tokens_per_s=10.0)
+            best = router.rank(keys, ["w2", "w1"], checkpoints=[(6, [states[5]]), (12, [states[11]])])[0]
+            assert best.worker == "w1" and best.load_tokens == 6 * 16 and best.load_bytes == 7 * BB
+            assert best.recompute_tokens == 6 * 16
+            uniform = router.rank(keys, ["w2", "w1"])[0]
+            assert uniform.load_tokens == 12 * 16 and uniform.load_bytes == 12 * BB
+            nothing = router.rank(keys, ["w1"], checkpoints=[(12, [states[11]])])[0]
+            assert nothing.load_tokens == 0 and nothing.recompute_tokens == 12 * 16
+    finally:
+        agent.close(), s.close()
+
+
 def test_router_token_ids_with_the_vllm_hasher_find_what_the_engine_stored(master):
     hasher = VllmBlockHasher(16)
     tokens = list(range(1000, 1000 + 16 * 12 + 5))  # 12 full blocks and a partial one

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.replay.replayer import HBM
-from replaykit import BT, brute_force_opt, replay, req, sub, sweep, trace
+from replaykit import BT, brute_force_opt, replay, req, sub, sweep, trace, workloads
 
 # ---- hand-made trace, hits computed by hand ------------------------------------------------------------
 
@@ -109,30 +109,6 @@ def test_think_time_is_capped():
 
 
 # ---- limits on random traces ---------------------------------------------------------------------------
-
-@st.composite
-def agent_requests(draw, next_id: list[int], depth: int = 0):
-    """Prefix-chained requests: each keeps a prefix of the previous context and appends fresh blocks."""
-    chain: list[int] = []
-    out = []
-    for _ in range(draw(st.integers(1, 5))):
-        if depth == 0 and out and draw(st.integers(0, 4)) == 0:
-            group = [sub(draw(agent_requests(next_id, 1)), t=0.0, duration=0.0)
-                     for _ in range(draw(st.integers(1, 2)))]
-            out += group
-        keep = draw(st.integers(0, len(chain)))
-        add = draw(st.integers(0, 4))
-        chain = chain[:keep] + list(range(next_id[0], next_id[0] + add))
-        next_id[0] += add
-        out.append(req(chain, think=draw(st.sampled_from([0.0, 1.0, 7.0])), out=draw(st.integers(1, 50)),
-                       extra_tokens=draw(st.integers(0, BT - 1))))
-    return out
-
-
-@st.composite
-def workloads(draw):
-    return [trace(f"t{i}", draw(agent_requests([1]))) for i in range(draw(st.integers(1, 3)))]
-
 
 @settings(max_examples=40, deadline=None)
 @given(traces=workloads(), hbm=st.integers(0, 4), dram=st.integers(1, 8), lanes=st.integers(1, 3),

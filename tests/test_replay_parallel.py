@@ -32,7 +32,7 @@ def measured(run: PolicyRun) -> dict:
 @pytest.mark.slow  # two spawned workers import torch: ~10 s of CPU here
 def test_runs_in_worker_processes_measure_what_runs_in_this_process_measure(tmp_path):
     workload = load_workload([SAMPLE / "trace_0292.json.gz", SAMPLE / "trace_0427.json.gz"])  # the smallest two
-    name, layout = model_layout(None, workload.block_tokens)
+    name, layout, _ = model_layout(None, workload.block_tokens)
     tiers = {"dram_capacity": parse_capacities("10%"), "ssd_capacity": parse_capacities("0,40%")}
     sweep = Sweep(workload, layout, name, parse_capacity("5%"), tiers, ["default", "lru"], ServiceModel(),
                   ReplayConfig(lanes=2), {"ssd_path": str(tmp_path / "ssd")})

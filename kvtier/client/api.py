@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from kvtier import wire
+from kvtier.keys import KEY_BYTES
 from kvtier.client.failover import MasterError
 
 T = TypeVar("T")
@@ -80,6 +81,7 @@ class Plan:
     recompute_tokens: int  # ...and recompute the rest of the prompt
     total_s: float  # its estimated seconds
     sources: dict[str, int] = field(default_factory=dict)  # blocks per source ("local/dram", "node-b/ssd")
+    load_bytes: int = 0  # bytes the cheapest plan loads (a hybrid prompt: its restore point's objects too)
 
     @classmethod
     def from_wire(cls, p: Mapping[str, Any]) -> Plan:
@@ -87,7 +89,7 @@ class Plan:
         return cls(worker=p["worker"], prefix_tokens=p["prefix_tokens"], local_tokens=p["local_tokens"],
                    remote_tokens=p["remote_tokens"], load_s=p["load_s"], recompute_s=p["recompute_s"],
                    load_tokens=plan["load_tokens"], recompute_tokens=plan["recompute_tokens"],
-                   total_s=plan["total_s"], sources=plan["sources"])
+                   total_s=plan["total_s"], sources=plan["sources"], load_bytes=plan["load_bytes"])
 
 
 @dataclass
@@ -208,11 +210,22 @@ def lookup(keys: KeysLike, touch: bool = True) -> Call[MasterLookup]:
 
 
 def cost(keys: KeysLike, candidates: Sequence[str], block_tokens: int, prefill_tokens_per_s: float,
-         prompt_tokens: int | None = None, touch: bool = True) -> Call[CostResult]:
+         prompt_tokens: int | None = None, touch: bool = True,
+         checkpoints: Sequence[tuple[int, KeysLike]] | None = None) -> Call[CostResult]:
+    """Where serving a prompt whose full-history blocks are ``keys`` is cheapest. ``checkpoints``: a hybrid
+    model's prompt (sliding-window or recurrent groups besides full attention) can be restored only at these
+    boundaries: (blocks, the keys of the other objects restoring there needs: its recurrent state, its window
+    groups' tail blocks), ascending; a boundary one of whose objects no live node holds is priced as
+    recomputed, and a plan loads a restore point's objects with the blocks before it."""
     model: dict[str, Any] = {"block_tokens": block_tokens, "prefill_tokens_per_s": prefill_tokens_per_s}
     if prompt_tokens is not None:
         model["prompt_tokens"] = prompt_tokens
-    return Call(wire.COST, {"keys": _keys(keys), "candidates": list(candidates), "model": model, "touch": touch},
+    body: dict[str, Any] = {"keys": _keys(keys), "candidates": list(candidates), "model": model, "touch": touch}
+    if checkpoints is not None:
+        packed = [(int(at), _keys(ks)) for at, ks in checkpoints]
+        body["checkpoints"] = {"at": [at for at, _ in packed], "counts": [len(b) // KEY_BYTES for _, b in packed],
+                               "keys": b"".join(b for _, b in packed)}
+    return Call(wire.COST, body,
                 lambda b: CostResult(b["n"], b["prefix_blocks"], [Plan.from_wire(p) for p in b["plans"]]))
 
 

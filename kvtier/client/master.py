@@ -160,8 +160,10 @@ class MasterClient(_Masters):
         return self.call(api.lookup(keys, touch))
 
     def cost(self, keys: KeysLike, candidates: Sequence[str], block_tokens: int, prefill_tokens_per_s: float,
-             prompt_tokens: int | None = None, touch: bool = True) -> CostResult:
-        return self.call(api.cost(keys, candidates, block_tokens, prefill_tokens_per_s, prompt_tokens, touch))
+             prompt_tokens: int | None = None, touch: bool = True,
+             checkpoints: Sequence[tuple[int, KeysLike]] | None = None) -> CostResult:
+        return self.call(api.cost(keys, candidates, block_tokens, prefill_tokens_per_s, prompt_tokens, touch,
+                                  checkpoints))
 
     def route_put(self, sizes: Sequence[int], requester: str | None = None, keys: KeysLike | None = None,
                   policy: str | None = None, labels: Mapping[str, str] | None = None
@@ -279,8 +281,10 @@ class AsyncMasterClient(_Masters):
         return await self.call(api.lookup(keys, touch))
 
     async def cost(self, keys: KeysLike, candidates: Sequence[str], block_tokens: int,
-                   prefill_tokens_per_s: float, prompt_tokens: int | None = None, touch: bool = True) -> CostResult:
-        return await self.call(api.cost(keys, candidates, block_tokens, prefill_tokens_per_s, prompt_tokens, touch))
+                   prefill_tokens_per_s: float, prompt_tokens: int | None = None, touch: bool = True,
+                   checkpoints: Sequence[tuple[int, KeysLike]] | None = None) -> CostResult:
+        return await self.call(api.cost(keys, candidates, block_tokens, prefill_tokens_per_s, prompt_tokens, touch,
+                                        checkpoints))
 
     async def route_put(self, sizes: Sequence[int], requester: str | None = None, keys: KeysLike | None = None,
                         policy: str | None = None, labels: Mapping[str, str] | None = None

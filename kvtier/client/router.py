@@ -64,19 +64,23 @@ class Router:
         # Cheapest first; among equals, the one holding more locally (it spends no network).
         return sorted(plans, key=lambda p: (p.total_s, -sum(p.local_tokens.values())))
 
-    def rank(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, workers: Sequence[str]) -> list[Plan]:
-        """Plans for ``workers``, cheapest first. ``prompt``: token ids, or the prompt's block keys."""
+    def rank(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, workers: Sequence[str],
+             checkpoints: Sequence[tuple[int, Sequence[bytes]]] | None = None) -> list[Plan]:
+        """Plans for ``workers``, cheapest first. ``prompt``: token ids, or the prompt's block keys (a hybrid
+        model's: its full-history blocks). ``checkpoints``: a hybrid model's restore points, (blocks, the keys of
+        the state and window blocks restoring there needs), as the connector stored them (api.cost)."""
         if not isinstance(self.client, MasterClient):
             raise TypeError("rank() needs a MasterClient; use rank_async() with an AsyncMasterClient")
         keys, tokens = self._request(prompt)
-        res = self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s, prompt_tokens=tokens)
+        res = self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s, prompt_tokens=tokens,
+                               checkpoints=checkpoints)
         return self._ranked(res.plans)
 
-    async def rank_async(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray,
-                         workers: Sequence[str]) -> list[Plan]:
+    async def rank_async(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, workers: Sequence[str],
+                         checkpoints: Sequence[tuple[int, Sequence[bytes]]] | None = None) -> list[Plan]:
         if not isinstance(self.client, AsyncMasterClient):
             raise TypeError("rank_async() needs an AsyncMasterClient; use rank() with a MasterClient")
         keys, tokens = self._request(prompt)
         res = await self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s,
-                                     prompt_tokens=tokens)
+                                     prompt_tokens=tokens, checkpoints=checkpoints)
         return self._ranked(res.plans)

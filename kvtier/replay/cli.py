@@ -49,6 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    f"(Apache-2.0, see its NOTICE.md): with {' '.join(DEMO_CAPACITY_ARGS)} (plotted "
                                    f"to --plot, default ./{DEMO_PLOT}), then with {' '.join(DEMO_TIER_ARGS)}.")
     add_output_arguments(d, plot_default=DEMO_PLOT)
+    d.add_argument("--model", help="the model whose blocks are replayed (default llama-3.1-8b); a hybrid one "
+                                   "(gemma-3-27b, qwen3-next-80b-a3b, deepseek-v4-flash) adds its bytes per group")
     add_jobs_argument(d, default=usable_cores())
     d.set_defaults(func=run_demo)
 
@@ -79,7 +81,14 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat", type=int, default=1, help="replays of each trace, each with its own salt")
     g.add_argument("--think-cap", type=float, default=60.0, metavar="S", help="cap on think times (default 60 s)")
     g = p.add_argument_group("sizing")
-    g.add_argument("--model", help="llama-3.1-8b (default), qwen3-32b, deepseek-v3, ... (see kvtier.layout.MODELS)")
+    g.add_argument("--model", help="llama-3.1-8b (default), qwen3-32b, deepseek-v3, ... (see kvtier.layout.MODELS); "
+                                   "hybrid: gemma-3-27b, qwen3-next-80b-a3b, deepseek-v4-flash (kvtier.replay.hybrid)")
+    g.add_argument("--store-groups", choices=("useful", "whole"), default="useful",
+                   help="a hybrid model: store only what can be used (full-history blocks, state and window tails "
+                        "at checkpoints; default) or every group of every block whole")
+    g.add_argument("--checkpoint-interval", type=int, metavar="TOKENS",
+                   help="a hybrid model: the engine also keeps a checkpoint every TOKENS tokens (a multiple of the "
+                        "block size; default 0, vLLM's: the end of each prompt and fork junctions only)")
     g.add_argument("--layers", type=int, help="explicit model: layers (with --kv-heads, --head-dim)")
     g.add_argument("--kv-heads", type=int, help="explicit model: KV heads")
     g.add_argument("--head-dim", type=int, help="explicit model: head dim")
@@ -167,10 +176,14 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
     if files is not None:
         files.close()
     parse_s = time.process_time() - t0
-    name, layout = model_layout(args.model, workload.block_tokens, layers=args.layers, kv_heads=args.kv_heads,
-                                head_dim=args.head_dim, dtype=args.dtype)
+    sizing = model_layout(args.model, workload.block_tokens, layers=args.layers, kv_heads=args.kv_heads,
+                          head_dim=args.head_dim, dtype=args.dtype, checkpoint_interval=args.checkpoint_interval)
+    name, layout, hybrid = sizing
+    if hybrid is not None and args.store_groups == "whole":  # one packed block per block: the uniform replay
+        name, hybrid = f"{name} (every group whole)", None
     sweep = Sweep(workload, layout, name, hbm, tiers, policies, service, config, extra,
-                  progress=lambda desc, total: _bar(args, desc, total, unit="req"))
+                  progress=lambda desc, total: _bar(args, desc, total, unit="req"), hybrid=hybrid,
+                  share_bytes=sizing.share_bytes)
     points = sweep.run(pool)
     print_table(sweep, points, title)
     cpu = sum(r.result.cpu_s for p in points for r in p.runs.values())
@@ -181,7 +194,7 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
     report = to_json(sweep, points)
     report["cpu"] = {"parse_s": parse_s, "replay_s": cpu, "limits_s": opt}
     if args.plot:
-        plot_hit_rates(points, sweep.block_bytes, args.plot, f"{title}: {workload.short()}\n{name}, "
+        plot_hit_rates(points, sweep.unit_bytes, args.plot, f"{title}: {workload.short()}\n{name}, "
                        + (f"{args.lanes} lanes" if not workload.timed else "timed arrivals"))
     return report
 
@@ -196,18 +209,19 @@ def run_demo(args: argparse.Namespace) -> int:
         parser = argparse.ArgumentParser(prog="kvtier demo")
         parser.add_argument("traces", nargs="+")
         add_replay_arguments(parser)
-        quiet = ["--no-progress"] if args.no_progress else []
+        passed = ["--no-progress"] if args.no_progress else []
+        passed += ["--model", args.model] if args.model else []
         plot = ["--plot", str(args.plot)] if args.plot else []
         print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
         with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
-            report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *quiet]),
+            report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *passed]),
                             title="kvtier demo, DRAM capacity", pool=pool)
             if args.plot:
                 print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
                       "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
                       "the infinite cache")
             print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
-            report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *quiet]),
+            report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *passed]),
                                      title="kvtier demo, tiers under DRAM", pool=pool)
     if args.json:
         from kvtier.bench.common import write_json

@@ -15,6 +15,10 @@ the next replay of the workload's seeded order. A timed trace (Mooncake) issues 
 The store is the real one, built with small stand-in blocks (see sweep.py): its tiers hold exactly as many
 blocks as the real capacities would, and its put/get/lookup/eviction/dedup code runs unchanged. Bytes moved
 are reported in real block bytes.
+
+A hybrid model (hybrid.py) storing only what can be used is served by hybrid_replay.HybridCache instead: its
+hits are the deepest boundary every cache group can be restored at, and its store slots stand for the
+full-history groups' bytes of one block.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import numpy as np
 from kvtier.keys import Namespace
 from kvtier.policies import Arrival, Completion, Hint
 from kvtier.replay.hbm import HbmPrefixCache
+from kvtier.replay.hybrid import HybridModel
+from kvtier.replay.hybrid_replay import HybridCache
 from kvtier.replay.service import Server, ServiceModel
 from kvtier.replay.traces import Step, TraceRequest
 from kvtier.replay.workload import Replay, Workload
@@ -94,6 +100,11 @@ class ReplayResult:
     hit_tokens: dict[str, int] = field(default_factory=dict)  # "hbm", then the store's tiers in order
     bytes_loaded: dict[str, int] = field(default_factory=dict)  # per store tier, real bytes read into HBM
     bytes_stored: dict[str, int] = field(default_factory=dict)  # per store tier, real bytes written to it
+    # A hybrid model's (hybrid_replay.py): exact real bytes per cache group written to / read from the store,
+    # and what storing every group of the same blocks whole would have written.
+    group_bytes_stored: dict[str, int] = field(default_factory=dict)
+    group_bytes_loaded: dict[str, int] = field(default_factory=dict)
+    whole_bytes_stored: int = 0
     capacity_blocks: dict[str, int] = field(default_factory=dict)  # per tier, HBM included
     ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0))
     virtual_s: float = 0.0
@@ -154,6 +165,7 @@ class Replayer:
         self, workload: Workload, namespace: Namespace, store: TieredStore | None, hbm_blocks: int,
         real_block_bytes: int, service: ServiceModel, config: ReplayConfig,
         progress: Callable[[int], Any] | None = None, record: bool = False, clock: VirtualClock | None = None,
+        hybrid: HybridModel | None = None,
     ) -> None:
         self.workload, self.ns, self.store = workload, namespace, store
         self.clock = clock or VirtualClock()
@@ -178,6 +190,13 @@ class Replayer:
         self._last_done = 0.0
         self._requests = 0  # request ids, in arrival order
         self.result = ReplayResult(hit_tokens={HBM: 0, **{t: 0 for t in self.tiers}})
+        self.hybrid: HybridCache | None = None
+        if hybrid is not None:  # ``hbm_blocks``, the tiers and ``real_block_bytes`` count slots (hybrid_replay.py)
+            if config.offload != "write-through":
+                raise ValueError("a hybrid model replays write-through only (its checkpoints are stored as its "
+                                 "prefill makes them)")
+            self.hybrid = HybridCache(hybrid, self._bt, store, self.hbm, workload.unique_blocks, self._bandwidth,
+                                      self.result)
 
     # ---- the event loop --------------------------------------------------------------------------------
 
@@ -264,9 +283,30 @@ class Replayer:
         if store is not None:  # as an engine registers a request when it schedules it, before its lookup
             session = str(run.ident) if self.config.sessions and run.ident != -1 else None
             store.observe(arrivals=[Arrival(rid, keys, now, session)])
+        if self.hybrid is not None:
+            h, d, load_s = self.hybrid.serve(keys, self._stream[at: at + n])
+        else:
+            h, d, load_s = self._serve(keys)
+        res = self.result
+        res.hit_tokens[HBM] += h * self._bt
+        computed = req.input_tokens - (h + d) * self._bt
+        res.computed_tokens += computed
+        res.input_tokens += req.input_tokens
+        res.requests += 1
+        ready = self.server.load(now, load_s)
+        payload = (run, req, step, now, computed, h, d, rid)
+        if ready > now:
+            self._push(ready, _READY, payload)
+        else:
+            self._ready(now, *payload)
+
+    def _serve(self, keys: list[bytes]) -> tuple[int, int, float]:
+        """(HBM blocks, store blocks, load seconds) of a uniform model's request: HBM's prefix, the store's
+        continuation of it, the computed rest stored (write-through) or HBM's victims (write-back)."""
         h = self.hbm.prefix(keys)
         d = 0
         load_s = 0.0
+        n, store = len(keys), self.store
         if store is not None and h < n:
             rest = keys[h:]
             found = store.lookup_prefix(rest)
@@ -289,18 +329,7 @@ class Replayer:
         victims = self.hbm.admit(keys)
         if store is not None and victims and self.config.offload == "write-back":
             self._put_tail_first(victims[::-1])  # victims come tail first; give them root first
-        res = self.result
-        res.hit_tokens[HBM] += h * self._bt
-        computed = req.input_tokens - (h + d) * self._bt
-        res.computed_tokens += computed
-        res.input_tokens += req.input_tokens
-        res.requests += 1
-        ready = self.server.load(now, load_s)
-        payload = (run, req, step, now, computed, h, d, rid)
-        if ready > now:
-            self._push(ready, _READY, payload)
-        else:
-            self._ready(now, *payload)
+        return h, d, load_s
 
     def _put_tail_first(self, keys: list[bytes]) -> None:
         """Store ``keys`` (root first) tail first, in batches the top tier can hold: a batch larger than the

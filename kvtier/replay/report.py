@@ -29,16 +29,38 @@ def setup(sweep: Sweep) -> dict[str, Any]:
                      "seed": w.seed, "requests": w.requests, "input_tokens": w.input_tokens,
                      "unique_blocks": w.unique_blocks, "block_accesses": w.block_accesses,
                      "block_tokens": w.block_tokens},
-        "model": {"name": sweep.model, "block_bytes": sweep.block_bytes, "layout": sweep.layout.fingerprint},
+        "model": {"name": sweep.model, "block_bytes": sweep.block_bytes, "layout": sweep.layout.fingerprint,
+                  "slot_bytes": sweep.unit_bytes,
+                  **({"hybrid": hybrid_setup(sweep)} if sweep.hybrid is not None else {})},
         "replay": {**asdict(cfg), "lanes": None if w.timed else cfg.lanes},
         "service": {"prefill_tokens_per_s": svc.prefill_tokens_per_s, "decode_tokens_per_s": svc.decode_tokens_per_s,
                     "tier_bytes_per_s": dict(svc.tier_bytes_per_s)},
     }
 
 
+def hybrid_setup(sweep: Sweep) -> dict[str, Any]:
+    m, obj = sweep.hybrid, sweep.objects
+    assert m is not None and obj is not None
+    return {"full_bytes_per_token": m.full_bytes_per_token, "state_bytes": m.state_bytes,
+            "windows": [{"name": g.name, "bytes_per_token": g.bytes_per_token, "window": g.window,
+                         "tail_blocks": t} for g, t in zip(m.windows, obj.tails)],
+            "interval_tokens": m.interval_tokens, "slot_rounding": obj.rounding(m), "source": m.source}
+
+
+def hybrid_json(r: Any) -> dict[str, Any]:
+    """A hybrid run's bytes: per group stored and loaded, and stored per input token against every group whole."""
+    stored = sum(r.group_bytes_stored.values())
+    n = r.input_tokens or 1
+    return {"group_bytes_stored": dict(r.group_bytes_stored), "group_bytes_loaded": dict(r.group_bytes_loaded),
+            "whole_bytes_stored": r.whole_bytes_stored, "stored_per_input_token": stored / n,
+            "whole_per_input_token": r.whole_bytes_stored / n,
+            "stored_vs_whole": stored / r.whole_bytes_stored if r.whole_bytes_stored else None}
+
+
 def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
     r = run.result
     return {
+        **({"hybrid": hybrid_json(r)} if r.group_bytes_stored else {}),
         "hit_rate": r.hit_rate,
         "tier_hit_rate": r.tier_hit_rate,
         "opt_hit_rate": run.opt_hit_rate,
@@ -83,10 +105,14 @@ def to_json(sweep: Sweep, points: list[SweepPoint]) -> dict[str, Any]:
     it bounds every policy. ``opt_dram_only_hit_rate`` is the same optimum at the store's capacity alone
     (HBM left out: with write-through, HBM's blocks are in DRAM too). ``prefill_utilization`` is the modeled
     GPU's busy share; ``saturated`` is true above 90%.
+    A hybrid model's run (storing only what can be used) adds ``"hybrid"`` to each policy: ``group_bytes_stored``
+    and ``group_bytes_loaded`` (real bytes per cache group), ``whole_bytes_stored`` (every group of the same
+    blocks stored whole), ``stored_per_input_token``, ``whole_per_input_token`` and ``stored_vs_whole``; its
+    ``model`` names the groups (``"hybrid"``) and ``slot_bytes`` (what one store slot stands for).
     The top level repeats the first point's fields, so a single-capacity run reads
     ``{"policies": ..., "opt_hit_rate": ..., "infinite_hit_rate": ...}``.
     """
-    pts = [point_json(p, sweep.block_bytes) for p in points]
+    pts = [point_json(p, sweep.unit_bytes) for p in points]
     return {**setup(sweep), **(pts[0] if pts else {}), "points": pts}
 
 
@@ -97,8 +123,15 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
     print(f"\n{title}: {w.describe()}")
     how = ("requests at their timestamps" if w.timed
            else f"{cfg.lanes} lanes, think time capped at {cfg.think_cap_s:g} s")
-    print(f"  {sweep.model}: {format_bytes(bb)} per {w.block_tokens}-token block; unique blocks "
-          f"{format_bytes(unique * bb)}; {how}; offload {cfg.offload}; HBM {sweep.hbm.label(unique, bb)}")
+    share = "" if sweep.share_bytes == bb else (f" ({format_bytes(sweep.share_bytes)} of full-history groups: "
+                                                f"what a capacity's percentage counts)")
+    print(f"  {sweep.model}: {format_bytes(bb)} per {w.block_tokens}-token block{share}; unique blocks "
+          f"{format_bytes(unique * sweep.share_bytes)}; {how}; offload {cfg.offload}; HBM {sweep.label(sweep.hbm)}")
+    if sweep.hybrid is not None and sweep.objects is not None:
+        m, obj = sweep.hybrid, sweep.objects
+        print(f"  hybrid, storing only what can be used: {m.describe(w.block_tokens)}; a store slot is "
+              f"{format_bytes(obj.unit_bytes)} (objects rounded to slots within {obj.rounding(m):.1%}); "
+              f"capacities are shares of the full-history groups' unique blocks")
     svc = sweep.service
     print(f"  service model: prefill {svc.prefill_tokens_per_s:,.0f} tok/s, decode {svc.decode_tokens_per_s:g} tok/s, "
           + ", ".join(f"{t} {v / 1e9:g} GB/s" for t, v in svc.tier_bytes_per_s.items()))
@@ -126,6 +159,8 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
                   f"{_tokens(r.store_saved_tokens):>9}{format_bytes(loaded):>11}{format_bytes(stored):>11}"
                   f"{r.ttft_percentile(50):>9.2f}s{r.ttft_percentile(90):>7.1f}s{util:>6.0%}{rps:>10.0f}")
             caps = " " * len(caps)
+    if sweep.hybrid is not None:
+        _print_hybrid_bytes(points)
     print("\nhit: input tokens served from cache (per tier after it); OPT: Belady's optimum at the same total "
           "capacity (HBM + store) on the same request order;\nOPTd: the same at the store's capacity alone (HBM "
           "left out; DRAM-only for a DRAM store); inf: infinite cache; saved: prefill tokens loaded from below HBM;"
@@ -134,6 +169,29 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
         print(f"\nwarning: the modeled server is saturated (busy above {SATURATED:.0%}): requests queue for minutes "
               "and the ranking of policies is decided in the drain at the end; compare them also where busy stays "
               "below ~70% (fewer --lanes, or a faster --prefill-rate)", file=sys.stderr)
+
+
+def _print_hybrid_bytes(points: list[SweepPoint]) -> None:
+    """Per run: bytes stored per input token by group, against storing every group of the same blocks whole."""
+    names = list(next(iter(points[0].runs.values())).result.group_bytes_stored)
+    lower = [t for t in points[0].capacity_blocks if t != HBM]
+    print("\n" + "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<10}{'stored/tok':>11}"
+          + "".join(f"{g:>15}" for g in names) + f"{'whole/tok':>11}{'ratio':>7}{'loaded/tok':>11}")
+    for point in points:
+        label = "".join(f"{point.labels.get(t, ''):>20}" for t in lower)
+        for name, run in point.runs.items():
+            r = run.result
+            n = r.input_tokens or 1
+            stored = sum(r.group_bytes_stored.values())
+            ratio = stored / r.whole_bytes_stored if r.whole_bytes_stored else 0.0
+            print(f"{label}  {name:<10}{format_bytes(stored / n):>11}"
+                  + "".join(f"{format_bytes(r.group_bytes_stored[g] / n):>15}" for g in names)
+                  + f"{format_bytes(r.whole_bytes_stored / n):>11}{ratio:>7.3f}"
+                  + f"{format_bytes(sum(r.group_bytes_loaded.values()) / n):>11}")
+            label = " " * len(label)
+    print("stored/tok: bytes written to the store per input token (only what can be used: full-history blocks, "
+          "and state and window tails at checkpoints), per group after it;\nwhole/tok: every group of the same "
+          "blocks stored whole; loaded/tok: bytes read from the store per input token.")
 
 
 def _tokens(n: int) -> str:

@@ -28,6 +28,8 @@ from kvtier.config import Config
 from kvtier.keys import Namespace
 from kvtier.layout import BlockLayout
 from kvtier.policies import Clock, policy_class
+from kvtier.replay.hybrid import HybridModel
+from kvtier.replay.hybrid_replay import Objects
 from kvtier.replay.opt import Limits, LimitsCache
 from kvtier.replay.replayer import HBM, ReplayConfig, Replayer, ReplayResult, VirtualClock
 from kvtier.replay.service import ServiceModel
@@ -182,6 +184,7 @@ class Sweep:
         self, workload: Workload, layout: BlockLayout, model: str, hbm: Capacity, tiers: Mapping[str, list[Capacity]],
         policies: list[str], service: ServiceModel, config: ReplayConfig, extra_config: Mapping[str, Any] | None = None,
         progress: ProgressFactory | None = None, sim_block_bytes: int = SIM_BLOCK_BYTES,
+        hybrid: HybridModel | None = None, share_bytes: int | None = None,
     ) -> None:
         known = capacity_keys()
         for key in tiers:
@@ -198,10 +201,28 @@ class Sweep:
         self.progress, self.sim_block_bytes = progress, sim_block_bytes
         self.namespace = Namespace(f"replay:{model}", layout.fingerprint)
         self.limits = LimitsCache()
+        # A hybrid model storing only what can be used (hybrid_replay.py): its store slots (and HBM's) stand for
+        # the full-history groups' bytes of one block, and a capacity in bytes is that many slots.
+        self.hybrid = hybrid
+        self.objects = Objects.of(hybrid, workload.block_tokens) if hybrid is not None else None
+        self.share_bytes = share_bytes or layout.nbytes  # a block's bytes a capacity's percentage counts
 
     @property
     def block_bytes(self) -> int:
+        """One trace block's bytes with every cache group whole."""
         return self.layout.nbytes
+
+    @property
+    def unit_bytes(self) -> int:
+        """The real bytes one store slot stands for: a whole block, or a hybrid model's full-history block."""
+        return self.objects.unit_bytes if self.objects is not None else self.layout.nbytes
+
+    def slots(self, capacity: Capacity) -> int:
+        """Store (or HBM) slots of ``capacity``: its bytes over ``unit_bytes``."""
+        return capacity.nbytes_of(self.workload.unique_blocks, self.share_bytes) // self.unit_bytes
+
+    def label(self, capacity: Capacity) -> str:
+        return capacity.label(self.workload.unique_blocks, self.share_bytes)
 
     def points(self) -> list[dict[str, Capacity]]:
         """Every combination of the tiers' capacities, in the order given (the last tier varies fastest)."""
@@ -214,13 +235,12 @@ class Sweep:
         """Every run of the grid, in this process one after another, or spread over ``pool``'s worker
         processes: each run builds its own store and replays on its own virtual clock, so its result does not
         depend on where or beside what it ran."""
-        unique, bb = self.workload.unique_blocks, self.block_bytes
-        hbm_blocks = self.hbm.blocks(unique, bb)
+        hbm_blocks = self.slots(self.hbm)
         out, grid = [], []
         for caps in self.points():
-            blocks = {k: c.blocks(unique, bb) for k, c in caps.items()}
-            labels = {HBM: self.hbm.label(unique, bb), **{k.removesuffix("_capacity"): c.label(unique, bb)
-                                                          for k, c in caps.items()}}
+            blocks = {k: self.slots(c) for k, c in caps.items()}
+            labels = {HBM: self.label(self.hbm), **{k.removesuffix("_capacity"): self.label(c)
+                                                    for k, c in caps.items()}}
             point = SweepPoint({HBM: hbm_blocks, **{k.removesuffix("_capacity"): v for k, v in blocks.items()}},
                                labels)
             grid += [(point, policy, blocks, labels) for policy in self.policies]
@@ -251,9 +271,9 @@ class Sweep:
         clock = VirtualClock()
         try:
             with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes, clock) as store:
-                replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.block_bytes,
+                replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.unit_bytes,
                                     self.service, self.config, progress=bar.update if bar is not None else None,
-                                    record=record, clock=clock)
+                                    record=record, clock=clock, hybrid=self.hybrid)
                 result = replayer.run()
         finally:
             if bar is not None:
