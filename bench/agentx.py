@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 ep = Endpoint(args.url, ep_model)
                 loop, after = measure(ep, args, scaling, lanes, lambda: _healthy(args.url))
                 rows.append(summarize(args.label, lanes, loop, after, args.block_size, 0))
+                _progress(rows[-1])
                 continue
             for mode in modes:
                 if mode in unavailable:
@@ -207,14 +208,16 @@ def run(args: argparse.Namespace) -> int:
                         server.wait_ready()
                     except ServeError:
                         unavailable[mode] = startup_error(server.log(200_000))
-                        print(f"{mode}: the server did not start: {unavailable[mode]}")
+                        print(f"{mode}: the server did not start: {unavailable[mode]}", flush=True)
                         continue
-                    print(f"{mode}, {lanes} sessions: server up in {time.monotonic() - t0:.0f} s; measuring")
+                    print(f"{mode}, {lanes} sessions: server up in {time.monotonic() - t0:.0f} s; measuring",
+                          flush=True)
                     loop, after = measure(Endpoint(server.url, ep_model), args, scaling, lanes, server.alive)
                 finally:
                     server.close()
                 dram = parse_bytes(args.dram) if mode.startswith("kvtier") else 0
                 rows.append(summarize(mode, lanes, loop, after, args.block_size, dram))
+                _progress(rows[-1])
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -232,6 +235,13 @@ def run(args: argparse.Namespace) -> int:
     write_json({"config": config, "fitting": fitted, "unavailable": unavailable,
                 "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}, args.json)
     return 0
+
+
+def _progress(row: dict[str, Any]) -> None:
+    """One line per run as it ends (a sweep takes a while; the table comes at the end)."""
+    print(f"  {row['mode']} x{row['concurrency']}: {row['requests']['completed']} requests, prompt tokens "
+          f"{row['prompt_tokens']} (computed {row['prompt_tokens_computed']}, cached {row['prompt_tokens_cached']}), "
+          f"TTFT p50 {row['ttft_ms']['p50']} ms" + "".join(f"; {n}" for n in row["notes"]), flush=True)
 
 
 def _healthy(url: str) -> bool:
