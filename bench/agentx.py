@@ -23,7 +23,8 @@ trace are in the JSON; a trace that cannot fit is skipped and counted).
 The model: ``--model DIR`` (any model vLLM serves; a random-weights one with ``--serve-arg=--load-format=dummy``
 on a GPU), by default the tiny random-weights Llama (bench/tiny_llama.py) built into the run's directory with
 the engine's Python. ``--url`` measures a server already running (one mode, named by ``--label``). Nothing here
-assumes a CPU: ``--no-pin`` drops the one-core OpenMP binding (variables other builds ignore).
+assumes a CPU: the engine's OpenMP threads are bound to one core by variables only vLLM's CPU build reads
+(``--no-pin`` drops them; VLLM_TARGET_DEVICE is left alone).
 
     kvtier bench agentx --concurrency 2,4,8 --duration 180 --json agentx.json --plot agentx.png \\
         --aiperf-dir agentx-aiperf
@@ -50,7 +51,7 @@ from kvtier.bench.agentx_run import LoopConfig, run_loop
 from kvtier.bench.agentx_workload import SAMPLE_TRACES, PromptBuilder, Scaling, TraceOrder, load_traces
 from kvtier.bench.common import write_json
 from kvtier.bench.engine_proc import engine_python
-from kvtier.bench.serve_proc import ServeError, ServeProcess, get_text, parse_metrics
+from kvtier.bench.serve_proc import ServeError, ServeProcess, get_text, parse_metrics, thread_pinned_env
 from kvtier.units import parse_bytes
 
 MODES = ("none", "kvtier", "kvtier-ssd", "native", "lmcache")
@@ -201,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                 kv, extra = kv_config(mode, args, run_dir)
                 server = ServeProcess(python, model, log=run_dir / "serve.log", kv_config=kv,
                                       args=[*extra, *args.serve_arg], block_size=args.block_size,
-                                      kv_cache_bytes=hbm, max_model_len=args.max_model_len, pinned=not args.no_pin)
+                                      kv_cache_bytes=hbm, max_model_len=args.max_model_len, pinned=False,
+                                      env=None if args.no_pin else thread_pinned_env())
                 try:
                     t0 = time.monotonic()
                     try:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.agentx_run import LoopResult
+from kvtier.bench.agentx_run import LoopResult, Sent
 from kvtier.bench.serve_proc import labelled
 from kvtier.replay.hbm import HbmPrefixCache
 
@@ -90,11 +90,11 @@ def summarize(mode: str, lanes: int, loop: LoopResult, after: dict[str, float], 
     unique = len({k for s in window for k in s.keys})
     return {
         "mode": mode, "concurrency": lanes, "window_s": round(secs, 2),
-        "requests": {"completed": len(done), "failed": sum(1 for s in window if s.error and "cut" not in s.error),
-                     "cut_at_end": sum(1 for s in window if s.error and "cut" in s.error),
+        "requests": {"completed": len(done), "failed": sum(1 for s in window if s.error and not s.cut),
+                     "cut_at_end": sum(1 for s in window if s.cut),
                      "warmup_sent": sum(1 for s in loop.sent if s.phase == "warmup"),
                      "warmup_lanes_cut": loop.warmup_cut},
-        "errors": sorted({s.error for s in window if s.error and "cut" not in s.error})[:5],
+        "errors": sorted({s.error for s in window if s.error and not s.cut})[:5],
         "prompt_tokens": int(prompt),
         "prompt_tokens_computed": int(labelled(d, BY_SOURCE, "source").get("local_compute", 0.0)),
         "prompt_tokens_cached": cached,
@@ -120,7 +120,7 @@ def _block_bytes(metrics: dict[str, float], blocks: int) -> int:
     return int(total // blocks) if total and blocks else 0
 
 
-def _record(s: Any) -> dict[str, Any]:
+def _record(s: Sent) -> dict[str, Any]:
     r = s.result
     ev = r.events
     return {"ttft_ms": (ev[0] - s.sent) * 1e3 if ev else None, "latency_ms": (r.done - s.sent) * 1e3,

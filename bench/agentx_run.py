@@ -21,10 +21,10 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.bench.agentx_client import Completion, Endpoint, StreamError, complete
 from kvtier.bench.agentx_workload import PromptBuilder, Scaled, Step, Subagents, TraceOrder, flatten
+from kvtier.replay.traces import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,8 @@ class Sent:
     max_tokens: int
     sent: float
     result: Completion | None = None
-    error: str | None = None
+    error: str | None = None  # why it failed; None while it runs and when it completed
+    cut: bool = False  # in flight at the end of the grace period (not a failure of the server)
 
 
 @dataclass
@@ -163,7 +164,7 @@ class ClosedLoop:
             raise _Stop
         await asyncio.sleep(max(0.0, wake - time.monotonic()))
 
-    async def _send(self, lane: int, scaled: Scaled, req: Any, salt: int, serial: int, phase: str,
+    async def _send(self, lane: int, scaled: Scaled, req: TraceRequest, salt: int, serial: int, phase: str,
                     until: float) -> None:
         if self._dead.is_set() or (phase == "window" and time.monotonic() >= self._stop_at):
             raise _Stop
@@ -173,7 +174,7 @@ class ClosedLoop:
         try:
             s.result = await complete(self.ep, p.tokens, p.max_tokens, until, self.cfg.stall_s)
         except asyncio.CancelledError:
-            s.error = "cut at the end of the grace period"
+            s.error, s.cut = "cut at the end of the grace period", True
             raise
         except StreamError as e:
             s.error = str(e)
@@ -182,8 +183,8 @@ class ClosedLoop:
                     self._dead.set()
                     w = self.out.window_start
                     self.out.server_died_at = round(time.monotonic() - w, 2) if w else 0.0
-                    self.out.notes.append(f"the server is gone ({e}); the run stopped "
-                                          f"{'in the warm-up' if not w else f'{self.out.server_died_at} s into the window'}")
+                    when = f"{self.out.server_died_at} s into the window" if w else "in the warm-up"
+                    self.out.notes.append(f"the server is gone ({e}); the run stopped {when}")
                 raise _Stop from None
 
 

