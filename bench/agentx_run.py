@@ -29,6 +29,8 @@ from kvtier.replay.traces import TraceRequest
 
 @dataclass(frozen=True)
 class LoopConfig:
+    """How a run is bounded (seconds): the window, its grace, the warm-up, the think-time cap, a stall."""
+
     lanes: int
     duration_s: float
     grace_s: float = 30.0
@@ -75,6 +77,10 @@ class _Stop(Exception):
 
 
 class ClosedLoop:
+    """One run's lanes, all tasks of one asyncio loop (``run_loop``'s); single use. ``metrics``: reads the
+    server's counters (called in a thread at the window's start); ``alive``: whether the server is still there
+    (called in a thread after a failed request)."""
+
     def __init__(self, endpoint: Endpoint, order: TraceOrder, builder: PromptBuilder, cfg: LoopConfig,
                  metrics: Callable[[], dict[str, float]], alive: Callable[[], bool]) -> None:
         self.ep, self.order, self.builder, self.cfg = endpoint, order, builder, cfg
