@@ -72,14 +72,9 @@ def summarize(mode: str, lanes: int, loop: LoopResult, after: dict[str, float], 
     """One run's row (see the module's doc for the hit rates)."""
     window = [s for s in loop.sent if s.phase == "window"]
     done = [s for s in window if s.result is not None]
-    ttft = [(s.result.events[0] - s.sent) * 1e3 for s in done if s.result.events]
-    itl, per_user = [], []
-    for s in done:
-        ev = s.result.events
-        if len(ev) > 1:
-            gap = (ev[-1] - ev[0]) / (len(ev) - 1)
-            itl.append(gap * 1e3)
-            per_user.append(1.0 / gap if gap > 0 else float("inf"))
+    records = [_record(s) for s in done]
+    ttft = [r["ttft_ms"] for r in records if r["ttft_ms"] is not None]
+    itl = [r["itl_ms"] for r in records if r["itl_ms"] is not None]
     d = delta(after, loop.metrics_before)
     secs = max(loop.window_end - loop.window_start, 1e-9)
     prompt, generated = d.get(PROMPT, 0.0), d.get(GENERATED, 0.0)
@@ -105,11 +100,11 @@ def summarize(mode: str, lanes: int, loop: LoopResult, after: dict[str, float], 
         "hbm_fraction": round(blocks / unique, 4) if unique else None,
         "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90)},
         "itl_ms": {"p50": pct(itl, 50), "p90": pct(itl, 90)},
-        "interactivity_tok_s": {"p50": pct(per_user, 50), "p90": pct(per_user, 90)},
+        "interactivity_tok_s": interactivity(itl),
         "total_tokens_per_s": round((prompt + generated) / secs, 2),
         "output_tokens_per_s": round(generated / secs, 2),
         "server_died_at_s": loop.server_died_at, "notes": loop.notes,
-        "_records": [_record(s) for s in done],
+        "_records": records,
     }
 
 
@@ -120,12 +115,25 @@ def _block_bytes(metrics: dict[str, float], blocks: int) -> int:
     return int(total // blocks) if total and blocks else 0
 
 
+def interactivity(itl_ms: Sequence[float]) -> dict[str, float | None]:
+    """Per-user output tokens/s at the latency percentiles: p50 = 1/ITL p50; p90 = 1/ITL p90, the rate 90% of
+    requests reach (the tail, as TTFT's p90 is; the 90th percentile of the rates would be the lucky tenth)."""
+    out: dict[str, float | None] = {}
+    for q in (50, 90):
+        v = pct(itl_ms, q)
+        out[f"p{q}"] = round(1e3 / v, 2) if v else None
+    return out
+
+
 def _record(s: Sent) -> dict[str, Any]:
+    """One completed request. ITL as AIPerf defines it, (last token - first token) / (output tokens - 1), with
+    the output tokens the server's usage counted: a stream event may carry more than one token."""
     r = s.result
     ev = r.events
+    osl = r.completion_tokens or len(ev)
     return {"ttft_ms": (ev[0] - s.sent) * 1e3 if ev else None, "latency_ms": (r.done - s.sent) * 1e3,
-            "itl_ms": (ev[-1] - ev[0]) / (len(ev) - 1) * 1e3 if len(ev) > 1 else None,
-            "isl": r.prompt_tokens or s.prompt_len, "osl": r.completion_tokens or len(ev),
+            "itl_ms": (ev[-1] - ev[0]) / (osl - 1) * 1e3 if ev and osl > 1 else None,
+            "isl": r.prompt_tokens or s.prompt_len, "osl": osl,
             "cached_tokens": r.cached_tokens, "sent": s.sent, "done": r.done, "lane": s.lane}
 
 
