@@ -214,3 +214,18 @@ def test_prompt_token_ids_are_numpy_free():
     p = PromptBuilder(Scaling()).prompt(s, next(flatten(s.trace.steps)), 1, 0)
     json.dumps(p.tokens)
     assert not any(isinstance(t, np.integer) for t in p.tokens)
+
+
+def test_itl_counts_the_servers_tokens_not_stream_events():
+    """AIPerf's ITL: (last token - first token) / (output tokens - 1), tokens as the server's usage counts them
+    (an event may carry several); interactivity p90 is the tail rate (1 / ITL p90)."""
+    from kvtier.bench.agentx_client import Completion
+    from kvtier.bench.agentx_report import _record, interactivity
+    from kvtier.bench.agentx_run import Sent
+
+    s = Sent(0, 1, "window", [], 40, 5, 10.0,
+             result=Completion(10.0, events=[10.1, 10.5], completion_tokens=5, done=10.5))
+    r = _record(s)
+    assert r["ttft_ms"] == pytest.approx(100.0) and r["itl_ms"] == pytest.approx(100.0) and r["osl"] == 5
+    rates = interactivity([10.0] * 9 + [100.0])
+    assert rates["p50"] == pytest.approx(100.0) and rates["p90"] < rates["p50"]
