@@ -117,11 +117,17 @@ def kv_config(mode: str, args: argparse.Namespace, run_dir: Path) -> tuple[dict 
     raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
 
 
+_EXCEPTION = re.compile(r"(?:^|\] )((?:\w+\.)*\w*(?:Error|Exception): .+)$", re.M)
+
+
 def startup_error(log: str) -> str:
-    """The line of a failed server's log that says why: its last exception line."""
+    """Why a server did not start, from its own log: the first exception raised (the root cause; the lines
+    after it are the processes above it giving up)."""
+    m = _EXCEPTION.search(log)
+    if m:
+        return m.group(1).strip()[:400]
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    errs = [ln for ln in lines if re.search(r"(Error|Exception)\b.*:", ln)]
-    return (errs or lines or ["no log"])[-1][:400]
+    return (lines or ["no log"])[-1][:400]
 
 
 def _model(args: argparse.Namespace, python: Path, work: Path) -> Path:

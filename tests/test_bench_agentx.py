@@ -229,3 +229,14 @@ def test_itl_counts_the_servers_tokens_not_stream_events():
     assert r["ttft_ms"] == pytest.approx(100.0) and r["itl_ms"] == pytest.approx(100.0) and r["osl"] == 5
     rates = interactivity([10.0] * 9 + [100.0])
     assert rates["p50"] == pytest.approx(100.0) and rates["p90"] < rates["p50"]
+
+
+def test_a_failed_start_is_told_by_its_root_cause():
+    from kvtier.bench.agentx import startup_error
+
+    log = ("(APIServer pid=1) WARNING [x.py:1] fd limit errors like `OSError: [Errno 24] Too many open files`\n"
+           "(Worker pid=2) ERROR [m.py:9] Exception: CPU Offloading is currently only supported on CUDA-alike GPUs\n"
+           "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert startup_error(log) == "Exception: CPU Offloading is currently only supported on CUDA-alike GPUs"
+    assert startup_error("ModuleNotFoundError: No module named 'lmcache'") == \
+        "ModuleNotFoundError: No module named 'lmcache'"
