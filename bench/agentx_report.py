@@ -157,7 +157,7 @@ def compare(rows: list[dict[str, Any]], baseline: str = "none") -> None:
 def print_table(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> None:
     print("\nagentic sessions, closed loop, real server (window figures; baseline: the connector-less engine at the "
           "same concurrency, same run, same seed; ratio = mode / none)")
-    print(f"{'mode':>11}{'conc':>5}{'done':>6}{'prompt':>9}{'computed':>10}{'cached (by source)':>28}"
+    print(f"{'mode':>11}{'conc':>5}{'done':>6}{'prompt':>9}{'computed':>10}{'cached (by source)':>36}"
           f"{'hit meas/model':>16}{'hbm/uniq':>9}{'TTFT p50':>10}{'p90':>9}{'inter p90':>10}{'tok/s':>8}"
           f"{'comp ratio':>11}{'TTFT ratio':>11}")
     for r in rows:
@@ -165,7 +165,7 @@ def print_table(rows: list[dict[str, Any]], unavailable: dict[str, str]) -> None
         m = r["modeled_hit_rate"] or {}
         vs = r.get("vs_none", {})
         print(f"{r['mode']:>11}{r['concurrency']:>5}{r['requests']['completed']:>6}{r['prompt_tokens']:>9}"
-              f"{r['prompt_tokens_computed']:>10}{cached:>28}"
+              f"{r['prompt_tokens_computed']:>10}{cached:>36}"
               f"{r['measured_hit_rate']:>8.3f}/{m.get('total', 0):<7.3f}{_f(r['hbm_fraction'], 9, 3)}"
               f"{_f(r['ttft_ms']['p50'], 10, 0)}{_f(r['ttft_ms']['p90'], 9, 0)}"
               f"{_f(r['interactivity_tok_s']['p90'], 10, 1)}{r['total_tokens_per_s']:>8.0f}"
