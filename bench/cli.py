@@ -19,6 +19,8 @@ BENCHES = {
     "sglang": ("kvtier.bench.sglang", "SGLang HiCache L3 backend set/get GB/s per host layout beside memcpy"),
     "engine": ("kvtier.bench.engine", "TTFT on a real vLLM CPU engine: cold vs kvtier-warm vs vLLM's own "
                                       "prefix-cache hit"),
+    "agentx": ("kvtier.bench.agentx", "agentic sessions replayed closed-loop against a real vLLM server: TTFT, "
+                                      "interactivity, tokens/s, prompt tokens computed vs cached, kvtier vs none"),
     "dram-evict": ("kvtier.bench.dram_evict", "evicting DRAM puts beside memcpy; DRAM get latency while evictions "
                                               "write an SSD without staging, beside gets alone"),
     "policies": ("kvtier.bench.policies", "eviction policies' cost per key (observe, insert, victims) beside LRU's"),

