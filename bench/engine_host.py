@@ -13,7 +13,7 @@ The first reply, unasked, is ``{"ok": {"ready": ...}}`` once the engine has star
     {"op": "reset_prefix_cache"}  -> bool         vLLM forgets its HBM (here: CPU KV) prefix cache
     {"op": "metrics"}             -> [{"name", "labels", "value"}]   vLLM's counters and gauges
     {"op": "store"}               -> [store.stats() of each worker's kvtier store]
-    {"op": "info"}                -> vLLM version, async scheduling, block size, kv connector
+    {"op": "info"}                -> vLLM version, async scheduling, block size, kv connector, KV cache groups
     {"op": "shutdown"}            -> null, then the engine shuts down cleanly (connector.shutdown) and exits
 
 Requests are handled one at a time on the main thread. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (the caller
@@ -42,6 +42,14 @@ def store_stats(worker: Any) -> list[dict[str, Any]]:
     connector = get_kv_transfer_group()
     side = connector.worker_side()
     return [json.loads(json.dumps(side.store.stats(), default=str))]
+
+
+def kv_cache_groups(worker: Any) -> list[dict[str, Any]]:
+    """Runs in each vLLM worker (``LLM.collective_rpc``): the KV cache groups of the config the engine core made
+    (the scheduler's and the workers' are one KVCacheConfig): each group's spec class, block size and layers.
+    More than one group: vLLM's hybrid KV cache manager is on."""
+    return [{"kind": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+             "layers": list(g.layer_names)} for g in worker.model_runner.kv_cache_config.kv_cache_groups]
 
 
 class Host:
@@ -89,7 +97,8 @@ class Host:
         config = self.llm.llm_engine.vllm_config
         kv = config.kv_transfer_config
         return {"vllm": vllm.__version__, "async_scheduling": bool(config.scheduler_config.async_scheduling),
-                "block_size": config.cache_config.block_size, "kv_connector": kv.kv_connector if kv else None}
+                "block_size": config.cache_config.block_size, "kv_connector": kv.kv_connector if kv else None,
+                "kv_cache_groups": self.llm.collective_rpc(kv_cache_groups)[0]}
 
     def handle(self, cmd: dict[str, Any]) -> Any:
         op = cmd.pop("op", None)
