@@ -24,6 +24,9 @@ BENCHES = {
     "policies": ("kvtier.bench.policies", "eviction policies' cost per key (observe, insert, victims) beside LRU's"),
     "soak": ("kvtier.bench.soak", "a master, two pools and N clients under mixed traffic (optionally killing "
                                   "daemons): errors, wrong bytes, p99 latency, daemon RSS over time"),
+    "hybrid-bytes": ("kvtier.bench.hybrid_bytes", "bytes stored per prompt token for hybrid models: kvtier's "
+                                                  "per-group objects beside every group whole, packed blocks and "
+                                                  "vLLM's own retention (no bytes move)"),
     "ssd-eviction": ("kvtier.bench.ssd_eviction", "SSD eviction schemes on agentic-cc traces: hit rates, SSD writes "
                                                   "(a key-level study, no bytes move)"),
 }

@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
             hashes = [rnd.to_bytes(4, "little") + i.to_bytes(28, "little") for i in range(n)]
             keys = ns.keys(hashes)
             ids = np.arange(n, dtype=np.int64)
-            save = SaveJob(f"s{rnd}", keys, hashes, ids)
+            save = SaveJob(f"s{rnd}", keys, hashes, ids, kv)
             targets = np.array(random.Random(rnd).sample(range(n), n), dtype=np.int64)
-            load = LoadJob(f"l{rnd}", 0, keys, hashes, targets, layerwise=False, num_layers=kv.num_layers)
+            load = LoadJob(f"l{rnd}", 0, keys, hashes, targets, layerwise=False, kv=kv)
             expect = [kv_caches[name][int(ids[0])].clone() for name in list(kv_caches)[:2]] if rnd == 0 else None
             t_save = time_once(lambda: _run_job(transfers.submit_save, save, done))  # noqa: B023 - called now
             t_load = time_once(lambda: _run_job(transfers.submit_load, load, done))  # noqa: B023

@@ -102,17 +102,22 @@ class VllmBlockHasher:
 
 
 def vllm_namespace(model: str, layout_fingerprint: str, *, rank: int = 0, world_size: int = 1,
-                   revision: str | None = None, hash_algo: str = "sha256", weights: str = "") -> Namespace:
+                   revision: str | None = None, hash_algo: str = "sha256", weights: str = "", cache_group: int = 0,
+                   group_kind: str = "") -> Namespace:
     """The namespace KVTierConnector's worker of TP/PP ``rank`` (of ``world_size``) stores its keys under.
 
     ``model`` is the ``model`` config key if set, else the served model as vLLM names it (``--model``);
     ``layout_fingerprint`` is that rank's ``BlockLayout.fingerprint`` (the worker logs it); ``revision`` the
     model revision (None when not given), ``hash_algo`` vLLM's ``--prefix-caching-hash-algo`` and ``weights``
     the checkpoint's fingerprint (kvtier.weights; the worker logs it as ``weights ...``; "" when it has none).
+    ``cache_group`` is vLLM's KV cache group index and ``group_kind`` its kind in a hybrid model ("" for a
+    single-group model, whose keys are as they were before hybrid models were stored).
     The one place this fold is written: the connector builds its namespace here too.
     """
-    extra = f"revision={revision};hash={hash_algo}" + (f";weights={weights}" if weights else "")
-    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=0, extra=extra)
+    extra = (f"revision={revision};hash={hash_algo}" + (f";weights={weights}" if weights else "")
+             + (f";group={group_kind}" if group_kind else ""))
+    return Namespace(model, layout_fingerprint, rank=rank, world_size=world_size, cache_group=cache_group,
+                     extra=extra)
 
 
 def sglang_namespace(model: str, host_fingerprint: str, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,

@@ -85,6 +85,25 @@ if [ "${1:-}" = "--slow" ]; then
   slow=(-m slow)
 fi
 
+# ---- vLLM 0.34: the connector's scheduler-side tests again, against 0.34's classes ---------------------------------
+# .vllm-0.34 holds vllm 0.34.0 alone (pip --target --no-deps: one wheel, no dependency set of its own). Put ahead
+# of .venv's site-packages it shadows 0.33 and reuses 0.33's pinned dependencies: 0.34 asks for torch 2.14, but the
+# Python classes these tests use (scheduler, KV cache manager, planner, connector base) import and run with .venv's
+# CPU torch 2.13. Run with the default suite (no arguments); optional like vllm: skipped, with the reason, where it
+# cannot install.
+VLLM034=.vllm-0.34
+if [ $# -eq 0 ] && [ ${#slow[@]} -eq 0 ]; then
+  if [ ! -d "$VLLM034/vllm" ]; then
+    pip install -q --no-deps --target "$VLLM034" 'vllm==0.34.0' \
+      || echo "tests/run.sh: vllm 0.34 did not install; the vLLM 0.34 connector tests will skip" >&2
+  fi
+  if [ -d "$VLLM034/vllm" ]; then
+    echo "== vLLM connector tests against vLLM 0.34 ($VLLM034 over .venv) =="
+    PYTHONPATH="$PWD/$VLLM034" python -m pytest -p no:cacheprovider tests/test_vllm_compat.py \
+      tests/test_vllm_connector.py tests/test_vllm_connector_hybrid.py || exit $?
+  fi
+fi
+
 # ---- SGLang: the SGLang backend's tests (tests/test_sglang_*.py) run in .venv-sglang ---------------------------
 # sglang 0.5.23 pins openai 2.8.0, transformers 5.19.0, tokenizers 0.23.2 and apache-tvm-ffi 0.1.11; vllm 0.33 needs
 # the 3.57.0, 5.20.2, 0.23.3 and 0.1.15.post2 that .venv holds: one venv cannot hold both. .venv-sglang gets torch

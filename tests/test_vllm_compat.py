@@ -18,17 +18,18 @@ from kvtier.connectors.vllm import compat  # noqa: E402
 
 
 @pytest.mark.parametrize("text,expected", [("0.32.0", (0, 32)), ("0.33.0", (0, 33)), ("0.33.1", (0, 33)),
-                                           ("0.33.2.dev14+g1a2b3c.cpu", (0, 33)), ("0.32.0+cpu", (0, 32))])
+                                           ("0.33.2.dev14+g1a2b3c.cpu", (0, 33)), ("0.32.0+cpu", (0, 32)),
+                                           ("0.34.0", (0, 34))])
 def test_supported_versions_parse(text, expected):
     assert compat.check_version(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0.31.2", "0.34.0", "1.0.0", "0.9"])
+@pytest.mark.parametrize("text", ["0.31.2", "0.35.0", "1.0.0", "0.9"])
 def test_unsupported_version_names_found_and_supported(text):
     with pytest.raises(compat.UnsupportedVllmVersion) as e:
         compat.check_version(text)
     assert f"this is vLLM {text}" in str(e.value)
-    assert "0.32, 0.33" in str(e.value)
+    assert "0.32, 0.33, 0.34" in str(e.value)
 
 
 def test_garbage_version_is_a_clear_error():
@@ -78,7 +79,7 @@ def test_unsupported_vllm_fails_engine_start_up():
                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert last.startswith("UnsupportedVllmVersion |"), last
-    assert "this is vLLM 0.31.1" in last and "0.32, 0.33" in last
+    assert "this is vLLM 0.31.1" in last and "0.32, 0.33, 0.34" in last
 
 
 def test_connector_refuses_sleep_mode():

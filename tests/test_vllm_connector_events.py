@@ -154,7 +154,7 @@ def test_ssd_events_survive_dram_evicting_before_the_write_lands(tmp_path):
     keys = Namespace("m").keys(hashes)
     with store:
         for i in range(8):
-            with rec.naming(keys[i : i + 1], hashes[i : i + 1]):
+            with rec.naming(keys[i : i + 1], [(hashes[i], 0)]):
                 store.put(keys[i : i + 1], torch.zeros(1, bb, dtype=torch.uint8))
         assert store.flush(10)
         events = rec.take()

@@ -48,7 +48,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
-from kvtier.connectors.vllm.compat import plan_kv_cache_configs  # noqa: E402
+from kvtier.connectors.vllm.compat import VLLM_VERSION, plan_kv_cache_configs  # noqa: E402
 
 BLOCK = 16
 LAYERS = 3
@@ -108,11 +108,18 @@ def expected_kv(rank: int, layer: int, position: int, token: int) -> torch.Tenso
 class Engine:
     """Scheduler + ``tp`` worker connectors over CPU KV tensors. ``step()`` runs one engine step."""
 
-    def __init__(self, config: VllmConfig, tp: int = 1, num_blocks: int = 64) -> None:
+    def __init__(self, config: VllmConfig, tp: int = 1, num_blocks: int = 64,
+                 specs: dict[str, Any] | None = None) -> None:
+        """``specs``: layer name -> KVCacheSpec (default: LAYERS full-attention layers); more than one kind
+        of spec makes a hybrid model, planned into several KV cache groups by vLLM's hybrid manager."""
         self.config = config
-        specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16) for i in range(LAYERS)}
-        page = next(iter(specs.values())).page_size_bytes * LAYERS
+        if specs is None:
+            specs = {f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+                for i in range(LAYERS)}
+        else:
+            config.scheduler_config.disable_hybrid_kv_cache_manager = False  # the CPU platform says no
+        page = next(iter(specs.values())).page_size_bytes * len(specs)
         config.cache_config.num_gpu_blocks_override = num_blocks
         configs = plan_kv_cache_configs(config, [specs] * tp, [page * num_blocks] * tp)
         for c in configs:
@@ -122,6 +129,9 @@ class Engine:
         self.scheduler = Scheduler(vllm_config=config, kv_cache_config=sched_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(config), block_size=BLOCK)
         self.layer_names = list(specs)
+        # layer -> its KV cache group, and that group's sliding window (0: full attention)
+        self.group_of = {n: g for g, group in enumerate(sched_config.kv_cache_groups) for n in group.layer_names}
+        self.window_of = {n: int(getattr(specs[n], "sliding_window", None) or 0) for n in specs}
         self.workers = []
         self.kv: list[dict[str, torch.Tensor]] = []
         layout = config.cache_config.get_resolved_kv_cache_layout()
@@ -202,24 +212,27 @@ class Engine:
             self.step()
 
     def verify(self) -> None:
-        """Every computed token of every running request holds exactly what the forward writes."""
+        """Every computed token of every running request holds exactly what the forward writes (a
+        sliding-window layer: every token inside the window of the next one)."""
         for req in self.scheduler.running:
-            ids = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)
             tokens = req.all_token_ids
             for rank, kv in enumerate(self.kv):
                 for layer, name in enumerate(self.layer_names):
-                    for p in range(req.num_computed_tokens):
+                    ids, window = tables[self.group_of[name]], self.window_of[name]
+                    first = max(0, req.num_computed_tokens - window + 1) if window else 0
+                    for p in range(first, req.num_computed_tokens):
                         got = kv[name][ids[p // BLOCK], :, p % BLOCK, :]
                         if not torch.equal(got, expected_kv(rank, layer, p, tokens[p])):
                             raise AssertionError(f"request {req.request_id} rank {rank} layer {layer} token {p}: "
                                                  "KV differs from what the forward computed")
                         self.verified_tokens += 1
 
-    def _work(self, so: Any) -> list[tuple[str, list[int], int]]:
-        """(request, its block table, tokens computed before this step) for every scheduled request."""
-        work = [(new.req_id, new.block_ids[0], new.num_computed_tokens) for new in so.scheduled_new_reqs]
+    def _work(self, so: Any) -> list[tuple[str, tuple[list[int], ...], int]]:
+        """(request, its block tables by group, tokens computed before this step) for every scheduled request."""
+        work = [(new.req_id, new.block_ids, new.num_computed_tokens) for new in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
-        work += [(req_id, self.scheduler.kv_cache_manager.get_block_ids(req_id)[0], cached.num_computed_tokens[i])
+        work += [(req_id, self.scheduler.kv_cache_manager.get_block_ids(req_id), cached.num_computed_tokens[i])
                  for i, req_id in enumerate(cached.req_ids)]
         return work
 
@@ -228,7 +241,8 @@ class Engine:
         kv = self.kv[rank]
         for layer, name in enumerate(self.layer_names):
             worker.wait_for_layer_load(name)
-            for req_id, block_ids, start in work:
+            for req_id, tables, start in work:
+                block_ids = tables[self.group_of[name]]
                 tokens = self.scheduler.requests[req_id].all_token_ids
                 for p in range(start, start + so.num_scheduled_tokens[req_id]):
                     kv[name][block_ids[p // BLOCK], :, p % BLOCK, :] = expected_kv(rank, layer, p, tokens[p])
@@ -241,6 +255,8 @@ class Engine:
             done = start + so.num_scheduled_tokens[req_id] >= req.num_tokens
             req_ids.append(req_id)
             sampled.append([7 + len(req.all_token_ids) % 100] if done else [])
+        if VLLM_VERSION >= (0, 34):  # 0.34 derives the index from req_ids
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv_out)
 

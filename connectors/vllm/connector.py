@@ -1,5 +1,10 @@
-"""KVTierConnector: vLLM's KVConnectorBase_V1 (vLLM 0.32 and 0.33, see compat.py), delegating to a scheduler
+"""KVTierConnector: vLLM's KVConnectorBase_V1 (vLLM 0.32, 0.33 and 0.34, see compat.py), delegating to a scheduler
 half and a worker half.
+
+It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on with kvtier, and hands every KV cache
+group's blocks to the connector. groups.py says which kinds of group kvtier stores (full attention, sliding
+window), which blocks of each a hit needs and which are worth storing; any other kind, and draft-model groups,
+are refused here at start-up with an error naming the group.
 
 vLLM builds two kinds of instance from the same config, in different processes: one with role SCHEDULER
 in the engine core (it plans; scheduler.py) and one with role WORKER per TP/PP rank (it copies and owns
@@ -26,14 +31,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import Config
 
+from .compat import prefix_cache_retention_interval
 from .events import EventQuorum, KVTierKVEvents
+from .groups import describe_groups
 from .lookup import LookupClient, endpoint
 from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
@@ -58,7 +65,7 @@ log = logging.getLogger(__name__)
 TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "pool": CacheHitSource.P2P}
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Keeps prefixes alive below HBM (host DRAM, a remote pool, SSD) across requests. A best-effort cache: a
     block that cannot be loaded is recomputed (set ``kv_load_failure_policy: recompute``).
 
@@ -80,12 +87,8 @@ class KVTierConnector(KVConnectorBase_V1):
             log.warning("kvtier: kv_load_failure_policy is %r: a block evicted between lookup and load fails its "
                         "request instead of being recomputed; set \"kv_load_failure_policy\": \"recompute\"",
                         transfer.kv_load_failure_policy)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-            raise ValueError(
-                "KVTierConnector supports models with one attention KV cache group; this model has "
-                f"{[type(g.kv_cache_spec).__name__ for g in groups]} (hybrid models: run with "
-                "--disable-hybrid-kv-cache-manager, or use vLLM's native offloading for SSM layers)")
+        # Every group kvtier will store, or an error naming the one it cannot (before anything starts).
+        groups = describe_groups(kv_cache_config, speculative=vllm_config.speculative_config is not None)
         parallel = engine_ranks(vllm_config.parallel_config)
         ranks = parallel.world_size
         engine_id = str(transfer.engine_id)
@@ -101,22 +104,21 @@ class KVTierConnector(KVConnectorBase_V1):
             client = LookupClient([endpoint(settings.socket_dir(), engine_id, dp_rank, r) for r in range(ranks)],
                                   settings.lookup_timeout_s)
             self._scheduler = SchedulerSide(settings, client, block_size, hash_block_size,
-                                            load=transfer.is_kv_consumer, save=transfer.is_kv_producer)
+                                            load=transfer.is_kv_consumer, save=transfer.is_kv_producer, groups=groups,
+                                            retention_interval=prefix_cache_retention_interval(vllm_config))
             self._quorum = EventQuorum(ranks) if events else None
             if Config.load(store_config).mode == "standalone":
                 self._tier_source["pool"] = CacheHitSource.HOST
         else:
-            spec = groups[0].kv_cache_spec
             model = vllm_config.model_config
             weights = model_weights(vllm_config, settings.weights_fingerprint)  # folded into the namespace
             identity = WorkerIdentity(
                 model=str(model.model), rank=parallel.rank % ranks, world_size=ranks, engine_id=engine_id,
-                dp_rank=dp_rank, block_size=int(spec.block_size), revision=model.revision,
+                dp_rank=dp_rank, block_size=groups[0].block_size, revision=model.revision,
                 weights=weights.value, weights_source=weights.source,
                 hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
                 tp_size=parallel.tp_size, pcp_size=parallel.pcp_size, dp_size=parallel.dp_size)
-            self._worker = WorkerSide(settings, store_config, identity, list(groups[0].layer_names),
-                                      mla=isinstance(spec, MLAAttentionSpec), events=events)
+            self._worker = WorkerSide(settings, store_config, identity, groups, events=events)
         self._events: list[KVCacheEvent] = []
 
     # ---- vLLM's contract ---------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._sched().update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._sched().update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         if num_external_tokens == 0:
@@ -164,6 +166,12 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._sched().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request), None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # With SupportsHMA vLLM calls only this (every group's blocks): the saves were planned step by step
+        # from the scheduler output, so what to keep is the same question for one group or several.
         return self._sched().request_finished(request), None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from vllm.distributed.kv_events import (
@@ -27,31 +29,52 @@ from vllm.distributed.kv_events import (
     KVConnectorKVEvents,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
 from kvtier.connectors.tier_events import TierEventNames
+
+from .groups import GroupSpec
 
 TIER_MEDIUM = {"dram": MEDIUM_CPU, "ssd": MEDIUM_STORAGE}
 
 
+@dataclass(frozen=True)
+class EventGroup:
+    """What a KV event says of the cache group its blocks belong to (vLLM's ``group_idx``,
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``), so a router can tell a sliding-window
+    block from a full-attention one."""
+
+    kind: str = "full_attention"  # vLLM's KVCacheSpecKind value
+    sliding_window: int | None = None
+
+
 class EventRecorder(TierEventNames):
     """Store events -> vLLM KV events, for one worker (the naming and its thread-safety:
-    kvtier.connectors.tier_events.TierEventNames). ``mediums`` maps a tier name to vLLM's medium (others:
-    the tier name upper-cased)."""
+    kvtier.connectors.tier_events.TierEventNames). Keys are named ``(engine hash, group index)``; one event per
+    group carries that group's index and kind (``groups``, by index; a group not there: full attention).
+    ``mediums`` maps a tier name to vLLM's medium (others: the tier name upper-cased)."""
 
     def __init__(self, block_size: int, mediums: Mapping[str, str] = TIER_MEDIUM, *,
-                 holds: Callable[[Sequence[bytes]], list[bool]] | None = None, max_in_transit: int = 1 << 16) -> None:
+                 holds: Callable[[Sequence[bytes]], list[bool]] | None = None, max_in_transit: int = 1 << 16,
+                 groups: Mapping[int, EventGroup] | None = None) -> None:
         super().__init__(self._record, holds=holds, max_in_transit=max_in_transit)
         self.block_size = block_size
         self._mediums = dict(mediums)
+        self._groups = dict(groups or {})
         self._events: list[KVCacheEvent] = []
 
-    def _record(self, kind: str, tier: str, hashes: list[bytes]) -> None:
+    def _record(self, kind: str, tier: str, names: list[tuple[bytes, int]]) -> None:
         medium = self._mediums.get(tier, tier.upper())
-        ext = [maybe_convert_block_hash(h) for h in hashes]
-        self._events.append(
-            BlockStored(block_hashes=ext, parent_block_hash=None, token_ids=[], block_size=self.block_size,
-                        lora_id=None, medium=medium, lora_name=None, group_idx=0)
-            if kind == "stored" else BlockRemoved(block_hashes=ext, medium=medium, group_idx=0))
+        by_group: dict[int, list[Any]] = {}
+        for h, group in names:
+            by_group.setdefault(group, []).append(maybe_convert_block_hash(h))
+        for group, ext in by_group.items():
+            spec = self._groups.get(group, EventGroup())
+            self._events.append(
+                BlockStored(block_hashes=ext, parent_block_hash=None, token_ids=[], block_size=self.block_size,
+                            lora_id=None, medium=medium, lora_name=None, group_idx=group,
+                            kv_cache_spec_kind=spec.kind, kv_cache_spec_sliding_window=spec.sliding_window)
+                if kind == "stored" else BlockRemoved(block_hashes=ext, medium=medium, group_idx=group))
 
     def take(self) -> list[KVCacheEvent]:
         with self._lock:
@@ -130,3 +153,9 @@ class EventQuorum:
     def take(self) -> list[KVCacheEvent]:
         ready, self._ready = self._ready, []
         return ready
+
+
+def event_group(group: GroupSpec) -> EventGroup:
+    """The KV events' view of a cache group: vLLM's own kind name for its spec, and its window."""
+    return EventGroup(kind=get_kv_cache_spec_kind(group.spec).value if group.spec is not None else "full_attention",
+                      sliding_window=group.window or None)

@@ -9,7 +9,13 @@ reads the replies that have arrived when vLLM asks again.
 Frames (kvtier/wire.py envelope, one zmq frame; the ROUTER side adds the peer identity):
 
     request  [VERSION, lease, "kv_prefix", {"hashes": bin n*width, "width": uint, "ttl_s": float}]
-    reply    [VERSION, lease, true, {"length": uint, "tiers": [[tier, count], ...]}]   # runs, in key order
+    reply    [VERSION, lease, true, {"length": uint, "tiers": [[tier, count], ...],   # runs, in key order
+                                     "valid": bin}]   # hybrid models only: which boundaries 1..length hit
+
+A single-group model's hit is a prefix: every boundary up to ``length`` is one. A hybrid model's is not (a
+sliding-window group holds only the windows before its hit points), so its ranks also say which boundaries
+they can restore (``valid``, one bit each, numpy's packbits order) and the scheduler takes the deepest one
+every rank can.
 
 ``lease`` names the lookup: the worker pins the blocks it reports under it until the scheduler's load
 plan (or a release) ends it, or ``ttl_s`` passes.
@@ -25,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from kvtier import wire
@@ -45,6 +52,11 @@ class RankLookupReply:
 
     length: int
     tiers: tuple[tuple[str, int], ...] = ()
+    valid: tuple[bool, ...] | None = None  # hybrid: boundary k + 1 restorable (length entries); None: a prefix
+
+    def boundaries(self) -> list[bool]:
+        """Which boundaries 1..length this rank can restore."""
+        return list(self.valid) if self.valid is not None else [True] * self.length
 
     def count(self, tier: str, upto: int | None = None) -> int:
         """Blocks among the first ``upto`` (default all) held in ``tier``."""
@@ -140,7 +152,10 @@ class LookupServer:
             ttl_s = wire.float_field(body, "ttl_s", 1e-3, 86400.0)
             reply = self._handler(req_id, hashes, ttl_s)
             self.served += 1
-            return wire.encode_reply(req_id, True, {"length": reply.length, "tiers": [list(t) for t in reply.tiers]})
+            body = {"length": reply.length, "tiers": [list(t) for t in reply.tiers]}
+            if reply.valid is not None:
+                body["valid"] = np.packbits(np.asarray(reply.valid, dtype=bool)).tobytes()
+            return wire.encode_reply(req_id, True, body)
         except wire.WireError as e:
             self.errors += 1
             log.warning("kvtier lookup server: bad request (%s)", e)
@@ -239,7 +254,12 @@ class LookupClient:
         if pending is None or len(pending.replies) < len(self._socks):
             return None
         shortest = min(pending.replies.values(), key=lambda r: r.length)
-        return ConnectorLookup(shortest, self._clock() - pending.started)
+        if all(r.valid is None for r in pending.replies.values()):
+            return ConnectorLookup(shortest, self._clock() - pending.started)
+        # Hybrid: the deepest boundary every rank can restore (each pinned what any of its boundaries needs).
+        common = [all(v) for v in zip(*(r.boundaries()[: shortest.length] for r in pending.replies.values()))]
+        length = max((k + 1 for k, v in enumerate(common) if v), default=0)
+        return ConnectorLookup(RankLookupReply(length, (), tuple(common[:length])), self._clock() - pending.started)
 
     def expired(self, lease: int) -> bool:
         pending = self._pending.get(lease)
@@ -270,7 +290,13 @@ class LookupClient:
         try:
             length = wire.int_field(body, "length", 0, MAX_HASHES)
             tiers = tuple((str(name), int(n)) for name, n in wire.field(body, "tiers", list, []))
+            bits = wire.field(body, "valid", bytes, None)
+            valid = None
+            if bits is not None:
+                if len(bits) != (length + 7) // 8:
+                    raise ValueError(f"'valid' has {len(bits)} bytes for {length} boundaries")
+                valid = tuple(bool(b) for b in np.unpackbits(np.frombuffer(bits, np.uint8), count=length))
         except (wire.WireError, TypeError, ValueError) as e:
             log.warning("kvtier lookup %d: malformed reply from rank %d: %s", req_id, rank, e)
-            length, tiers = 0, ()
-        pending.replies[rank] = RankLookupReply(length, tiers)
+            length, tiers, valid = 0, (), None
+        pending.replies[rank] = RankLookupReply(length, tiers, valid)

@@ -27,6 +27,18 @@ class LoadPlan:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     layerwise: bool
+    groups: tuple[int, ...] = ()  # each block's KV cache group (hybrid models); empty: all group 0
+
+    def parts(self) -> list[tuple[int, tuple[bytes, ...], tuple[int, ...]]]:
+        """(group, hashes, block ids) per group, in the order the groups first appear."""
+        if not self.groups:
+            return [(0, self.hashes, self.block_ids)]
+        out: dict[int, tuple[list[bytes], list[int]]] = {}
+        for g, h, b in zip(self.groups, self.hashes, self.block_ids):
+            hs, bs = out.setdefault(g, ([], []))
+            hs.append(h)
+            bs.append(b)
+        return [(g, tuple(hs), tuple(bs)) for g, (hs, bs) in out.items()]
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class SavePlan:
     hashes: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     hints: AgentHints | None = None
+    group: int = 0  # the blocks' KV cache group
 
 
 @dataclass

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .compat import request_shared_prefix_boundary
+from .groups import FULL, GroupSpec, hit_boundaries, is_hybrid, save_mask
 from .lookup import ConnectorLookup
 from .hints import AgentHints, hints_of
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
@@ -35,6 +37,8 @@ from .observe import Notebook
 from .settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
+
+NULL_BLOCK = 0  # vLLM's null block id: a position the group holds nothing for (outside its window)
 
 
 class Lookups(Protocol):
@@ -64,11 +68,12 @@ class _Lookup:
 
 @dataclass
 class _Tracked:
-    """A request the scheduler admitted: its block table and how far its blocks are stored."""
+    """A request the scheduler admitted: its block tables (one per KV cache group) and how far each group's
+    blocks are stored."""
 
     request: Any
-    block_ids: list[int] = field(default_factory=list)
-    stored: int = 0  # blocks [0, stored) are in the store, or queued to be
+    tables: list[list[int]] = field(default_factory=list)  # by group
+    stored: list[int] = field(default_factory=list)  # by group: blocks [0, stored) stored, queued or passed over
     saves_sent: bool = False
     hints: AgentHints | None = None
     arrival_blocks: int = 0  # full blocks the request had when admitted (its output's come after)
@@ -79,8 +84,13 @@ class SchedulerSide:
     tokens per entry of ``request.block_hashes`` (a block's key is the hash that ends it)."""
 
     def __init__(self, settings: ConnectorSettings, lookups: Lookups, block_size: int,
-                 hash_block_size: int | None = None, *, load: bool = True, save: bool = True) -> None:
+                 hash_block_size: int | None = None, *, load: bool = True, save: bool = True,
+                 groups: Sequence[GroupSpec] | None = None, retention_interval: int | None = 0) -> None:
         self.settings = settings
+        # The KV cache groups (groups.py); a single full-attention group unless vLLM's config says otherwise.
+        self.groups = tuple(groups) if groups else (GroupSpec(0, FULL, block_size, ()),)
+        self.hybrid = is_hybrid(self.groups)
+        self.retention_interval = retention_interval  # vLLM's prefix_cache_retention_interval
         self.load = load  # kv_role kv_consumer or kv_both: look up and load prefixes
         self.save = save  # kv_role kv_producer or kv_both: store computed blocks
         self.lookups = lookups
@@ -140,18 +150,21 @@ class SchedulerSide:
             self.counters["lookup_hit_blocks"] += lk.result.length
         if lk.result.length == 0:
             return 0, False
+        if self.hybrid and lk.start + lk.result.length > stop:
+            return 0, False  # not possible: the ranks were asked about [start, stop) only
         self._hit_tiers[req_id] = lk.result
         return lk.result.length * self.block_size, self.settings.load_async
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """``block_ids``: the request's whole block table (cache group 0) after this allocation."""
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+                                 ) -> None:
+        """``block_ids``: the request's whole block table of every KV cache group after this allocation."""
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            tracked = self._tracked[req_id] = _Tracked(request, hints=hints_of(request))
+            tracked = self._tracked[req_id] = _Tracked(request, stored=[0] * len(self.groups), hints=hints_of(request))
             tracked.arrival_blocks = self.num_hashed_blocks(request)
             self.notes.arrived(request, self.block_hashes(request, 0, tracked.arrival_blocks))
-        tracked.block_ids = list(block_ids)
+        tracked.tables = [list(t) for t in block_ids]
         lk = self._lookups.pop(req_id, None)
         if lk is None:
             return
@@ -160,14 +173,30 @@ class SchedulerSide:
             self._release(lk)
             return
         count = min(count, lk.result.length)
-        end = lk.start + count
-        if end > len(block_ids):
-            log.error("kvtier: request %s has %d blocks, the load needs %d; not loading", req_id, len(block_ids), end)
+        if self.hybrid and not lk.result.reply.boundaries()[count - 1]:
+            log.error("kvtier: request %s: vLLM took %d blocks, a boundary no rank can restore; not loading",
+                      req_id, count)
             self._release(lk)
             return
-        self._loads[req_id] = LoadPlan(req_id, lk.lease, tuple(self.block_hashes(request, lk.start, end)),
-                                       tuple(block_ids[lk.start:end]), layerwise=not self.settings.load_async)
-        tracked.stored = max(tracked.stored, end)
+        end = lk.start + count
+        if any(end > len(tracked.tables[g.index]) for g in self.groups):
+            log.error("kvtier: request %s has %s blocks, the load needs %d; not loading", req_id,
+                      [len(t) for t in tracked.tables], end)
+            self._release(lk)
+            return
+        hashes, ids, groups = [], [], []
+        for group in self.groups:
+            table = tracked.tables[group.index]
+            for i in group.needed(lk.start, end):
+                if table[i] == NULL_BLOCK:
+                    continue  # vLLM holds no block there (outside the group's window): nothing to load
+                hashes += self.block_hashes(request, i, i + 1)
+                ids.append(table[i])
+                groups.append(group.index)
+        self._loads[req_id] = LoadPlan(req_id, lk.lease, tuple(hashes), tuple(ids),
+                                       layerwise=not self.settings.load_async,
+                                       groups=tuple(groups) if self.hybrid else ())
+        tracked.stored = [max(s, end) for s in tracked.stored]
 
     # ---- the step's metadata -----------------------------------------------------------------------------
 
@@ -181,9 +210,9 @@ class SchedulerSide:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new.block_ids[0])
+            tracked.tables = [list(t) for t in new.block_ids]
             # Blocks the step starts from came from the local prefix cache or the store: not saved again.
-            tracked.stored = max(tracked.stored, new.num_computed_tokens // self.block_size)
+            tracked.stored = [max(s, new.num_computed_tokens // self.block_size) for s in tracked.stored]
             self._plan_save(tracked, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], meta)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -193,9 +222,10 @@ class SchedulerSide:
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 if req_id in cached.resumed_req_ids:
-                    tracked.block_ids = list(new_ids[0])
+                    tracked.tables = [list(t) for t in new_ids]
                 else:
-                    tracked.block_ids.extend(new_ids[0])
+                    for table, ids in zip(tracked.tables, new_ids):
+                        table.extend(ids)
             self._plan_save(tracked, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], meta)
         return meta
 
@@ -205,14 +235,25 @@ class SchedulerSide:
         request = tracked.request
         if not self.settings.save_decode:
             computed_tokens = min(computed_tokens, request.num_prompt_tokens)
-        # Only full blocks whose hash exists (speculative tokens have none yet) and that are allocated.
-        full = min(computed_tokens // self.block_size, self.num_hashed_blocks(request), len(tracked.block_ids))
-        if full <= tracked.stored:
-            return
-        start, tracked.stored = tracked.stored, full
-        meta.saves.append(SavePlan(request.request_id, tuple(self.block_hashes(request, start, full)),
-                                   tuple(tracked.block_ids[start:full]), tracked.hints))
-        tracked.saves_sent = True
+        boundaries = hit_boundaries(request.num_prompt_tokens, request_shared_prefix_boundary(request), request.num_tokens,
+                                    self.block_size, self.retention_interval) if self.hybrid else ()
+        for gi, group in enumerate(self.groups):
+            table = tracked.tables[group.index]
+            # Only full blocks whose hash exists (speculative tokens have none yet) and that are allocated.
+            full = min(computed_tokens // self.block_size, self.num_hashed_blocks(request), len(table))
+            start = tracked.stored[gi]
+            if full <= start:
+                continue
+            tracked.stored[gi] = full
+            # Only blocks a later hit can use (groups.save_mask), and never vLLM's null block.
+            keep = [start + i for i, use in enumerate(save_mask(group, start, full, boundaries, self.hybrid))
+                    if use and table[start + i] != NULL_BLOCK]
+            if not keep:
+                continue
+            hashes = self.block_hashes(request, start, full)
+            meta.saves.append(SavePlan(request.request_id, tuple(hashes[i - start] for i in keep),
+                                       tuple(table[i] for i in keep), tracked.hints, group=group.index))
+            tracked.saves_sent = True
 
     # ---- completion ----------------------------------------------------------------------------------------
 
@@ -239,10 +280,11 @@ class SchedulerSide:
         invalid = set(invalid_block_ids or ())
         if invalid:  # those blocks are recomputed by vLLM: save them again when they are
             for tracked in self._tracked.values():
-                for i, block in enumerate(tracked.block_ids[: tracked.stored]):
-                    if block in invalid:
-                        tracked.stored = i
-                        break
+                for gi, group in enumerate(self.groups):
+                    for i, block in enumerate(tracked.tables[group.index][: tracked.stored[gi]]):
+                        if block in invalid and block != NULL_BLOCK:
+                            tracked.stored[gi] = i
+                            break
 
     def hit_blocks_by_tier(self, request: Any) -> dict[str, int]:
         """Where the blocks of the request's last hit were, by tier name (for vLLM's hit-source stats)."""

@@ -64,7 +64,9 @@ class LoadJob:
     hashes: Sequence[bytes]
     block_ids: np.ndarray
     layerwise: bool
-    num_layers: int
+    kv: PagedKV  # the engine KV of the blocks' cache group
+    final: bool = True  # the request's last load job of the step: it ends the lookup's lease
+    group: int = 0  # vLLM's KV cache group of the blocks
     failed: list[int] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
@@ -73,8 +75,8 @@ class LoadJob:
     layer_events: list[Any] = field(default_factory=list)  # GPU: per-layer events for the compute stream
 
     def __post_init__(self) -> None:
-        self.layer_ready = [threading.Event() for _ in range(self.num_layers)]
-        self.layer_events = [None] * self.num_layers
+        self.layer_ready = [threading.Event() for _ in range(self.kv.num_layers)]
+        self.layer_events = [None] * self.kv.num_layers
 
     def wait_layer(self, layer: int, timeout: float) -> bool:
         """Block until layer ``layer`` is in the engine's blocks (GPU: until it is queued, then make the
@@ -98,7 +100,9 @@ class SaveJob:
     keys: list[bytes]
     hashes: Sequence[bytes]
     block_ids: np.ndarray
+    kv: PagedKV  # the engine KV of the blocks' cache group
     hints: AgentHints | None = None
+    group: int = 0  # vLLM's KV cache group of the blocks
     gathered: threading.Event = field(default_factory=threading.Event)  # engine blocks no longer read
     done: threading.Event = field(default_factory=threading.Event)
     after: Any = None
@@ -206,10 +210,11 @@ class Transfers:
         if job.cancelled:  # a layer may be half written: every block of the job is a failure
             job.failed = job.block_ids.tolist()
             loaded = 0
-        self.lookup_leases.release(lookup_lease(job.lease))
+        if job.final:  # one thread runs a request's jobs in order: the last one ends the pins of all
+            self.lookup_leases.release(lookup_lease(job.lease))
         for ready in job.layer_ready:
             ready.set()
-        self._count(load_blocks=loaded, load_bytes=loaded * self.kv.layout.nbytes,
+        self._count(load_blocks=loaded, load_bytes=loaded * job.kv.layout.nbytes,
                     load_failed_blocks=len(job.failed), load_seconds=time.perf_counter() - start)
         self._finish(job, self._on_load_done)
 
@@ -224,18 +229,18 @@ class Transfers:
             staging = self._load_rows[: len(rest)]
             rest_ids = ids[rest].copy()
             if rest:
-                with self._naming([keys[i] for i in rest], [job.hashes[lo + i] for i in rest]):
+                with self._naming([keys[i] for i in rest], [(job.hashes[lo + i], job.group) for i in rest]):
                     hit = self.store.get([keys[i] for i in rest], staging)  # an SSD hit is promoted to DRAM
                 missed = ~np.asarray(hit, dtype=bool)
                 job.failed += rest_ids[missed].tolist()
                 rest_ids[missed] = SKIP
-            for layer in range(self.kv.num_layers):
+            for layer in range(job.kv.num_layers):
                 if job.cancelled:
                     break
                 if direct:
-                    self.kv.scatter_layer(layer, ids[direct], slots)
+                    job.kv.scatter_layer(layer, ids[direct], slots)
                 if rest:
-                    self.kv.scatter_layer(layer, rest_ids, staging)
+                    job.kv.scatter_layer(layer, rest_ids, staging)
                 if last:
                     job.layer_events[layer] = _record(self._load_stream)
                     job.layer_ready[layer].set()
@@ -255,7 +260,7 @@ class Transfers:
                 for lo in range(0, len(todo), rows):
                     part = todo[lo : lo + rows]
                     last = lo + rows >= len(todo)
-                    with self._naming([job.keys[i] for i in part], [job.hashes[i] for i in part]):
+                    with self._naming([job.keys[i] for i in part], [(job.hashes[i], job.group) for i in part]):
                         if self._save_in_place:
                             result = plan.put_in_place(part, partial(self._gather_into_slots, job, last))
                         else:
@@ -270,7 +275,7 @@ class Transfers:
                 self.store.leases.lease(session_lease(job.hints.session), job.keys, job.hints.ttl_s,
                                         job.hints.priority)
             path = "save_in_place_blocks" if self._save_in_place else "save_staged_blocks"
-            self._count(save_blocks=stored, save_bytes=stored * self.kv.layout.nbytes,
+            self._count(save_blocks=stored, save_bytes=stored * job.kv.layout.nbytes,
                         save_skipped_blocks=skipped, save_rejected_blocks=rejected,
                         save_seconds=time.perf_counter() - start, **{path: stored})
         except Exception:  # best effort: a failed save is a future miss, never a stuck request
@@ -284,7 +289,7 @@ class Transfers:
 
     def _gather(self, job: SaveJob, which: list[int], packed: torch.Tensor | BlockRows, last: bool) -> None:
         """Gather the job's blocks ``which`` into ``packed`` (staging rows or DRAM slots) and wait for it."""
-        self.kv.gather(job.block_ids[which], packed)
+        job.kv.gather(job.block_ids[which], packed)
         if self._save_stream is not None:
             self._save_stream.synchronize()
         if last:

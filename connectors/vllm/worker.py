@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -33,7 +33,8 @@ from kvtier.leases import LeaseTable
 from kvtier.store import TieredStore
 from kvtier.tiers.ssd import DirectoryInUse
 
-from .events import EventRecorder
+from .events import EventRecorder, event_group
+from .groups import GroupSpec, is_hybrid, needed_blocks, restorable
 from .lookup import LookupServer, RankLookupReply, endpoint
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
@@ -76,16 +77,17 @@ class WorkerSide:
     """See the module docstring. ``store_config``: the store keys of kv_connector_extra_config."""
 
     def __init__(self, settings: ConnectorSettings, store_config: Mapping[str, Any], identity: WorkerIdentity,
-                 layer_names: list[str], *, mla: bool = False, events: bool = False) -> None:
+                 groups: Sequence[GroupSpec], *, events: bool = False) -> None:
         self.settings = settings
         self.identity = identity
         self._store_config = dict(store_config)
-        self._layer_names = layer_names
-        self._mla = mla
+        self.groups = tuple(groups)
         self._events_enabled = events
-        self.kv: PagedKV | None = None
+        self.kv: PagedKV | None = None  # group 0's (the only group of a uniform model)
+        self.kvs: list[PagedKV] = []  # by group, as in self.groups
         self.store: TieredStore | None = None
-        self.namespace: Namespace | None = None
+        self.namespace: Namespace | None = None  # group 0's
+        self.namespaces: list[Namespace] = []  # by group: model, the group's layout, rank, group index
         self.recorder: EventRecorder | None = None
         self._transfers: Transfers | None = None
         self._server: LookupServer | None = None
@@ -93,6 +95,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._step_loads: list[LoadJob] = []  # layer-wise loads of the bound step
         self._loads_done: list[LoadJob] = []  # finished asynchronous loads, not yet reported
+        self._load_parts: dict[tuple[str, int], list[LoadJob]] = {}  # a request's done jobs until its last
         self._load_errors: set[int] = set()
         # Requests that had a save job (vLLM keeps their blocks when they finish) -> their jobs not done yet.
         self._save_jobs: dict[str, list[SaveJob]] = {}
@@ -107,12 +110,26 @@ class WorkerSide:
         if self.kv is not None:
             raise RuntimeError("kvtier: register_kv_caches was called twice; the KV caches are already mapped")
         ident = self.identity
-        self.kv = PagedKV(kv_caches, self._layer_names, ident.block_size, self._mla)
+        hybrid = is_hybrid(self.groups)
+        if hybrid:  # each group's own tensors (layers of different groups may share an allocation)
+            self.kvs = [PagedKV({n: kv_caches[n] for n in g.layer_names if n in kv_caches}, list(g.layer_names),
+                                g.block_size, g.mla) for g in self.groups]
+        else:
+            self.kvs = [PagedKV(kv_caches, list(self.groups[0].layer_names), ident.block_size, self.groups[0].mla)]
+        self.kv = self.kvs[0]
+        sizes = {kv.layout.nbytes for kv in self.kvs}
+        if len(sizes) > 1:
+            raise ValueError(f"kvtier: the KV cache groups' blocks differ in size ({[kv.layout.nbytes for kv in self.kvs]}"
+                             " bytes); kvtier's store holds one block size. Run this model without kvtier")
         config = Config.load(self._store_config)  # also reads KVTIER_* variables and KVTIER_CONFIG
         model = config.model or ident.model
-        self.namespace = vllm_namespace(model, self.kv.layout.fingerprint, rank=ident.rank,
-                                        world_size=ident.world_size, revision=ident.revision,
-                                        hash_algo=ident.hash_algo, weights=ident.weights)
+        # A group's keys are its own: the group's layout and index (and, in a hybrid model, its kind) are in the
+        # namespace, so a block of another group, shape or dtype is a miss, never bytes of the wrong layer.
+        self.namespaces = [vllm_namespace(model, kv.layout.fingerprint, rank=ident.rank, world_size=ident.world_size,
+                                          revision=ident.revision, hash_algo=ident.hash_algo, weights=ident.weights,
+                                          cache_group=g.index, group_kind=g.kind if hybrid else "")
+                           for g, kv in zip(self.groups, self.kvs)]
+        self.namespace = self.namespaces[0]
         if not ident.weights:
             log.warning("kvtier worker %s: keys are not tied to the weights (%s): a checkpoint replaced under the "
                         "name %s would be served the old checkpoint's KV from the SSD or a pool; set "
@@ -131,7 +148,8 @@ class WorkerSide:
         self.lookup_leases = LeaseTable(self.store)
         if self._events_enabled:
             # Asked from eviction callbacks: local tiers only (in distributed mode, no master RPC per eviction).
-            self.recorder = EventRecorder(ident.block_size, holds=partial(self.store.contains, local_only=True))
+            self.recorder = EventRecorder(ident.block_size, holds=partial(self.store.contains, local_only=True),
+                                          groups={g.index: event_group(g) for g in self.groups})
             self.store.add_listener(self.recorder.on_store_event)
         self._transfers = Transfers(self.store, self.lookup_leases, self.kv, self.settings.staging_bytes,
                                     on_load_done=self._load_done, on_save_done=self._save_done,
@@ -149,6 +167,8 @@ class WorkerSide:
     def _lookup(self, lease: int, hashes: list[bytes], ttl_s: float) -> RankLookupReply:
         if self.store is None or self.namespace is None:
             return RankLookupReply(0)
+        if is_hybrid(self.groups):
+            return self._lookup_groups(lease, hashes, ttl_s)
         keys = self.namespace.keys(hashes)
         # One pass: the prefix found is pinned under the lookup's lease until the load (or its expiry).
         hit = self.lookup_leases.lease_prefix(lookup_lease(lease), keys, ttl_s)
@@ -156,6 +176,34 @@ class WorkerSide:
             self.lookup_leases.release(lookup_lease(lease))
         self._lookups_served += 1
         return RankLookupReply(hit.length, tuple(hit.runs))
+
+    def _lookup_groups(self, lease: int, hashes: list[bytes], ttl_s: float) -> RankLookupReply:
+        """A hybrid model's lookup: the boundaries at which every group holds what a hit there needs
+        (groups.restorable), and those blocks pinned under the lease. A block evicted between the look and
+        the pin makes the answer shrink (asked again), never a hit with a hole."""
+        keys = [ns.keys(hashes) for ns in self.namespaces]
+        name = lookup_lease(lease)
+        present = [self.store.contains(k) for k in keys]  # type: ignore[union-attr]
+        for _ in range(3):
+            valid = restorable(self.groups, present)
+            need = needed_blocks(self.groups, valid)
+            lost = False
+            for g, blocks in enumerate(need):
+                order = sorted(blocks)
+                held = self.lookup_leases.lease(name, [keys[g][i] for i in order], ttl_s) if order else []  # type: ignore[union-attr]
+                for i, ok in zip(order, held):
+                    if not ok:
+                        present[g][i] = False
+                        lost = True
+            if not lost:
+                break
+        else:
+            valid = [False] * len(hashes)
+        length = max((k + 1 for k, v in enumerate(valid) if v), default=0)
+        if length == 0:
+            self.lookup_leases.release(name)  # type: ignore[union-attr]
+        self._lookups_served += 1
+        return RankLookupReply(length, (), valid=tuple(valid[:length]))
 
     # ---- one engine step (the model runner's thread) -------------------------------------------------------
 
@@ -168,20 +216,23 @@ class WorkerSide:
         for lease in meta.releases:
             self.lookup_leases.release(lookup_lease(lease))
         for plan in meta.loads:
-            job = LoadJob(plan.req_id, plan.lease, ns.keys(plan.hashes), plan.hashes,
-                          np.asarray(plan.block_ids, dtype=np.int64), plan.layerwise, self.kv.num_layers)  # type: ignore[union-attr]
-            if job.layerwise:
-                self._step_loads.append(job)
-            transfers.submit_load(job)
+            parts = plan.parts()
+            for n, (group, hashes, block_ids) in enumerate(parts):
+                job = LoadJob(plan.req_id, plan.lease, self.namespaces[group].keys(hashes), hashes,
+                              np.asarray(block_ids, dtype=np.int64), plan.layerwise, self.kvs[group],
+                              final=n == len(parts) - 1, group=group)
+                if job.layerwise:
+                    self._step_loads.append(job)
+                transfers.submit_load(job)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until every layer-wise load of this step has written layer ``layer_name``."""
         if not self._step_loads or self.kv is None:
             return
-        layer = self.kv.index_of.get(layer_name)
-        if layer is None:
-            return  # not a layer whose KV kvtier moves (e.g. an encoder-only layer)
         for job in self._step_loads:
+            layer = job.kv.index_of.get(layer_name)
+            if layer is None:
+                continue  # not a layer of the job's group (or one whose KV kvtier moves at all)
             if not job.wait_layer(layer, self.settings.load_timeout_s):
                 log.warning("kvtier: layer-wise load for request %s timed out at layer %s after %.1f s; its "
                             "blocks will be recomputed", job.req_id, layer_name, self.settings.load_timeout_s)
@@ -191,7 +242,8 @@ class WorkerSide:
         _, ns, transfers = self._ready()
         for plan in meta.saves:
             hints = plan.hints if self.settings.hint_max_fraction > 0 else None
-            job = SaveJob(plan.req_id, ns.keys(plan.hashes), plan.hashes, np.asarray(plan.block_ids, np.int64), hints)
+            job = SaveJob(plan.req_id, self.namespaces[plan.group].keys(plan.hashes), plan.hashes,
+                          np.asarray(plan.block_ids, np.int64), self.kvs[plan.group], hints, group=plan.group)
             with self._lock:
                 self._save_jobs.setdefault(plan.req_id, []).append(job)
             transfers.submit_save(job)
@@ -277,7 +329,12 @@ class WorkerSide:
                      "recomputes them", len(job.failed), len(job.keys), job.req_id)
         if not job.layerwise:
             with self._lock:
-                self._loads_done.append(job)
+                # A request's load is one job per group, run in order on one thread: it is reported done
+                # (vLLM then computes on the blocks) only with its last job.
+                parts = self._load_parts.setdefault((job.req_id, job.lease), [])
+                parts.append(job)
+                if job.final:
+                    self._loads_done += self._load_parts.pop((job.req_id, job.lease))
 
     def _save_done(self, job: SaveJob) -> None:
         with self._lock:
