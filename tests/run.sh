@@ -89,8 +89,9 @@ fi
 # .vllm-0.34 holds vllm 0.34.0 alone (pip --target --no-deps: one wheel, no dependency set of its own). Put ahead
 # of .venv's site-packages it shadows 0.33 and reuses 0.33's pinned dependencies: 0.34 asks for torch 2.14, but the
 # Python classes these tests use (scheduler, KV cache manager, planner, connector base) import and run with .venv's
-# CPU torch 2.13. Run with the default suite (no arguments); optional like vllm: skipped, with the reason, where it
-# cannot install.
+# CPU torch 2.13. Its CPU platform requires triton-cpu on x86 (not installable here), so VLLM_TARGET_DEVICE is left
+# empty: vLLM finds no GPU and runs these CPU-tensor tests on its unspecified platform. Run with the default suite
+# (no arguments); optional like vllm: skipped, with the reason, where it cannot install.
 VLLM034=.vllm-0.34
 if [ $# -eq 0 ] && [ ${#slow[@]} -eq 0 ]; then
   if [ ! -d "$VLLM034/vllm" ]; then
@@ -99,7 +100,7 @@ if [ $# -eq 0 ] && [ ${#slow[@]} -eq 0 ]; then
   fi
   if [ -d "$VLLM034/vllm" ]; then
     echo "== vLLM connector tests against vLLM 0.34 ($VLLM034 over .venv) =="
-    PYTHONPATH="$PWD/$VLLM034" python -m pytest -p no:cacheprovider tests/test_vllm_compat.py \
+    VLLM_TARGET_DEVICE= PYTHONPATH="$PWD/$VLLM034" python -m pytest -p no:cacheprovider tests/test_vllm_compat.py \
       tests/test_vllm_connector.py tests/test_vllm_connector_hybrid.py || exit $?
   fi
 fi

@@ -1,11 +1,14 @@
 """KVTierConnector on hybrid models, through vLLM's real hybrid KV cache manager (vllm_engine.Engine with
-sliding-window and full-attention layers: vLLM plans them into several KV cache groups): every group's
+sliding-window and full-attention layers, or Mamba ("align" mode) and full-attention layers: vLLM plans them into
+several KV cache groups): every group's
 blocks saved and loaded, only the blocks a later hit can use stored, one lookup answer per request that
 every group can restore, KV events per group, and the start-up refusals of what kvtier cannot store.
 
 The fake forward writes KV that is a pure function of (rank, layer, position, token), and Engine.verify
 checks every token inside each layer's window after every step: a block loaded from the wrong group, the
-wrong position or not at all fails the step (the engine's blocks start as random garbage).
+wrong position or not at all fails the step (the engine's blocks start as random garbage). A Mamba layer's
+fake forward resumes from the state in the block ending where the step starts and fails unless it is the
+state of exactly the tokens before it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from kvtier.connectors.vllm import KVTierConnector  # noqa: E402
 from kvtier.connectors.vllm.groups import (  # noqa: E402
     FULL,
+    MAMBA,
     SLIDING_WINDOW,
     GroupSpec,
     UnsupportedCacheGroup,
@@ -40,7 +44,18 @@ from kvtier.connectors.vllm.groups import (  # noqa: E402
     restorable,
     save_mask,
 )
-from vllm_engine import BLOCK, HEAD_SIZE, HEADS, PREFIX, Engine, make_request, vllm_config, worker_side  # noqa: E402
+from vllm_engine import (  # noqa: E402
+    BLOCK,
+    HEAD_SIZE,
+    HEADS,
+    MAMBA_STATE_BYTES,
+    PREFIX,
+    Engine,
+    expected_state,
+    make_request,
+    vllm_config,
+    worker_side,
+)
 
 WINDOW = 32  # tokens: a hit needs the 2 blocks before it (cdiv(31, 16))
 TAIL = list(range(300, 300 + 3 * BLOCK))
@@ -57,6 +72,15 @@ def gemma_like() -> dict:
     return {f"model.layers.{i}.self_attn.attn": spec(0 if i == 3 else WINDOW) for i in range(4)}
 
 
+def mamba_like() -> dict:
+    """Qwen3-Next's pattern: 3 recurrent (GatedDeltaNet-like) layers, then 1 full-attention layer; the state page
+    padded to the attention page, as vLLM plans such a model."""
+    full = spec()
+    state = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float16,), mamba_cache_mode="align",
+                      page_size_padded=full.page_size_bytes)
+    return {f"model.layers.{i}.attn": full if i == 3 else state for i in range(4)}
+
+
 @pytest.fixture
 def hybrid(model, ipc_dir):
     engines: list[Engine] = []
@@ -64,6 +88,8 @@ def hybrid(model, ipc_dir):
     def make(tp: int = 1, events: bool = False, specs: dict | None = None, **extra) -> Engine:
         config = vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir,
                                      **extra}, tp=tp, events=events)
+        if specs is not None and any(isinstance(s, MambaSpec) for s in specs.values()):
+            config.cache_config.mamba_cache_mode = "align"  # what vLLM picks for such a model with prefix caching
         eng = Engine(config, tp=tp, num_blocks=256, specs=specs or gemma_like())
         engines.append(eng)
         return eng
@@ -156,6 +182,50 @@ def test_kv_events_carry_each_blocks_group_and_kind(hybrid):
     assert {g: len(h) for g, h in by_group.items()} == {0: 2, 1: 2, 2: 2, 3: 8}
 
 
+# ---- recurrent state (Mamba "align" mode) + full attention -------------------------------------------------------
+
+
+def test_mamba_checkpoints_and_full_attention_are_saved_and_the_forward_resumes_from_the_right_state(hybrid):
+    eng = hybrid(specs=mamba_like())
+    assert [g.kind for g in worker_side(eng).groups] == [MAMBA] * 3 + [FULL]
+    a = run_prompt(eng, "A", PROMPT_A)
+    # One state per recurrent group, the one vLLM checkpointed at the hit point (block 8 ends at token 128); the
+    # table's running states are not checkpoints and are not stored.
+    assert stored_per_group(eng, a) == [1, 1, 1, 8]
+    assert eng.scheduler.reset_prefix_cache()
+    checked = eng.states_checked
+    run_prompt(eng, "B", PREFIX + TAIL + [9, 9, 9, 9])
+    assert eng.stats.data["load_blocks"] == 11 and not eng.load_errors
+    assert eng.states_checked >= checked + 3  # B's forward resumed at token 128 from the loaded states
+
+
+def test_kv_without_its_state_is_never_loaded(hybrid):
+    eng = hybrid(specs=mamba_like())
+    a = run_prompt(eng, "A", PROMPT_A)
+    side = worker_side(eng)
+    assert side.store.remove(side.namespaces[2].keys(a.block_hashes[7:8])) == 1
+    assert eng.scheduler.reset_prefix_cache()
+    run_prompt(eng, "B", PREFIX + TAIL + [9, 9, 9, 9])
+    assert not (eng.stats.data.get("load_blocks") or 0) and not eng.load_errors
+
+
+def test_negative_control_a_state_of_another_position_fails_the_resumed_forward(hybrid):
+    """The harness's own check is live: kvtier's state object for group 0 replaced with the state after 112
+    tokens (not 128) under the same key makes B's resumed forward fail; so the passing test above proves the
+    right state was loaded, not merely some state."""
+    eng = hybrid(specs=mamba_like())
+    a = run_prompt(eng, "A", PROMPT_A)
+    side = worker_side(eng)
+    key = side.namespaces[0].keys(a.block_hashes[7:8])
+    page = torch.zeros(1, side.store.block_bytes, dtype=torch.int8)
+    page[0, :MAMBA_STATE_BYTES] = expected_state(0, 0, tuple(PROMPT_A[:112]))
+    assert side.store.remove(key) == 1
+    side.store.put(key, page.view(torch.uint8))
+    assert eng.scheduler.reset_prefix_cache()
+    with pytest.raises(AssertionError, match="not the state of its first 128 tokens"):
+        run_prompt(eng, "B", PREFIX + TAIL + [9, 9, 9, 9])
+
+
 # ---- what kvtier refuses at start-up ---------------------------------------------------------------------------
 
 
@@ -163,10 +233,11 @@ def _config(*groups: KVCacheGroupSpec) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=list(groups))
 
 
-def test_a_mamba_group_is_refused_at_start_up_naming_group_kind_and_what_to_do(model, ipc_dir):
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))
+def test_a_mamba_group_without_align_checkpoints_is_refused_at_start_up_naming_group_kind_and_what_to_do(
+        model, ipc_dir):
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))  # mamba_cache_mode "none"
     kv_config = _config(KVCacheGroupSpec(["l0"], mamba), KVCacheGroupSpec(["l1"], spec()))
-    with pytest.raises(UnsupportedCacheGroup, match=r"group 0 of kind MambaSpec.*OffloadingConnector"):
+    with pytest.raises(UnsupportedCacheGroup, match=r"group 0 of kind MambaSpec in mamba_cache_mode 'none'.*align"):
         KVConnectorFactory.create_connector(vllm_config(model, {"ipc_dir": ipc_dir}), KVConnectorRole.SCHEDULER,
                                             kv_config)
 
@@ -190,13 +261,13 @@ def test_a_single_group_model_keeps_its_keys():
 
 
 def _group(kind: str, window_blocks: int) -> GroupSpec:
-    if kind == FULL:
-        return GroupSpec(0, FULL, BLOCK, ())
+    if kind in (FULL, MAMBA):
+        return GroupSpec(0, kind, BLOCK, ())
     return GroupSpec(0, SLIDING_WINDOW, BLOCK, (), window=window_blocks * BLOCK + 1, spec=spec(window_blocks * BLOCK + 1))
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([FULL, SLIDING_WINDOW]), st.integers(1, 4)), min_size=1, max_size=4),
+@given(st.lists(st.tuples(st.sampled_from([FULL, SLIDING_WINDOW, MAMBA]), st.integers(1, 4)), min_size=1, max_size=4),
        st.data())
 def test_a_boundary_is_restorable_exactly_when_every_group_holds_what_it_needs(kinds, data):
     groups = [_group(k, w) for k, w in kinds]

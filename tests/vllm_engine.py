@@ -42,7 +42,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
 )
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -105,6 +105,17 @@ def expected_kv(rank: int, layer: int, position: int, token: int) -> torch.Tenso
     return torch.randn(HEADS, 2 * HEAD_SIZE, generator=g).to(torch.float16)
 
 
+@functools.lru_cache(maxsize=1 << 12)
+def expected_state(rank: int, layer: int, tokens: tuple[int, ...]) -> torch.Tensor:
+    """What the fake forward leaves as a recurrent (Mamba) layer's state after ``tokens``: page bytes (int8) that
+    depend on every token before, so a state of another position or another prefix never matches."""
+    g = torch.Generator().manual_seed((rank * 131 + layer) * 1_000_003 + hash(tokens) % 1_000_000_007)
+    return torch.randint(-128, 128, (MAMBA_STATE_BYTES,), generator=g, dtype=torch.int8)
+
+
+MAMBA_STATE_BYTES = 512  # the state bytes the fake forward writes at the start of a Mamba layer's page
+
+
 class Engine:
     """Scheduler + ``tp`` worker connectors over CPU KV tensors. ``step()`` runs one engine step."""
 
@@ -132,6 +143,8 @@ class Engine:
         # layer -> its KV cache group, and that group's sliding window (0: full attention)
         self.group_of = {n: g for g, group in enumerate(sched_config.kv_cache_groups) for n in group.layer_names}
         self.window_of = {n: int(getattr(specs[n], "sliding_window", None) or 0) for n in specs}
+        self.mamba = {n for n in specs if isinstance(specs[n], MambaSpec)}
+        self.states_checked = 0  # Mamba states the forward resumed from and found right
         self.workers = []
         self.kv: list[dict[str, torch.Tensor]] = []
         layout = config.cache_config.get_resolved_kv_cache_layout()
@@ -142,7 +155,8 @@ class Engine:
             worker = KVConnectorFactory.create_connector(rank_config, KVConnectorRole.WORKER, configs[rank])
             kv = allocate_kv_cache(configs[rank], torch.device("cpu"), layout)
             for t in kv.values():
-                t.normal_()  # stale garbage: a block nobody wrote or loaded never looks right by chance
+                # stale garbage: a block nobody wrote or loaded never looks right by chance
+                t.normal_() if t.is_floating_point() else t.random_(-128, 128)
             worker.register_kv_caches(kv)
             self.workers.append(worker)
             self.kv.append(kv)
@@ -219,6 +233,8 @@ class Engine:
             tokens = req.all_token_ids
             for rank, kv in enumerate(self.kv):
                 for layer, name in enumerate(self.layer_names):
+                    if name in self.mamba:
+                        continue  # checked where the forward resumes from it (_forward_state)
                     ids, window = tables[self.group_of[name]], self.window_of[name]
                     first = max(0, req.num_computed_tokens - window + 1) if window else 0
                     for p in range(first, req.num_computed_tokens):
@@ -241,12 +257,36 @@ class Engine:
         kv = self.kv[rank]
         for layer, name in enumerate(self.layer_names):
             worker.wait_for_layer_load(name)
+            if name in self.mamba:
+                for req_id, tables, start in work:
+                    self._forward_state(rank, layer, name, req_id, tables[self.group_of[name]], start,
+                                        so.num_scheduled_tokens[req_id])
+                continue
             for req_id, tables, start in work:
                 block_ids = tables[self.group_of[name]]
                 tokens = self.scheduler.requests[req_id].all_token_ids
                 for p in range(start, start + so.num_scheduled_tokens[req_id]):
                     kv[name][block_ids[p // BLOCK], :, p % BLOCK, :] = expected_kv(rank, layer, p, tokens[p])
             worker.save_kv_layer(name, kv[name], None)
+
+    def _forward_state(self, rank: int, layer: int, name: str, req_id: str, table: list[int], start: int,
+                       count: int) -> None:
+        """A recurrent layer (vLLM's Mamba "align" mode, as the harness models it): a step that starts at a block
+        boundary resumes from the state in the block ending there, which must be the state of exactly the
+        tokens before it (else the step fails, like verify); it leaves the state after each boundary it
+        crosses in the block ending there."""
+        tokens = self.scheduler.requests[req_id].all_token_ids
+        page = self.kv[rank][name]
+        if start and start % BLOCK == 0 and table[start // BLOCK - 1] != 0:
+            got = page[table[start // BLOCK - 1]].flatten()[:MAMBA_STATE_BYTES]
+            if not torch.equal(got, expected_state(rank, layer, tuple(tokens[:start]))):
+                raise AssertionError(f"request {req_id} rank {rank} layer {layer}: the state it resumes from at "
+                                     f"token {start} is not the state of its first {start} tokens")
+            self.states_checked += 1
+        for boundary in range((start // BLOCK + 1) * BLOCK, start + count + 1, BLOCK):
+            block = table[boundary // BLOCK - 1]
+            if block != 0:
+                page[block].view(-1)[:MAMBA_STATE_BYTES] = expected_state(rank, layer, tuple(tokens[:boundary]))
 
     def _model_output(self, so: Any, kv_out: KVConnectorOutput) -> ModelRunnerOutput:
         req_ids, sampled = [], []

@@ -33,6 +33,7 @@ from packaging.version import InvalidVersion, Version
 
 if TYPE_CHECKING:
     from vllm.config import LoadConfig, ParallelConfig, VllmConfig
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.request import Request
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
@@ -133,12 +134,30 @@ def prefix_cache_retention_interval(config: VllmConfig) -> int | None:
     return config.cache_config.prefix_cache_retention_interval
 
 
+def resumed_req_ids(cached: CachedRequestData) -> set[str]:
+    """Requests of ``SchedulerOutput.scheduled_cached_reqs`` resumed after a preemption, whose ``new_block_ids``
+    replace their block table instead of extending it: ``resumed_req_ids`` in 0.32 and 0.33. 0.34 has no such
+    field: it sends a resumed request again in full among ``scheduled_new_reqs``, so none is here."""
+    if VLLM_VERSION >= (0, 34):
+        return set()
+    return cached.resumed_req_ids
+
+
+def boundary_state_offloads(scheduler_output: SchedulerOutput) -> dict[str, list[tuple[int, int, int]]]:
+    """``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``: ``{req_id: [(group, block id, boundary
+    tokens)]}``, the recurrent-state checkpoints vLLM's Mamba "align" mode wrote this step (0.32 to 0.34; the
+    block state is None when the scheduler built none)."""
+    state = scheduler_output.kv_connector_block_state
+    return dict(state.boundary_state_offloads) if state is not None else {}
+
+
 def load_format_name(load: LoadConfig) -> str:
     """``LoadConfig.load_format`` as its name: a lower-cased string in 0.32 to 0.34 (an enum in older vLLM)."""
     return str(load.load_format)
 
 
-__all__: list[Any] = ["SUPPORTED", "EngineRanks", "UnsupportedVllmVersion", "VLLM_VERSION", "check_version",
+__all__: list[Any] = ["SUPPORTED", "EngineRanks", "UnsupportedVllmVersion", "VLLM_VERSION", "boundary_state_offloads",
+                      "check_version",
                       "engine_ranks", "load_format_name", "parse_version", "plan_kv_cache_configs",
                       "prefix_cache_retention_interval", "request_session_id", "request_shared_prefix_boundary",
-                      "request_stop_reason", "request_transfer_params"]
+                      "request_stop_reason", "request_transfer_params", "resumed_req_ids"]

@@ -16,7 +16,12 @@ Kinds kvtier stores:
   ``SlidingWindowManager._contiguous_blocks_for_hit``: ``cdiv(window - 1, block_size)``); vLLM allocates the
   null block for the older positions, so nothing else is loaded.
 
-Every other kind (Mamba / GatedDeltaNet state, chunked local attention, cross-attention, ...) and draft-model
+* ``mamba``: recurrent state (Mamba, GatedDeltaNet, ...) in vLLM's "align" mode: a hit at ``b`` needs the one
+  state checkpointed at that boundary (block ``b - 1``); the state comes from the scheduler output's
+  ``kv_connector_block_state.boundary_state_offloads`` (saves), and is loaded into the block vLLM allocates at
+  ``b - 1``. KV without the matching state is never a hit.
+
+Every other kind (chunked local attention, cross-attention, sink attention, ...) and draft-model
 (EAGLE / MTP) groups are refused at start-up by ``describe_groups`` with an error naming the group, its kind and
 what to do: kvtier never starts on a model it would serve state from another position, nor silently costs HBM.
 
@@ -45,10 +50,12 @@ from vllm.v1.kv_cache_interface import (
 
 FULL = "full"
 SLIDING_WINDOW = "sliding_window"
+MAMBA = "mamba"  # recurrent state (Mamba, GatedDeltaNet, ...) checkpointed by vLLM's "align" mode
 
 # Exact spec types kvtier stores in a hybrid model (subclasses such as RSWASpec or SlidingWindowMLASpec change
 # what a hit needs, so they are refused by name rather than treated as their parent).
-_KINDS: dict[type, str] = {FullAttentionSpec: FULL, MLAAttentionSpec: FULL, SlidingWindowSpec: SLIDING_WINDOW}
+_KINDS: dict[type, str] = {FullAttentionSpec: FULL, MLAAttentionSpec: FULL, SlidingWindowSpec: SLIDING_WINDOW,
+                           MambaSpec: MAMBA}
 
 
 class UnsupportedCacheGroup(ValueError):
@@ -60,12 +67,15 @@ class GroupSpec:
     """One KV cache group as kvtier stores it. Immutable; the same on the scheduler and every worker."""
 
     index: int  # the group's index in vLLM's KVCacheConfig.kv_cache_groups (and in every block_ids tuple)
-    kind: str  # FULL or SLIDING_WINDOW
+    kind: str  # FULL, SLIDING_WINDOW or MAMBA
     block_size: int  # tokens per block of this group
     layer_names: tuple[str, ...]
     mla: bool = False
     window: int = 0  # sliding window in tokens (0: full attention)
     spec: Any = None  # vLLM's KVCacheSpec of the group (for the engine's reachable_block_mask)
+    # MAMBA: where each layer's state pages are in the worker's KV allocation: (layer, byte offset of block 0,
+    # bytes between blocks, page bytes), from KVCacheConfig.kv_cache_tensors (empty on the scheduler).
+    state_pages: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def window_blocks(self) -> int:
@@ -77,6 +87,8 @@ class GroupSpec:
         engine already holds ``[0, start)`` (its local prefix-cache hit, window included)."""
         if self.kind == SLIDING_WINDOW:
             return range(max(start, boundary - self.window_blocks), boundary)
+        if self.kind == MAMBA:  # one state: the one checkpointed at the boundary, in the block that ends there
+            return range(boundary - 1, boundary) if boundary > start else range(0)
         return range(start, boundary)
 
 
@@ -108,14 +120,34 @@ def describe_groups(kv_cache_config: Any, *, speculative: bool = False) -> tuple
         kind = _KINDS.get(type(spec))
         if kind is None:
             raise UnsupportedCacheGroup(_refusal(i, spec))
+        if kind == MAMBA and spec.mamba_cache_mode != "align":
+            raise UnsupportedCacheGroup(
+                f"kvtier cannot store KV cache group {i} of kind MambaSpec in mamba_cache_mode "
+                f"{spec.mamba_cache_mode!r}: kvtier stores the checkpoints of \"align\" mode only (a state at a block "
+                "boundary, handed over by vLLM). Enable prefix caching (vLLM then picks align mode), or run this "
+                "model without kvtier")
         out.append(GroupSpec(i, kind, int(spec.block_size), tuple(group.layer_names), mla=kind == FULL and
-                             isinstance(spec, MLAAttentionSpec), window=window_of(spec), spec=spec))
+                             isinstance(spec, MLAAttentionSpec), window=window_of(spec), spec=spec,
+                             state_pages=_state_pages(kv_cache_config, group) if kind == MAMBA else ()))
     sizes = {g.block_size for g in out}
     if len(sizes) > 1:
         raise UnsupportedCacheGroup(
             f"kvtier stores hybrid models whose KV cache groups share one block size; this model's groups have "
             f"block sizes {[g.block_size for g in out]}. Set --block-size so every group uses the same one, or "
             "run without kvtier")
+    return tuple(out)
+
+
+def _state_pages(kv_cache_config: Any, group: Any) -> tuple[tuple[str, int, int, int], ...]:
+    """(layer, offset of its block 0, block stride, page bytes) of each layer of a Mamba group, from the
+    KVCacheTensors that place it (vLLM: block b of layer l starts at ``offset + l * layer_stride + b *
+    block_stride`` of the tensor's allocation)."""
+    out = []
+    page = int(group.kv_cache_spec.page_size_bytes)
+    for tensor in kv_cache_config.kv_cache_tensors:
+        for i, name in enumerate(tensor.layers):
+            if name in group.layer_names:
+                out.append((name, int(tensor.offset) + i * int(tensor.layer_stride), int(tensor.block_stride), page))
     return tuple(out)
 
 
@@ -127,9 +159,8 @@ def window_of(spec: Any) -> int:
 def _refusal(index: int, spec: Any) -> str:
     kind = _kind_name(spec)
     if isinstance(spec, MambaSpec):
-        todo = ("kvtier does not store recurrent (Mamba / GatedDeltaNet / linear-attention) state yet; run this "
-                "model without kvtier, or with vLLM's native offloading connector (OffloadingConnector), which "
-                "stores Mamba checkpoints")
+        todo = ("kvtier stores recurrent state of the MambaSpec kind only, in a hybrid model (with attention "
+                "groups); run this model without kvtier, or with vLLM's native offloading connector")
     else:
         todo = (f"kvtier stores full-attention and sliding-window KV only; run this model without kvtier, or "
                 f"with --disable-hybrid-kv-cache-manager if vLLM can serve it as one {kind} group")
@@ -160,6 +191,10 @@ def save_mask(group: GroupSpec, start: int, end: int, boundaries: Sequence[int],
     n = max(0, end - start)
     if not hybrid:
         return [True] * n
+    if group.kind == MAMBA:
+        # A Mamba block in the table holds the running state, not a checkpoint: checkpoints come only from
+        # vLLM's boundary_state_offloads (scheduler.py), at the positions the engine restores from.
+        return [False] * n
     if group.kind == SLIDING_WINDOW:
         mask = SlidingWindowManager.reachable_block_mask(
             start_block=start, end_block=end, alignment_tokens=group.block_size, kv_cache_spec=group.spec,
@@ -186,6 +221,10 @@ def restorable(groups: Sequence[GroupSpec], present: Sequence[Sequence[bool]], s
                 b = k + 1
                 if misses[b] - misses[max(0, b - w)]:
                     out[k] = False
+        elif group.kind == MAMBA:  # the state checkpointed at the boundary, never one of another position
+            for k in range(n):
+                if not have[k]:
+                    out[k] = False
         else:
             run = True
             for k in range(n):
@@ -201,7 +240,7 @@ def needed_blocks(groups: Sequence[GroupSpec], valid: Sequence[bool]) -> list[se
     out: list[set[int]] = [set() for _ in groups]
     deepest = max((k + 1 for k, v in enumerate(valid) if v), default=0)
     for gi, group in enumerate(groups):
-        if group.kind == SLIDING_WINDOW:
+        if group.kind in (SLIDING_WINDOW, MAMBA):
             for k, v in enumerate(valid):
                 if v:
                     out[gi].update(group.needed(0, k + 1))

@@ -51,6 +51,7 @@ class SavePlan:
     block_ids: tuple[int, ...]
     hints: AgentHints | None = None
     group: int = 0  # the blocks' KV cache group
+    sync: bool = False  # vLLM frees the blocks soon (a Mamba checkpoint): the step waits until they are read
 
 
 @dataclass

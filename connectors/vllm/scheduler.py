@@ -28,8 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .compat import request_shared_prefix_boundary
-from .groups import FULL, GroupSpec, hit_boundaries, is_hybrid, save_mask
+from .compat import boundary_state_offloads, request_shared_prefix_boundary, resumed_req_ids
+from .groups import FULL, MAMBA, GroupSpec, hit_boundaries, is_hybrid, save_mask
 from .lookup import ConnectorLookup
 from .hints import AgentHints, hints_of
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
@@ -90,6 +90,10 @@ class SchedulerSide:
         # The KV cache groups (groups.py); a single full-attention group unless vLLM's config says otherwise.
         self.groups = tuple(groups) if groups else (GroupSpec(0, FULL, block_size, ()),)
         self.hybrid = is_hybrid(self.groups)
+        self._by_index = {g.index: g for g in self.groups}
+        # A recurrent state must be in place before the forward reads it, and vLLM waits for layer loads in
+        # attention layers only: a model with such state loads between steps.
+        self.load_async = settings.load_async or any(g.kind == MAMBA for g in self.groups)
         self.retention_interval = retention_interval  # vLLM's prefix_cache_retention_interval
         self.load = load  # kv_role kv_consumer or kv_both: look up and load prefixes
         self.save = save  # kv_role kv_producer or kv_both: store computed blocks
@@ -153,7 +157,7 @@ class SchedulerSide:
         if self.hybrid and lk.start + lk.result.length > stop:
             return 0, False  # not possible: the ranks were asked about [start, stop) only
         self._hit_tiers[req_id] = lk.result
-        return lk.result.length * self.block_size, self.settings.load_async
+        return lk.result.length * self.block_size, self.load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
                                  ) -> None:
@@ -189,12 +193,17 @@ class SchedulerSide:
             table = tracked.tables[group.index]
             for i in group.needed(lk.start, end):
                 if table[i] == NULL_BLOCK:
+                    if group.kind == MAMBA:  # KV without its state would be a wrong answer: no load at all
+                        log.error("kvtier: request %s: vLLM allocated no block for group %d's state at block %d; "
+                                  "not loading", req_id, group.index, i)
+                        self._release(lk)
+                        return
                     continue  # vLLM holds no block there (outside the group's window): nothing to load
                 hashes += self.block_hashes(request, i, i + 1)
                 ids.append(table[i])
                 groups.append(group.index)
         self._loads[req_id] = LoadPlan(req_id, lk.lease, tuple(hashes), tuple(ids),
-                                       layerwise=not self.settings.load_async,
+                                       layerwise=not self.load_async,
                                        groups=tuple(groups) if self.hybrid else ())
         tracked.stored = [max(s, end) for s in tracked.stored]
 
@@ -214,14 +223,16 @@ class SchedulerSide:
             # Blocks the step starts from came from the local prefix cache or the store: not saved again.
             tracked.stored = [max(s, new.num_computed_tokens // self.block_size) for s in tracked.stored]
             self._plan_save(tracked, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id], meta)
+        self._plan_state_saves(so, meta)
         cached = so.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                if req_id in cached.resumed_req_ids:
+                if req_id in resumed:
                     tracked.tables = [list(t) for t in new_ids]
                 else:
                     for table, ids in zip(tracked.tables, new_ids):
@@ -254,6 +265,28 @@ class SchedulerSide:
             meta.saves.append(SavePlan(request.request_id, tuple(hashes[i - start] for i in keep),
                                        tuple(table[i] for i in keep), tracked.hints, group=group.index))
             tracked.saves_sent = True
+
+    def _plan_state_saves(self, so: Any, meta: KVTierMetadata) -> None:
+        """Save the recurrent-state checkpoints vLLM wrote this step (Mamba "align" mode), each under the hash of
+        the block that ends at its boundary. vLLM frees such a block a step or two later whatever we do, so the
+        save reads it before the step ends (``sync``)."""
+        if not self.save:
+            return
+        for req_id, entries in boundary_state_offloads(so).items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            for group_id, block_id, boundary in entries:
+                group = self._by_index.get(group_id)
+                if group is None or group.kind != MAMBA or block_id == NULL_BLOCK or boundary % self.block_size:
+                    continue
+                block = boundary // self.block_size - 1
+                if not 0 <= block < self.num_hashed_blocks(request):
+                    continue
+                meta.saves.append(SavePlan(req_id, tuple(self.block_hashes(request, block, block + 1)), (block_id,),
+                                           tracked.hints, group=group_id, sync=True))
+                tracked.saves_sent = True
 
     # ---- completion ----------------------------------------------------------------------------------------
 

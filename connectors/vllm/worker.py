@@ -34,7 +34,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.ssd import DirectoryInUse
 
 from .events import EventRecorder, event_group
-from .groups import GroupSpec, is_hybrid, needed_blocks, restorable
+from .groups import MAMBA, GroupSpec, is_hybrid, needed_blocks, restorable
 from .lookup import LookupServer, RankLookupReply, endpoint
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
@@ -112,8 +112,9 @@ class WorkerSide:
         ident = self.identity
         hybrid = is_hybrid(self.groups)
         if hybrid:  # each group's own tensors (layers of different groups may share an allocation)
-            self.kvs = [PagedKV({n: kv_caches[n] for n in g.layer_names if n in kv_caches}, list(g.layer_names),
-                                g.block_size, g.mla) for g in self.groups]
+            self.kvs = [PagedKV(state_views(g, kv_caches), list(g.layer_names), 1, mla=True) if g.kind == MAMBA
+                        else PagedKV({n: kv_caches[n] for n in g.layer_names if n in kv_caches}, list(g.layer_names),
+                                     g.block_size, g.mla) for g in self.groups]
         else:
             self.kvs = [PagedKV(kv_caches, list(self.groups[0].layer_names), ident.block_size, self.groups[0].mla)]
         self.kv = self.kvs[0]
@@ -247,6 +248,8 @@ class WorkerSide:
             with self._lock:
                 self._save_jobs.setdefault(plan.req_id, []).append(job)
             transfers.submit_save(job)
+            if plan.sync:
+                self._wait(job.gathered, plan.req_id, f"save of {len(job.keys)} state blocks vLLM is about to free")
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """vLLM frees a preempted request's blocks at once: wait until its saves stopped reading them."""
@@ -346,3 +349,27 @@ class WorkerSide:
         if self.store is None or self.namespace is None or self._transfers is None:
             raise RuntimeError("kvtier: the worker has no KV caches yet (vLLM calls register_kv_caches first)")
         return self.store, self.namespace, self._transfers
+
+
+def state_views(group: GroupSpec, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Mamba group's layers as (num_blocks, 1, 1, page) int8 views, block b = that layer's whole state page
+    (conv and SSM state, and the padding vLLM gives every group's page): the bytes a checkpoint is. Built from
+    where vLLM placed each layer (``GroupSpec.state_pages``), over the allocation the layer's tensor views,
+    whatever view of it vLLM registered (the whole buffer, or typed state views)."""
+    out = {}
+    for name, offset, stride, page in group.state_pages:
+        t = kv_caches.get(name)
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        n = (storage.nbytes() - offset - page) // stride + 1
+        if n <= 0 or page > stride:
+            raise ValueError(f"kvtier: state layer {name!r} of KV cache group {group.index}: page {page} B at offset "
+                             f"{offset} every {stride} B does not fit its {storage.nbytes()} B allocation")
+        view = torch.empty(0, dtype=torch.int8, device=t.device)
+        view.set_(storage, offset, (n, 1, 1, page), (stride, stride, stride, 1))
+        out[name] = view
+    if not out:
+        raise ValueError(f"kvtier: vLLM registered none of KV cache group {group.index}'s state layers "
+                         f"{list(group.layer_names)[:3]}")
+    return out
