@@ -62,7 +62,7 @@ class Host:
         self.llm = LLM(model=args.model, block_size=BLOCK_SIZE, kv_cache_memory_bytes=args.kv_cache_bytes,
                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_model_len, seed=args.seed,
                        enforce_eager=True, dtype="bfloat16", kv_transfer_config=kv, disable_log_stats=False,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=not args.no_prefix_caching)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16,
                  kv_transfer_params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM's prefix caching off (a Mamba model then keeps no checkpoints: mamba_cache_mode none)")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(store_stats) pickles it
     replies = os.fdopen(args.reply_fd, "w", buffering=1)

@@ -20,6 +20,9 @@ Qwen3-Next (3 GatedDeltaNet layers + 1 full) with seeded random weights (kvtier.
 5. Negative control, state of another checkpoint: prefix P1's blocks (from step 2's weights) are found under the
    same stated checkpoint id and loaded (from the SSD), and the tokens differ from the engine's without the
    connector: the comparison of step 3 can fail, and the loaded groups' state really feeds the model.
+
+And a cache kind kvtier cannot store (Qwen3-Next's state with vLLM's prefix caching off: no checkpoints) is an
+error at start-up that names the group, its kind and what to do.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 import pytest
 from .enginekit import HYBRID, Engines, Reference, assert_same, build_model, connector, prompt_tokens
 
-from kvtier.bench.engine_proc import EngineProcess
+from kvtier.bench.engine_proc import EngineError, EngineProcess
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +156,17 @@ def test_negative_control_state_of_another_checkpoint_changes_tokens(hy: Hybrid)
     assert (b["tokens"], b["logprobs"]) != (want["tokens"], want["logprobs"])  # ... and shows in the outputs
     assert len(b["tokens"]) == len(want["tokens"])
     assert delta(before, after, "vllm:prompt_tokens_cached_by_source{source=disk}") == hit  # from step 2's SSD
+
+
+def test_unstorable_cache_kind_refused_at_start_up(engines: Engines, engine_py: Path, work: Path):
+    """Qwen3-Next with vLLM's prefix caching off: its GatedDeltaNet groups keep no checkpoints (mamba_cache_mode
+    "none"), so kvtier could only serve state from another position: the engine does not start, and the error
+    names the group, its kind and what to do (never a silent start)."""
+    model = build_model(engine_py, work / "hybrid" / "q3next-refused", seed=0, config=HYBRID / "q3next.json")
+    root = work / "hybrid" / "refused"
+    e = engines.start("hybrid-q3next-refused", model, connector({"dram_capacity": "16MiB", "ipc_dir": str(root)}),
+                      max_model_len=MAX_MODEL_LEN, prefix_caching=False)
+    with pytest.raises(EngineError) as refused:
+        e.wait_ready()
+    assert "kvtier cannot store KV cache group 0 of kind MambaSpec in mamba_cache_mode 'none'" in str(refused.value)
+    assert "Enable prefix caching" in str(refused.value)
