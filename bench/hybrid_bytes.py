@@ -15,8 +15,8 @@ Schemes (bytes per prompt token; the figure is kvtier's, the baseline is "whole"
 * ``engine``: vLLM's own retention (``reachable_block_mask`` with the engine's alignment and retention 0; full
   attention: every block).
 * ``kvtier``: one object per group per block; sliding-window blocks inside the window of a hit point, recurrent
-  state at hit points, full-attention blocks up to the deepest hit point. Recurrent (Mamba/GDN) groups are
-  modelled: the connector refuses them at start-up today (groups.py), so that row says what it would store.
+  state at hit points, full-attention blocks up to the deepest hit point. Recurrent (Mamba/GDN) groups store
+  the checkpoints vLLM hands over (boundary_state_offloads), which are the ones its own mask keeps.
 
 The models are the tiny configs of tests/engine (block sizes and page bytes as the vLLM 0.32 CPU engine plans
 them: gemma3 block 32, 16 KiB pages; q3next block 160, 80 KiB pages, its Mamba page padded to the attention one).

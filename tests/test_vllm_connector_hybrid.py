@@ -32,6 +32,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
 from kvtier.connectors.vllm import KVTierConnector  # noqa: E402
 from kvtier.connectors.vllm.groups import (  # noqa: E402
     FULL,
@@ -145,6 +147,25 @@ def test_every_group_is_saved_and_loaded_bit_exact(hybrid):
     assert eng.stats.data["load_blocks"] == 14 and not eng.stats.data.get("load_failed_blocks")
     assert b.num_computed_tokens >= 128 + 4  # the 128 tokens came from kvtier, then the rest was computed
     assert eng.verified_tokens > before and not eng.load_errors  # verify(): every token in its window exact
+
+
+def test_a_hybrid_hit_reports_where_its_blocks_were(hybrid, tmp_path):
+    """vLLM's per-source prefix-cache stats: the full-attention group's blocks DRAM dropped (the SSD still holds
+    them) count as a disk hit, the rest as host; every group still loads bit-exact through staging."""
+    eng = hybrid(ssd_path=str(tmp_path / "ssd"), ssd_capacity="64MiB", ssd_segment_bytes="1MiB",
+                 ssd_offload="write_through", ssd_staging_bytes=0)
+    a = run_prompt(eng, "A", PROMPT_A)
+    side = worker_side(eng)
+    full_keys = side.namespaces[3].keys(a.block_hashes[:8])
+    assert side.store.flush(10) and side.store.tiers[1].contains(full_keys) == [True] * 8
+    side.store.tiers[0].remove(full_keys[2:4])
+    assert eng.scheduler.reset_prefix_cache()
+    sources = []
+    real = eng.connector.get_external_cache_hit_sources
+    eng.connector.get_external_cache_hit_sources = lambda r, n: sources.append(real(r, n)) or sources[-1]
+    run_prompt(eng, "B", PREFIX + TAIL + [9, 9, 9, 9])
+    assert sources == [{CacheHitSource.HOST: 6 * BLOCK, CacheHitSource.DISK: 2 * BLOCK}]
+    assert eng.stats.data["load_blocks"] == 14 and not eng.load_errors
 
 
 def test_full_attention_alone_is_not_a_hit_when_a_window_is_missing(hybrid):

@@ -259,7 +259,9 @@ class LookupClient:
         # Hybrid: the deepest boundary every rank can restore (each pinned what any of its boundaries needs).
         common = [all(v) for v in zip(*(r.boundaries()[: shortest.length] for r in pending.replies.values()))]
         length = max((k + 1 for k, v in enumerate(common) if v), default=0)
-        return ConnectorLookup(RankLookupReply(length, (), tuple(common[:length])), self._clock() - pending.started)
+        # Where the blocks are: rank 0's runs (counted up to the common length only).
+        tiers = pending.replies[0].tiers if 0 in pending.replies else shortest.tiers
+        return ConnectorLookup(RankLookupReply(length, tiers, tuple(common[:length])), self._clock() - pending.started)
 
     def expired(self, lease: int) -> bool:
         pending = self._pending.get(lease)

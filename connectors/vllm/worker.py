@@ -34,7 +34,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.ssd import DirectoryInUse
 
 from .events import EventRecorder, event_group
-from .groups import MAMBA, GroupSpec, is_hybrid, needed_blocks, restorable
+from .groups import FULL, MAMBA, GroupSpec, is_hybrid, needed_blocks, restorable
 from .lookup import LookupServer, RankLookupReply, endpoint
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
@@ -204,7 +204,11 @@ class WorkerSide:
         if length == 0:
             self.lookup_leases.release(name)  # type: ignore[union-attr]
         self._lookups_served += 1
-        return RankLookupReply(length, (), valid=tuple(valid[:length]))
+        # Where the hit is, for vLLM's per-source stats: the tiers of the full-attention group's blocks (the
+        # bulk of a hit's bytes; held and pinned, so this answer needs no pin of its own).
+        full = next((g for g, group in enumerate(self.groups) if group.kind == FULL), 0)
+        tiers = tuple(self.store.lookup_prefix(keys[full][:length]).runs) if length else ()  # type: ignore[union-attr]
+        return RankLookupReply(length, tiers, valid=tuple(valid[:length]))
 
     # ---- one engine step (the model runner's thread) -------------------------------------------------------
 
