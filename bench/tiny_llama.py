@@ -12,8 +12,8 @@ Two kinds:
 - any architecture of a Hugging Face ``config.json`` (``--config``: e.g. the hybrid Gemma3 / Qwen3-Next configs
   of tests/engine/hybrid/): the model is instantiated by ``transformers`` from the config under
   ``torch.manual_seed(seed)`` and saved with ``save_pretrained`` (the checkpoint layout engines load, whatever
-  the architecture), every matrix redrawn as the tiny Llama's are. Not ``load_format="dummy"``: vLLM's dummy weights make every greedy token the same, so a
-  test could not tell loaded state from recomputed state.
+  the architecture), every matrix redrawn as the tiny Llama's are. Not ``load_format="dummy"``: vLLM's dummy
+  weights make every greedy token the same, so a test could not tell loaded state from recomputed state.
 
     python -m kvtier.bench.tiny_llama DIR [--seed N] [--layers 2] [--config CONFIG.json]
 

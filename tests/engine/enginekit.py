@@ -182,5 +182,5 @@ class ServeProcess:
         return self.proc.returncode
 
 
-__all__ = ["BLOCK", "HYBRID", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess", "assert_same",
-           "build_model", "connector", "prompt_tokens"]
+__all__ = ["BLOCK", "HYBRID", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess",
+           "assert_same", "build_model", "connector", "prompt_tokens"]
