@@ -13,7 +13,7 @@ The first reply, unasked, is ``{"ok": {"ready": ...}}`` once the engine has star
     {"op": "reset_prefix_cache"}  -> bool         vLLM forgets its HBM (here: CPU KV) prefix cache
     {"op": "metrics"}             -> [{"name", "labels", "value"}]   vLLM's counters and gauges
     {"op": "store"}               -> [store.stats() of each worker's kvtier store]
-    {"op": "info"}                -> vLLM version, async scheduling, block size, kv connector
+    {"op": "info"}                -> vLLM version, async scheduling, block size, kv connector, KV cache groups
     {"op": "shutdown"}            -> null, then the engine shuts down cleanly (connector.shutdown) and exits
 
 Requests are handled one at a time on the main thread. Threads: ``VLLM_CPU_OMP_THREADS_BIND`` (the caller
@@ -44,6 +44,14 @@ def store_stats(worker: Any) -> list[dict[str, Any]]:
     return [json.loads(json.dumps(side.store.stats(), default=str))]
 
 
+def kv_cache_groups(worker: Any) -> list[dict[str, Any]]:
+    """Runs in each vLLM worker (``LLM.collective_rpc``): the KV cache groups of the config the engine core made
+    (the scheduler's and the workers' are one KVCacheConfig): each group's spec class, block size and layers.
+    More than one group: vLLM's hybrid KV cache manager is on."""
+    return [{"kind": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+             "layers": list(g.layer_names)} for g in worker.model_runner.kv_cache_config.kv_cache_groups]
+
+
 class Host:
     """The engine and the commands on it. Main thread only."""
 
@@ -54,7 +62,7 @@ class Host:
         self.llm = LLM(model=args.model, block_size=BLOCK_SIZE, kv_cache_memory_bytes=args.kv_cache_bytes,
                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_model_len, seed=args.seed,
                        enforce_eager=True, dtype="bfloat16", kv_transfer_config=kv, disable_log_stats=False,
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=not args.no_prefix_caching)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16,
                  kv_transfer_params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -89,7 +97,8 @@ class Host:
         config = self.llm.llm_engine.vllm_config
         kv = config.kv_transfer_config
         return {"vllm": vllm.__version__, "async_scheduling": bool(config.scheduler_config.async_scheduling),
-                "block_size": config.cache_config.block_size, "kv_connector": kv.kv_connector if kv else None}
+                "block_size": config.cache_config.block_size, "kv_connector": kv.kv_connector if kv else None,
+                "kv_cache_groups": self.llm.collective_rpc(kv_cache_groups)[0]}
 
     def handle(self, cmd: dict[str, Any]) -> Any:
         op = cmd.pop("op", None)
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="vLLM's prefix caching off (a Mamba model then keeps no checkpoints: mamba_cache_mode none)")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(store_stats) pickles it
     replies = os.fdopen(args.reply_fd, "w", buffering=1)

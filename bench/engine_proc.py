@@ -60,10 +60,11 @@ class EngineProcess:
 
     def __init__(self, python: str | Path, model: str | Path, *, log: str | Path, kv_config: dict | None = None,
                  seed: int = 0, env: dict[str, str] | None = None, max_model_len: int = 4096,
-                 kv_cache_bytes: int = 256 << 20) -> None:
+                 kv_cache_bytes: int = 256 << 20, prefix_caching: bool = True) -> None:
         self.python, self.model, self.log_path = str(python), str(model), Path(log)
         self.kv_config, self.seed, self.max_model_len, self.kv_cache_bytes = kv_config, seed, max_model_len, \
             kv_cache_bytes
+        self.prefix_caching = prefix_caching
         self.env = {**os.environ, **pinned_env(), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._replies: IO[bytes] | None = None
@@ -79,6 +80,8 @@ class EngineProcess:
                str(self.kv_cache_bytes)]
         if self.kv_config is not None:
             cmd += ["--kv-config", json.dumps(self.kv_config)]
+        if not self.prefix_caching:
+            cmd.append("--no-prefix-caching")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,

@@ -26,6 +26,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))  # the daemon helpers (masterproc, poolproc) live in tests/
 
 BLOCK = 32  # engine_host's block size
+HYBRID = Path(__file__).resolve().parent / "hybrid"  # the tiny hybrid models' configs (hybrid/README.md)
 PREFIX_TOKENS = 1000  # 31 full blocks of 32
 MAX_TOKENS = 16
 
@@ -48,9 +49,13 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["logprobs"] == want["logprobs"], f"logprobs differ:\n got {got['logprobs']}\nwant {want['logprobs']}"
 
 
-def build_model(python: Path, directory: Path, seed: int) -> Path:
-    subprocess.run([str(python), "-m", "kvtier.bench.tiny_llama", str(directory), "--seed", str(seed)],
-                   check=True, capture_output=True, timeout=300)
+def build_model(python: Path, directory: Path, seed: int, config: Path | None = None) -> Path:
+    """The tiny Llama, or the architecture of the Hugging Face ``config`` (e.g. ``HYBRID / "gemma3.json"``), with
+    random weights drawn under ``seed``, built in ``directory`` (kvtier.bench.tiny_llama)."""
+    cmd = [str(python), "-m", "kvtier.bench.tiny_llama", str(directory), "--seed", str(seed)]
+    if config is not None:
+        cmd += ["--config", str(config)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return directory
 
 
@@ -103,7 +108,5 @@ class Engines:
             e.close()
 
 
-
-
-__all__ = ["BLOCK", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess", "assert_same",
-           "build_model", "connector", "prompt_tokens"]
+__all__ = ["BLOCK", "HYBRID", "MAX_TOKENS", "PREFIX_TOKENS", "TESTS", "Engines", "Reference", "ServeProcess",
+           "assert_same", "build_model", "connector", "prompt_tokens"]
