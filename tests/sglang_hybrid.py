@@ -78,6 +78,7 @@ class Saved:
     keys: list[str]  # SGLang's page keys of the prompt
     kv: list[bytes]  # each page's KV bytes as backed up
     sidecar: dict[int, list[bytes]] = field(default_factory=dict)  # pages -> the sidecar pages saved at that node end
+    indexer: list[bytes] = field(default_factory=list)  # each page's indexer bytes (KV-derived pool), if any
 
 
 @dataclass
@@ -87,14 +88,17 @@ class Loaded:
     pool_hits: dict[str, int]  # the sidecar pages the IO thread loaded (batch_get_v2), per pool
     kv: list[bytes]  # the KV pages now in the host bounce
     sidecar: list[bytes]  # the sidecar pages now in its staging
+    indexer: list[bytes] = field(default_factory=list)  # the indexer pages now beside the KV bounce
 
 
 class HybridController:
-    """One rank: a KV host pool plus one sidecar pool (``sidecar`` "mamba" or "swa"), SGLang's
-    HybridCacheController over them, kvtier attached as its L3 backend."""
+    """One rank: a KV host pool plus one trailing sidecar pool (``sidecar`` "mamba" or "swa") and, with
+    ``indexer``, a KV-derived all-pages pool (INDEXER, indexed by the KV host indices as DSA's indexer is; here
+    an MHA host pool of one layer), SGLang's HybridCacheController over them, kvtier attached as its L3 backend."""
 
     def __init__(self, sidecar: str, *, extra: dict | None = None, window_pages: int = 2, layers: int = 2,
-                 mamba: dict | None = None, model: str = "test/hybrid", tokens: int = 512) -> None:
+                 mamba: dict | None = None, model: str = "test/hybrid", tokens: int = 512,
+                 indexer: bool = False) -> None:
         install()
         from sglang.srt import runtime_context as rc
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -131,11 +135,20 @@ class HybridController:
         kv_layers = {i: i for i in range(layers)}
         side_layers = {layers + i: i for i in range(1 if sidecar == "swa" else layers)}
         top = layers + len(side_layers)
-        group = HostPoolGroup([
+        entries = [
             build_pool_entry(name=PoolName.KV, host_pool=self.kv, device_pool=kv_dev, layer_mapping=kv_layers,
-                             transfer_layer_id_max=top, is_anchor=True),
+                             transfer_layer_id_max=top + indexer, is_anchor=True),
             build_pool_entry(name=self.name, host_pool=self.side, device_pool=side_dev, layer_mapping=side_layers,
-                             transfer_layer_id_max=top)])
+                             transfer_layer_id_max=top + indexer)]
+        self.indexer = None
+        if indexer:
+            index_dev = device_pool("mha", tokens=tokens, page_size=PS, layers=1, heads=1, head_dim=4)
+            self.indexer = host_pool(index_dev, "page_first")
+            assert self.indexer.size == self.kv.size  # it shares the KV pool's host indices
+            entries.append(build_pool_entry(name=PoolName.INDEXER, host_pool=self.indexer, device_pool=index_dev,
+                                            layer_mapping={top: 0}, transfer_layer_id_max=top + 1))
+            top += 1
+        group = HostPoolGroup(entries)
         self.cc = HybridCacheController(alloc, group, PS, None, threading.Event(), write_policy="write_through",
                                         io_backend="kernel", storage_backend="dynamic", prefetch_threshold=PS,
                                         model_name=model, storage_backend_extra_config=self.config,
@@ -151,11 +164,12 @@ class HybridController:
 
     # ---- backup: one radix node at a time, as the tree writes through ---------------------------------------
 
-    def save(self, tokens: list[int], node_ends: list[int], seed: int, *, with_sidecar: bool = True) -> Saved:
+    def save(self, tokens: list[int], node_ends: list[int], seed: int, *, with_sidecar: bool = True,
+             with_indexer: bool = True) -> Saved:
         """Back up ``tokens`` as the radix tree does for nodes ending at the pages ``node_ends`` (e.g. [4, 8]: two
         nodes, pages 0-3 and 4-7): KV pages through batch_set_v1, and with each node its sidecar (Mamba: the
         state at the node's end; SWA: the window's last pages) through batch_set_v2. Waits for the acks."""
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
         keys = self.keys(tokens)
         saved = Saved(keys, [])
@@ -164,16 +178,21 @@ class HybridController:
             pages = end - start
             kv_idx = self.kv.alloc(pages * PS)
             saved.kv += write_random(self.kv, kv_idx, seed * 100 + n)
-            extra = None
+            extra = []
+            if self.indexer is not None and with_indexer:
+                saved.indexer += write_random(self.indexer, kv_idx, seed * 100 + 80 + n)
+                # a KV-derived sidecar: the controller fills its keys and host indices from the KV operation
+                extra.append(PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV,
+                                          hit_policy=PoolHitPolicy.ALL_PAGES))
             if with_sidecar:
                 window = min(self.window_pages, pages)
                 side_idx = self.side.alloc(window * self.side.page_size)
                 saved.sidecar[end] = write_random(self.side, side_idx, seed * 100 + 50 + n)
                 # components/mamba.py and swa.py, BACKUP_STORAGE: the node's last page keys and its host slots
-                extra = [PoolTransfer(name=self.name, host_indices=side_idx, keys=keys[end - window:end],
-                                      hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+                extra.append(PoolTransfer(name=self.name, host_indices=side_idx, keys=keys[end - window:end],
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES))
             op_id = self.cc.write_storage(kv_idx, tokens[start * PS:end * PS], hash_value=keys[start:end],
-                                          prefix_keys=keys[:start] or None, extra_pools=extra)
+                                          prefix_keys=keys[:start] or None, extra_pools=extra or None)
             op = self._wait(self.cc.ack_backup_queue, lambda o: o.id == op_id)
             if op.completed_tokens != pages * PS:
                 raise AssertionError(f"node ending at page {end}: backed up {op.completed_tokens} of {pages * PS} tokens")
@@ -186,12 +205,16 @@ class HybridController:
         """Prefetch ``tokens`` from L3 with the sidecar's PREFETCH transfer (placeholders), as a new request
         whose prefix is on no device or host of this rank."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
         self._rid += 1
         transfer = PoolTransfer(name=self.name, keys=["__placeholder__"] * self.window_pages,
                                 hit_policy=PoolHitPolicy.TRAILING_PAGES)
-        op = self.cc.prefetch(CacheRequestHandle(f"r{self._rid}", 0), list(tokens), None, None, extra_pools=[transfer])
+        extra = [transfer]
+        if self.indexer is not None:
+            extra.append(PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV,
+                                      hit_policy=PoolHitPolicy.ALL_PAGES))
+        op = self.cc.prefetch(CacheRequestHandle(f"r{self._rid}", 0), list(tokens), None, None, extra_pools=extra)
         op = self._wait(self.cc.prefetch_hit_queue, lambda o: o is op, timeout)
         hit = op.storage_hit_count
         if hit == 0:
@@ -216,7 +239,8 @@ class HybridController:
                 break
         side = transfer.host_indices  # _sync_trailing_keys may have shrunk it to the hit's window
         return Loaded(hit, completed, pool_hits, read_pages(self.kv, host_indices[:completed]),
-                      read_pages(self.side, side) if side is not None else [])
+                      read_pages(self.side, side) if side is not None else [],
+                      read_pages(self.indexer, host_indices[:completed]) if self.indexer is not None else [])
 
     @staticmethod
     def _wait(q: queue.Queue, match: Any, timeout: float = 30.0) -> Any:
