@@ -175,6 +175,7 @@ def test_restorable_prefix_pages_is_the_set_of_checkpoints():
         result = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=["x"], hit_policy=TRAILING)])
         assert result.restorable_prefix_pages == [2, 4]
         assert result.kv_hit_pages == 4 and result.extra_pool_hit_pages == {"kv": 5, "mamba": 4}
+        assert backend.stats()["pools"]["mamba"]["pages"]["saved_in_place"] == 2  # counted per pool
     finally:
         backend.close()
 

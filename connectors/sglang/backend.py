@@ -227,15 +227,16 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         start = time.perf_counter()
-        out = self._v2("get", "batch_get_v2", transfers, "reported as misses", PoolStores.load)
-        self._sample(self._prefetch_pgs, self._prefetch_bw, sum(map(sum, out.values())), start)
+        out = self._v2("get", "batch_get_v2", transfers, "reported as misses", lambda: PoolStores.load)
+        self._sample_v2(self._prefetch_pgs, self._prefetch_bw, out, start)
         return out
 
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
         start = time.perf_counter()
-        out = self._v2("set", "batch_set_v2", transfers, "none stored", PoolStores.save(self._hints(extra_info)))
-        self._sample(self._backup_pgs, self._backup_bw, sum(map(sum, out.values())), start)
+        out = self._v2("set", "batch_set_v2", transfers, "none stored",
+                       lambda: PoolStores.save(self._hints(extra_info)))
+        self._sample_v2(self._backup_pgs, self._backup_bw, out, start)
         return out
 
     # ---- admin, stats, lifetime ---------------------------------------------------------------------------
@@ -298,14 +299,15 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return self.pools
 
     def _v2(self, kind: str, call: str, transfers: list[PoolTransfer], failed: str,
-            move: Callable[..., list[bool]]) -> dict[str, list[bool]]:
-        """One of SGLang's v2 data calls, pool by pool: a pool that fails answers all False (logged, rate-limited,
-        as ``kind``), the others go on; never raised into SGLang."""
+            mover: Callable[[], Callable[..., list[bool]]]) -> dict[str, list[bool]]:
+        """One of SGLang's v2 data calls, pool by pool (``mover()`` makes the per-pool move: bad hints fail the
+        call, inside the guard): a pool that fails answers all False (logged, rate-limited, as ``kind``), the
+        others go on; never raised into SGLang."""
         def on_error(pool: str, e: BaseException) -> None:
             self._log(f"{kind}:{pool}", logging.ERROR, "kvtier: %s of pool %s failed (%s); %s", call, pool, e, failed,
                       exc_info=not isinstance(e, (KeyError, ValueError)))
         try:
-            return self._pools().transfer(transfers, move, on_error)
+            return self._pools().transfer(transfers, mover(), on_error)
         except Exception:
             self._log(kind, logging.ERROR, "kvtier: %s failed; %s", call, failed, exc_info=True)
             return {t.name: [False] * len(t.keys or ()) for t in transfers}
@@ -334,10 +336,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
             return None
         return parse_hints(extra_info.extra_info, None, "an SGLang storage call")
 
-    def _sample(self, pages: deque[int], bandwidth: deque[float], n: int, start: float) -> None:
+    def _sample(self, pages: deque[int], bandwidth: deque[float], n: int, start: float,
+                nbytes: int | None = None) -> None:
         if self._metrics and n and self.pages is not None:
             pages.append(n)
-            bandwidth.append(n * self.pages.block_bytes / max(time.perf_counter() - start, 1e-9) / GB)
+            moved = n * self.pages.block_bytes if nbytes is None else nbytes
+            bandwidth.append(moved / max(time.perf_counter() - start, 1e-9) / GB)
+
+    def _sample_v2(self, pages: deque[int], bandwidth: deque[float], out: dict[str, list[bool]], start: float) -> None:
+        if self._metrics and self.pools is not None:
+            sizes = {name: pool.pages.block_bytes for name, pool in self.pools.pools.items()}
+            n = sum(sum(ok) for ok in out.values())
+            self._sample(pages, bandwidth, n, start, sum(sum(ok) * sizes.get(str(name), 0) for name, ok in out.items()))
 
     def _publish(self) -> None:
         if self.events is not None:
