@@ -31,7 +31,8 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from kvtier.config import ConfigError  # noqa: E402
 from kvtier.connectors.sglang.hits import PoolQuery, span_hits  # noqa: E402
-from kvtier.connectors.sglang.pools import UnsupportedModel  # noqa: E402
+from kvtier.connectors.sglang.identity import StorageIdentity  # noqa: E402
+from kvtier.connectors.sglang.pools import UnsupportedModel, pool_identity  # noqa: E402
 
 TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
 
@@ -123,6 +124,38 @@ def test_a_restarted_server_restores_kv_and_state_from_the_ssd(controllers, tmp_
     assert b.backend.pools.pools["mamba"].store.stats()["tiers"]["ssd"]["hits"] >= 1
 
 
+def test_a_corrupted_state_on_the_ssd_is_a_counted_miss_never_loaded(controllers, tmp_path):
+    """Checksums hold per pool: after a restart the Mamba state of page 8 has one byte flipped in its pool's SSD
+    segment file. SGLang's query still sees it (existence is not a read), the KV pages load, the state's load
+    fails its checksum: the IO thread reports no Mamba page, the staging slot never receives the bad bytes, and
+    the SSD tier of the Mamba pool counts the failure (the KV pool's counts none)."""
+    import os
+
+    extra = {"dram_capacity": "1MiB", "ssd_path": str(tmp_path), "ssd_capacity": "8MiB", "ssd_segment_bytes": "1MiB",
+             "ssd_offload": "write_through"}
+    a = controllers("mamba", extra=extra)
+    tokens = prompt(8)
+    saved = a.save(tokens, [4, 8], seed=8)
+    a.close()
+    b = controllers("mamba", extra=extra)
+    mamba = b.backend.pools.pools["mamba"]
+    disk = mamba.store.tiers[1]
+    key = mamba.page_store.keys([saved.keys[7]])[0]
+    segment, offset = disk._files.place(disk._slot_of[key])
+    fd = os.open(disk._files.path(segment), os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset + 3)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), offset + 3)
+    finally:
+        os.close(fd)
+    got = b.load(tokens)
+    assert got.completed_tokens == 8 * PS and got.kv == saved.kv
+    assert got.pool_hits == {} and got.sidecar != saved.sidecar[8]
+    assert disk.stats().extra["checksum_failures"] == 1
+    kv_disk = b.backend.store.tiers[1].stats()
+    assert kv_disk.hits == 8 and kv_disk.extra.get("checksum_failures", 0) == 0  # read from the SSD, intact
+
+
 @pytest.mark.parametrize("change, hit", [({}, True), ({"temporal_dtype": torch.float16}, False),
                                          ({"conv_dtype": torch.float16}, False),
                                          ({"temporal_dtype": torch.float32}, False)])
@@ -204,6 +237,45 @@ def test_a_pools_page_is_never_served_as_another_pools():
         got = backend.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=swa.alloc(PS), keys=keys),
                                     PoolTransfer(name=PoolName.MAMBA, host_indices=mamba.alloc(1), keys=keys)])
         assert got == {PoolName.SWA: [True], PoolName.MAMBA: [True]}
+    finally:
+        backend.close()
+
+
+def test_mamba_state_is_per_tp_rank_where_the_kv_is_rank_replicated():
+    """An MLA model with Kimi-style state (KV the same on every TP rank, Mamba state sharded): the KV keys are the
+    same on both ranks, the Mamba keys are each rank's own (SGLang backs the state up on every rank); an MHA
+    model's pools are per rank anyway."""
+    def namespaces(name: str, mla: bool) -> list[bytes]:
+        ids = [StorageIdentity.from_storage_config(storage_config({}, mla=mla, tp_size=2, tp_rank=r)) for r in (0, 1)]
+        return [pool_identity(i, name).namespace("fp").digest for i in ids]
+
+    kv0, kv1 = namespaces("kv", mla=True)
+    m0, m1 = namespaces("mamba", mla=True)
+    assert kv0 == kv1 and m0 != m1
+    s0, s1 = namespaces("swa", mla=False)
+    assert s0 != s1
+
+
+def test_a_draft_pool_is_stored_like_any_other():
+    """A draft model's KV pool (MTP/EAGLE: PoolName.DRAFT, all pages) round-trips through the v2 calls and gates
+    the hit like the indexer: a missing draft page cuts the restorable prefix."""
+    draft = host_pool(device_pool("mha", page_size=PS, layers=1), "page_first")
+    kv, backend = hybrid_backend({PoolName.DRAFT: draft})
+    try:
+        keys = HybridController.keys(prompt(3))
+        kv_idx = kv.alloc(3 * PS)
+        write_random(kv, kv_idx, 9)
+        backend.batch_set_v1(keys, kv_idx)
+        idx = draft.alloc(3 * PS)
+        saved = write_random(draft, idx, 10)
+        assert backend.batch_set_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=idx[:2 * PS], keys=keys[:2])]) == {
+            PoolName.DRAFT: [True, True]}
+        query = [PoolTransfer(name=PoolName.DRAFT, hit_policy=ALL)]
+        assert backend.batch_exists_v2(keys, query).restorable_prefix_pages == [1, 2]
+        target = draft.alloc(2 * PS)
+        assert backend.batch_get_v2([PoolTransfer(name=PoolName.DRAFT, host_indices=target, keys=keys[:2])]) == {
+            PoolName.DRAFT: [True, True]}
+        assert read_pages(draft, target) == saved[:2]
     finally:
         backend.close()
 

@@ -81,6 +81,12 @@ def pool_signature(name: str, host_pool: Any, pages: HostPages) -> str:
     return hashlib.sha256("\x1f".join(desc).encode()).hexdigest()[:16]
 
 
+def pool_identity(identity: StorageIdentity, name: str) -> StorageIdentity:
+    """The rank identity a pool's keys carry: Mamba state is TP-sharded even where the KV is rank-replicated (MLA
+    with KDA state: SGLang backs the state up on every rank, ``should_backup``), so its keys carry the TP rank."""
+    return dataclasses.replace(identity, rank_replicated=False) if name == str(PoolName.MAMBA) else identity
+
+
 def pool_config(config: Config, name: str, share: float) -> Config:
     """``config`` for one pool's store: ``share`` of its capacities and SSD staging, its own SSD directory and
     DRAM file (``<path>-<pool>``, beside the KV store's, which the SSD tier locks as its own)."""
@@ -136,10 +142,7 @@ class PoolStores:
                 except ConfigError as e:
                     raise ConfigError(f"host pool {name!r} (pages of {pages.block_bytes} B, {each:.0%} of the "
                                       f"capacities: sidecar_share {share} over {len(host_pools)} pools): {e}") from None
-                # Mamba state is TP-sharded even where the KV is replicated (module docstring).
-                ident = (dataclasses.replace(identity, rank_replicated=False) if name == str(PoolName.MAMBA)
-                         else identity)
-                namespace = ident.namespace(pool_signature(name, host_pool, pages))
+                namespace = pool_identity(identity, name).namespace(pool_signature(name, host_pool, pages))
                 opened[name] = PoolStore(name, host_pool, pages,
                                          PageStore(store, namespace, pages, max(1, int(staging_bytes * each))))
                 log.info("kvtier HiCache L3 pool %s: %s; namespace %s", name, pages.describe(),
@@ -212,5 +215,5 @@ class PoolStores:
             pool.close()
 
 
-__all__ = ["PoolStores", "PoolStore", "UnsupportedModel", "pool_config", "pool_pages", "pool_signature",
-           "PageGeometryError"]
+__all__ = ["PoolStores", "PoolStore", "UnsupportedModel", "pool_config", "pool_identity", "pool_pages",
+           "pool_signature", "PageGeometryError"]
