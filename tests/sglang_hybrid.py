@@ -1,6 +1,11 @@
-"""SGLang 0.5.23's HybridCacheController on a CPU with a hybrid model's host pools (KV + Mamba state, KV + SWA), for
-the v2 tests (tests/test_sglang_hybrid.py). Everything here is SGLang's real code except what sglang_harness.py
-replaces (torchvision, GPU copy kernels, pinning):
+"""SGLang 0.5.23's hybrid cache code on a CPU, for the v2 tests (tests/test_sglang_hybrid.py), at two levels.
+Everything is SGLang's real code except what sglang_harness.py replaces (torchvision, GPU copy kernels, pinning).
+
+SwaRadixServer: the whole live path for a sliding-window model, SGLang's UnifiedRadixCache with FULL + SWA
+components over an SWAKVPool, its own assembly of the KV + SWA host pools and HybridCacheController, driven as the
+scheduler drives it (nothing of the tree or the controller replaced).
+
+HybridController (KV + Mamba state, KV + SWA, optionally a KV-derived indexer pool), below the tree:
 
 * the host pools: SGLang's MHATokenToKVPoolHost (KV, and SWA: SGLang builds the SWA host pool as an MHA host
   pool over the sliding-window layers' device pool, hybrid_pool_assembler.build_hybrid_swa_group) and
@@ -23,6 +28,7 @@ import json
 import queue
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -256,4 +262,122 @@ class HybridController:
 
     def close(self) -> None:
         self.cc.detach_storage_backend()  # stops SGLang's storage threads and closes the backend
+        self._parallel.__exit__(None, None, None)
+
+
+class SwaRadixServer:
+    """SGLang's real UnifiedRadixCache with FULL + SWA components (an SWAKVPool: sliding-window layers and full
+    layers, SGLang's SWATokenToKVPoolAllocator) and HiCache, kvtier attached by SGLang's own assembly
+    (hybrid_pool_assembler._SwaStrategy: KV + SWA host pools, HybridCacheController), driven as the scheduler
+    drives it: insert, check_hicache_events, evict, prefetch_from_storage, load_back. Nothing of the tree or the
+    controller is replaced; the test allocates device slots as a request's prefill would (full and SWA pages,
+    mapped with the allocator's own set_full_to_swa_mapping)."""
+
+    def __init__(self, *, extra: dict | None = None, window: int = 2 * PS, tokens: int = 512,
+                 model: str = "test/swa") -> None:
+        install()
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.server_args import ServerArgs
+
+        config = {**BACKEND_CONFIG, "prefetch_threshold": PS, "dram_capacity": "4MiB", **(extra or {})}
+        args = ServerArgs(
+            model_path="dummy", served_model_name=model, device="cpu", page_size=PS, enable_hierarchical_cache=True,
+            hicache_ratio=2.0, hicache_mem_layout="page_first", hicache_io_backend="kernel",
+            hicache_write_policy="write_through", hicache_storage_prefetch_policy="wait_complete",
+            hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(config))
+        rc.publish(args, role="scheduler")
+        self._parallel = rc.get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        self._parallel.__enter__()
+        self.window = window
+        self.kv = SWAKVPool(size=tokens, size_swa=tokens, page_size=PS, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                            swa_attention_layer_ids=[0, 1], full_attention_layer_ids=[2], device="cpu",
+                            enable_memory_saver=False)
+        self.alloc = SWATokenToKVPoolAllocator(tokens, tokens, PS, torch.bfloat16, "cpu", self.kv, need_sort=False)
+        r2t = ReqToTokenPool(size=8, max_context_len=4 * tokens, device="cpu", enable_memory_saver=False)
+        params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=self.alloc,
+                                 page_size=PS, tree_components=(ComponentType.FULL, ComponentType.SWA),
+                                 sliding_window_size=window)
+        self.cache = UnifiedRadixCache(params)
+        self.cache.init_hicache(args, params)
+        self.backend = self.cache.cache_controller.storage_backend
+
+    def full_layers(self) -> list[torch.Tensor]:
+        return [*self.kv.full_kv_pool.k_buffer, *self.kv.full_kv_pool.v_buffer]
+
+    def swa_layers(self) -> list[torch.Tensor]:
+        return [*self.kv.swa_kv_pool.k_buffer, *self.kv.swa_kv_pool.v_buffer]
+
+    def insert(self, tokens: list[int], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Compute-and-cache ``tokens``: random KV in fresh full and SWA slots, inserted into the tree (write_through
+        backs both up to host, then to L3). Returns the full layers' rows and the SWA layers' rows of them."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        full = self.alloc.full_attn_allocator.alloc(len(tokens))
+        self.alloc.set_full_to_swa_mapping(full, self.alloc.swa_attn_allocator.alloc(len(tokens)))
+        swa = self.alloc.full_to_swa_index_mapping[full].long()
+        g = torch.Generator().manual_seed(seed)
+        for layers, idx in ((self.full_layers(), full), (self.swa_layers(), swa)):
+            for layer in layers:
+                layer[idx] = torch.randn(layer[idx].shape, generator=g).to(layer.dtype)
+        self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=full))
+        return [x[full].clone() for x in self.full_layers()], [x[swa].clone() for x in self.swa_layers()]
+
+    def pump(self, done: Any, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.cache.check_hicache_events()
+            if done():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def backed_up(self) -> bool:
+        return not self.cache.ongoing_backup and not self.cache.ongoing_write_through
+
+    def forget(self, tokens: list[int]) -> None:
+        """Evict the prompt from the device and the host (L1, L2): only L3 has it."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.cache.evict(EvictParams(num_tokens=len(tokens), swa_num_tokens=len(tokens)))
+        assert self.cache.evict_host(len(tokens)) == len(tokens)
+
+    def prefetch(self, tokens: list[int], rid: str = "r") -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        handle = CacheRequestHandle(rid, 0)
+        self.cache.prefetch_from_storage(handle, match.last_host_node, array("q", tokens))
+        if not self.pump(lambda: self.cache.check_prefetch_progress(handle)):
+            raise TimeoutError("prefetch did not finish")
+        return self.cache.pop_prefetch_loaded_tokens(handle)
+
+    def load_back(self, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host -> device for the prefix the host holds; the full layers' rows of the device prefix and the SWA
+        layers' rows of its last ``window`` tokens (all a sliding-window layer reads)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(array("q", tokens))
+        match = self.cache.match_prefix(MatchPrefixParams(key=key))
+        if match.host_hit_length:
+            if not self.cache.load_back(match.best_match_node):
+                raise RuntimeError("load_back refused")
+            self.cache.ready_to_load_host_cache()
+            self.pump(lambda: not self.cache.ongoing_load_back)
+        match = self.cache.match_prefix(MatchPrefixParams(key=key))
+        full = self.cache.path_device_indices(match.last_device_node)
+        swa = self.alloc.full_to_swa_index_mapping[full[-self.window:]].long()
+        return [x[full].clone() for x in self.full_layers()], [x[swa].clone() for x in self.swa_layers()]
+
+    def close(self) -> None:
+        self.cache.shutdown()
+        self.backend.close()
         self._parallel.__exit__(None, None, None)

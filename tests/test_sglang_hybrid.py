@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sglang_harness import device_pool, host_pool, install, make_backend, storage_config  # noqa: E402
-from sglang_hybrid import PS, HybridController, mamba_host, read_pages, write_random  # noqa: E402
+from sglang_hybrid import PS, HybridController, SwaRadixServer, mamba_host, read_pages, write_random  # noqa: E402
 
 install()
 
@@ -413,3 +413,58 @@ def test_block_groups_report_their_own_pages_and_never_gate_kv():
     assert span_hits(10, [query]).pool_pages == {"kv": 10, "deepseek_v4_c4": 4}
     assert span_hits(10, [query]).final == 10
     assert span_hits(3, [query]).pool_pages["deepseek_v4_c4"] == 3
+
+
+# ---- the whole live path: UnifiedRadixCache with FULL + SWA components -----------------------------------------
+
+
+@pytest.fixture
+def swa_servers():
+    made: list[SwaRadixServer] = []
+
+    def make(**kwargs) -> SwaRadixServer:
+        server = SwaRadixServer(**kwargs)
+        made.append(server)
+        return server
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_sliding_window_model_comes_back_from_kvtier_through_sglangs_radix_cache(swa_servers):
+    """SGLang's UnifiedRadixCache (FULL + SWA components, window 8 tokens) writes the prompt through to kvtier
+    (the SWA pages with batch_set_v2, the full pages with batch_set_v1); after the prompt leaves the device and
+    the host, a new request prefetches it (batch_exists_v2 with the window's trailing policy, batch_get_v1,
+    batch_get_v2) and loads it back: the full layers' KV of the whole prefix and the SWA layers' KV of its
+    window are bit-exact."""
+    s = swa_servers()
+    tokens = prompt(8)
+    ref_full, ref_swa = s.insert(tokens, seed=11)
+    assert s.pump(s.backed_up)
+    saved = s.backend.stats()["pools"]["swa"]["pages"]["saved_in_place"]
+    assert saved >= s.window // PS  # the window's pages went through the v2 calls
+    s.forget(tokens)
+    assert s.prefetch(tokens + [7]) == len(tokens)
+    full, swa = s.load_back(tokens)
+    assert len(full[0]) == len(tokens)
+    assert all(torch.equal(a, b) for a, b in zip(full, ref_full))
+    assert all(torch.equal(a, b[-s.window:]) for a, b in zip(swa, ref_swa))
+    assert s.backend.stats()["pools"]["swa"]["pages"]["loaded_direct"] == s.window // PS
+
+
+def test_without_its_window_in_kvtier_a_sliding_window_prefix_is_not_loaded(swa_servers):
+    """The negative control: the same prompt backed up, then the SWA pool's pages dropped from kvtier (the full
+    pages stay: the v1 query finds all 8). kvtier's query answers no restorable length, so SGLang reads no KV page
+    at all (rather than loading KV and then finding the window missing) and loads nothing."""
+    s = swa_servers()
+    tokens = prompt(8)
+    s.insert(tokens, seed=12)
+    assert s.pump(s.backed_up)
+    s.forget(tokens)
+    assert s.backend.pools.pools["swa"].page_store.clear() > 0
+    assert s.backend.batch_exists(HybridController.keys(tokens)) == 8
+    s.backend.stats()  # resets the page counters
+    assert s.prefetch(tokens + [7]) == 0
+    kv = s.backend.stats()["pages"]
+    assert kv["loaded_direct"] + kv["loaded_staged"] + kv["missed"] == 0
