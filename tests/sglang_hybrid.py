@@ -1,9 +1,10 @@
 """SGLang 0.5.23's hybrid cache code on a CPU, for the v2 tests (tests/test_sglang_hybrid.py), at two levels.
 Everything is SGLang's real code except what sglang_harness.py replaces (torchvision, GPU copy kernels, pinning).
 
-SwaRadixServer: the whole live path for a sliding-window model, SGLang's UnifiedRadixCache with FULL + SWA
-components over an SWAKVPool, its own assembly of the KV + SWA host pools and HybridCacheController, driven as the
-scheduler drives it (nothing of the tree or the controller replaced).
+SwaRadixServer / MambaRadixServer: the whole live path for a sliding-window / a Mamba2 model, SGLang's
+UnifiedRadixCache with FULL + SWA (over an SWAKVPool) / FULL + MAMBA components (HybridReqToTokenPool's MambaPool,
+HybridLinearKVPool), its own assembly of the host pools and HybridCacheController, driven as the scheduler drives
+it (nothing of the tree or the controller replaced; for Mamba, install_mamba()'s copies and chunk size).
 
 HybridController (KV + Mamba state, KV + SWA, optionally a KV-derived indexer pool), below the tree:
 
@@ -36,6 +37,13 @@ import torch
 from sglang_harness import BACKEND_CONFIG, device_pool, host_pool, install
 
 PS = 4  # tokens per page
+
+
+def page_keys(tokens: list[int], page_size: int = PS) -> list[str]:
+    """SGLang's own storage page keys of a plain prompt (get_storage_hash_str)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens, None, page_size=page_size)
 
 
 def write_random(pool: Any, indices: torch.Tensor, seed: int) -> list[bytes]:
@@ -164,9 +172,7 @@ class HybridController:
 
     @staticmethod
     def keys(tokens: list[int]) -> list[str]:
-        from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-        return get_storage_hash_str(tokens, None, page_size=PS)
+        return page_keys(tokens)
 
     # ---- backup: one radix node at a time, as the tree writes through ---------------------------------------
 
@@ -376,6 +382,172 @@ class SwaRadixServer:
         full = self.cache.path_device_indices(match.last_device_node)
         swa = self.alloc.full_to_swa_index_mapping[full[-self.window:]].long()
         return [x[full].clone() for x in self.full_layers()], [x[swa].clone() for x in self.swa_layers()]
+
+    def close(self) -> None:
+        self.cache.shutdown()
+        self.backend.close()
+        self._parallel.__exit__(None, None, None)
+
+
+_mamba_installed = False
+
+
+def install_mamba() -> None:
+    """What MambaPoolHost needs on a CPU, beside sglang_harness.install()'s: pinning off (its own __init__ does not
+    go through HostKVCache's) and its device<->host state copies (JIT CUDA kernels) as torch index copies of the
+    page_first host layout ((slots, layers, 1, *state) per buffer) from/to the device's (layers, slots, *state)."""
+    global _mamba_installed
+    install()
+    if _mamba_installed:
+        return
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    init = MambaPoolHost.__init__
+
+    def unpinned(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False
+        init(self, *args, **kwargs)
+
+    def buffers(host: Any) -> Any:
+        yield host.temporal_buffer, host.buffer_info.temporal
+        yield from zip(host.conv_buffer, host.buffer_info.conv)
+
+    def backup(self: Any, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+               io_backend: str = "kernel") -> None:
+        hi, di = host_indices.cpu().long(), device_indices.cpu().long()
+        for host, dev in buffers(self):
+            for layer in range(self.num_mamba_layers):
+                host[hi, layer, 0] = dev[layer][di]
+
+    def load(self: Any, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, layer_id: int,
+             io_backend: str = "kernel", *, is_draft: bool = False) -> None:
+        hi, di = host_indices.cpu().long(), device_indices.cpu().long()
+        for host, dev in buffers(self):
+            dev[layer_id][di] = host[hi, layer_id, 0]
+
+    MambaPoolHost.__init__ = unpinned
+    MambaPoolHost.backup_from_device_all_layer = backup
+    MambaPoolHost.load_to_device_per_layer = load
+    _mamba_installed = True
+
+
+class MambaRadixServer:
+    """SGLang's real UnifiedRadixCache with FULL + MAMBA components (HybridReqToTokenPool with its MambaPool,
+    HybridLinearKVPool: 2 Mamba2 layers + 1 full-attention layer; page size 1, as MambaComponent requires without
+    the extra buffer) and HiCache, kvtier attached by SGLang's own assembly (_MambaStrategy: KV + MAMBA host
+    pools, HybridCacheController), driven as the scheduler drives it. Replaced beside install_mamba()'s copies:
+    the Mamba chunk size SGLang reads from the HF config (``model_path="dummy"`` has none) is set on the server
+    args (64, SGLang's FLA default)."""
+
+    def __init__(self, *, extra: dict | None = None, tokens: int = 512, model: str = "test/mamba") -> None:
+        install_mamba()
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.server_args import ServerArgs
+
+        config = {**BACKEND_CONFIG, "prefetch_threshold": 1, "dram_capacity": "4MiB", **(extra or {})}
+        args = ServerArgs(
+            model_path="dummy", served_model_name=model, device="cpu", page_size=1, enable_hierarchical_cache=True,
+            hicache_ratio=2.0, hicache_mem_layout="page_first", hicache_io_backend="kernel",
+            hicache_write_policy="write_through", hicache_storage_prefetch_policy="wait_complete",
+            hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=json.dumps(config))
+        args._mamba_cache_chunk_size = 64
+        rc.publish(args, role="scheduler")
+        self._parallel = rc.get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+        self._parallel.__enter__()
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=1, num_heads=2, head_dim=16,
+                                        state_size=8, conv_kernel=4)
+        self.r2t = HybridReqToTokenPool(size=8, mamba_size=16, mamba_spec_state_size=0, max_context_len=4 * tokens,
+                                        device="cpu", enable_memory_saver=False,
+                                        cache_params=Mamba2CacheParams(shape=shape, layers=[0, 1]),
+                                        mamba_layer_ids=[0, 1], enable_mamba_extra_buffer=False,
+                                        enable_overlap_schedule=False)
+        self.kv = HybridLinearKVPool(size=tokens, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=8,
+                                     full_attention_layer_ids=[2], device="cpu", mamba_pool=self.r2t.mamba_pool)
+        self.alloc = PagedTokenToKVPoolAllocator(tokens, 1, torch.bfloat16, "cpu", self.kv, need_sort=False)
+        params = CacheInitParams(disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
+                                 page_size=1, tree_components=(ComponentType.FULL, ComponentType.MAMBA))
+        self.cache = UnifiedRadixCache(params)
+        self.cache.init_hicache(args, params)
+        self.backend = self.cache.cache_controller.storage_backend
+
+    def kv_layers(self) -> list[torch.Tensor]:
+        return [*self.kv.full_kv_pool.k_buffer, *self.kv.full_kv_pool.v_buffer]
+
+    def states(self) -> list[torch.Tensor]:
+        cache = self.r2t.mamba_pool.mamba_cache
+        return [cache.temporal, *cache.conv]
+
+    def insert(self, tokens: list[int], seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A finished prefill of ``tokens``: random KV in fresh slots and a random Mamba state in a fresh state
+        slot (the state after the last token), inserted into the tree. Returns the KV rows and the state."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        idx = self.alloc.alloc(len(tokens))
+        slot = self.r2t.mamba_allocator.alloc(1)
+        g = torch.Generator().manual_seed(seed)
+        for layer in self.kv_layers():
+            layer[idx] = torch.randn(layer[idx].shape, generator=g).to(layer.dtype)
+        for state in self.states():
+            state[:, slot] = torch.randn(state[:, slot].shape, generator=g).to(state.dtype)
+        self.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=idx, mamba_value=slot))
+        return [x[idx].clone() for x in self.kv_layers()], [s[:, slot].clone() for s in self.states()]
+
+    def pump(self, done: Any, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.cache.check_hicache_events()
+            if done():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def backed_up(self) -> bool:
+        return not self.cache.ongoing_backup and not self.cache.ongoing_write_through
+
+    def forget(self, tokens: list[int], states: int = 1) -> None:
+        """Evict the prompts' KV and ``states`` Mamba states from the device and the host: only L3 has them."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.cache.evict(EvictParams(num_tokens=len(tokens), mamba_num=states))
+        self.cache.evict_host(len(tokens))
+
+    def prefetch(self, tokens: list[int], rid: str = "r") -> int:
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        match = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        handle = CacheRequestHandle(rid, 0)
+        self.cache.prefetch_from_storage(handle, match.last_host_node, array("q", tokens))
+        if not self.pump(lambda: self.cache.check_prefetch_progress(handle)):
+            raise TimeoutError("prefetch did not finish")
+        return self.cache.pop_prefetch_loaded_tokens(handle)
+
+    def load_back(self, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Host -> device for the prefix the host holds; the KV rows of the device prefix and the Mamba state its
+        last node holds on the device."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        key = RadixKey(array("q", tokens))
+        match = self.cache.match_prefix(MatchPrefixParams(key=key))
+        if match.host_hit_length:
+            if not self.cache.load_back(match.best_match_node):
+                raise RuntimeError("load_back refused")
+            self.cache.ready_to_load_host_cache()
+            self.pump(lambda: not self.cache.ongoing_load_back)
+        match = self.cache.match_prefix(MatchPrefixParams(key=key))
+        idx = self.cache.path_device_indices(match.last_device_node)
+        slot = self.cache.tree_core.get_component_device_value(match.last_device_node, ComponentType.MAMBA)
+        state = [] if slot is None else [s[:, slot.long()].clone() for s in self.states()]
+        return [x[idx].clone() for x in self.kv_layers()], state
 
     def close(self) -> None:
         self.cache.shutdown()

@@ -17,7 +17,16 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sglang_harness import device_pool, host_pool, install, make_backend, storage_config  # noqa: E402
-from sglang_hybrid import PS, HybridController, SwaRadixServer, mamba_host, read_pages, write_random  # noqa: E402
+from sglang_hybrid import (  # noqa: E402
+    PS,
+    HybridController,
+    MambaRadixServer,
+    SwaRadixServer,
+    mamba_host,
+    page_keys,
+    read_pages,
+    write_random,
+)
 
 install()
 
@@ -468,3 +477,57 @@ def test_without_its_window_in_kvtier_a_sliding_window_prefix_is_not_loaded(swa_
     assert s.prefetch(tokens + [7]) == 0
     kv = s.backend.stats()["pages"]
     assert kv["loaded_direct"] + kv["loaded_staged"] + kv["missed"] == 0
+
+
+# ---- the whole live path: UnifiedRadixCache with FULL + MAMBA components ---------------------------------------
+
+
+@pytest.fixture
+def mamba_servers():
+    made: list[MambaRadixServer] = []
+
+    def make(**kwargs) -> MambaRadixServer:
+        server = MambaRadixServer(**kwargs)
+        made.append(server)
+        return server
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_mamba_model_comes_back_from_kvtier_through_sglangs_radix_cache(mamba_servers):
+    """SGLang's UnifiedRadixCache (FULL + MAMBA) writes a finished prompt through to kvtier (its state with
+    batch_set_v2, keyed by the last page's key; its KV with batch_set_v1); after both leave the device and the
+    host, a new request prefetches them (batch_exists_v2 answers the one restorable length, 24) and loads them
+    back: the KV and the recurrent state are bit-exact."""
+    s = mamba_servers()
+    tokens = list(range(1000, 1024))
+    ref_kv, ref_state = s.insert(tokens, seed=21)
+    assert s.pump(s.backed_up)
+    s.forget(tokens)
+    assert s.prefetch(tokens + [7]) == len(tokens)
+    kv, state = s.load_back(tokens)
+    assert len(kv[0]) == len(tokens) and all(torch.equal(a, b) for a, b in zip(kv, ref_kv))
+    assert state and all(torch.equal(a, b) for a, b in zip(state, ref_state))
+    pages = s.backend.stats()["pools"]["mamba"]["pages"]
+    assert pages["saved_in_place"] == 1 and pages["loaded_direct"] == 1
+
+
+def test_a_mamba_prefix_is_restored_only_where_its_state_was_taken(mamba_servers):
+    """The negative controls: a request sharing the first 18 tokens of a stored 24-token prompt finds 18 KV pages
+    in kvtier but no state at 18 (states exist only at 24): no restorable length, nothing loaded, no KV page
+    read. The same prompt with its Mamba pages dropped from kvtier: nothing loaded either."""
+    s = mamba_servers()
+    tokens = list(range(1000, 1024))
+    s.insert(tokens, seed=22)
+    assert s.pump(s.backed_up)
+    s.forget(tokens)
+    fork = tokens[:18] + [9, 9, 9]
+    assert s.backend.batch_exists(page_keys(fork[:18], 1)) == 18  # the KV pages are there
+    s.backend.stats()  # resets the page counters
+    assert s.prefetch(fork, rid="fork") == 0
+    kv = s.backend.stats()["pages"]
+    assert kv["loaded_direct"] + kv["loaded_staged"] + kv["missed"] == 0
+    assert s.backend.pools.pools["mamba"].page_store.clear() == 1
+    assert s.prefetch(tokens + [7], rid="whole") == 0
