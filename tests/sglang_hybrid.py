@@ -207,7 +207,7 @@ class HybridController:
                                           prefix_keys=keys[:start] or None, extra_pools=extra or None)
             op = self._wait(self.cc.ack_backup_queue, lambda o: o.id == op_id)
             if op.completed_tokens != pages * PS:
-                raise AssertionError(f"node ending at page {end}: backed up {op.completed_tokens} of {pages * PS} tokens")
+                raise AssertionError(f"node ending at page {end}: {op.completed_tokens} of {pages * PS} backed up")
             start = end
         return saved
 

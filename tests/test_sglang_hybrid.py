@@ -305,6 +305,9 @@ def test_bad_v2_requests_fail_their_pool_only():
             PoolTransfer(name=PoolName.INDEXER, host_indices=None, keys=keys),
             PoolTransfer(name=PoolName.MAMBA, host_indices=target, keys=keys)])
         assert out == {PoolName.SWA: [False], PoolName.INDEXER: [False, False], PoolName.MAMBA: [True, True]}
+        pools = backend.stats()["pools"]  # each refusal counted under the pool SGLang named
+        assert pools["swa"] == {"store": None, "pages": {"refused": 1}} and pools["indexer"]["pages"] == {"refused": 1}
+        assert pools["mamba"]["pages"]["refused"] == 0 and pools["mamba"]["pages"]["loaded_direct"] == 2
         assert read_pages(mamba, target) == saved
         assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=target[:1], keys=keys)]) == {
             PoolName.MAMBA: [False, False]}  # 2 keys, 1 slot

@@ -267,9 +267,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def stats(self) -> dict[str, Any]:
         """kvtier's own view: the store's stats and the page counters since the last call."""
         store = self._ready()
-        counts = self._pools().take_counts()
+        pools = self._pools()
+        counts = pools.take_counts()
+        stores = {p.name: p.store.stats() for p in pools.extra}
         return {"store": store.store.stats(), "pages": counts.pop(KV),
-                "pools": {p.name: {"store": p.store.stats(), "pages": counts[p.name]} for p in self._pools().extra}}
+                "pools": {name: {"store": stores.get(name), "pages": c} for name, c in counts.items()}}
 
     def close(self) -> None:
         if self.events is not None:

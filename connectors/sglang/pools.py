@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ from .pagestore import PageStore
 log = logging.getLogger(__name__)
 
 KV = str(PoolName.KV)
+Move = Callable[["PoolStore", list[str], torch.Tensor], list[bool]]  # one pool's pages in or out: hit per page
 
 
 class UnsupportedModel(ConfigError):
@@ -125,6 +127,8 @@ class PoolStores:
 
     def __init__(self, kv: PageStore, kv_pool: Any, extra: Mapping[str, PoolStore]) -> None:
         self.pools: dict[str, PoolStore] = {KV: PoolStore(KV, kv_pool, kv.pages, kv), **extra}
+        self._refused: dict[str, int] = {}  # v2 transfers refused since the last take_counts, by pool name
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, kv: PageStore, kv_pool: Any, host_pools: Mapping[str, Any], *, config: Config,
@@ -177,7 +181,7 @@ class PoolStores:
         present = pool.present(span) if pool is not None else [False] * len(span)
         return PoolQuery(name, policy, present, window=max(1, len(transfer.keys or ())))
 
-    def transfer(self, transfers: Sequence[PoolTransfer], move: Callable[[PoolStore, list[str], torch.Tensor], list[bool]],
+    def transfer(self, transfers: Sequence[PoolTransfer], move: Move,
                  on_error: Callable[[str, BaseException], None]) -> dict[str, list[bool]]:
         """``batch_get_v2`` / ``batch_set_v2``: ``move`` each transfer's pages (its keys, its pool's host indices:
         ``len(keys) * page_size`` slots of that pool); a pool that fails answers all False, the others go on."""
@@ -187,13 +191,15 @@ class PoolStores:
             try:
                 pool = self.pools.get(str(t.name))
                 if pool is None:
-                    raise KeyError(f"host pool {str(t.name)!r} is not stored by kvtier (registered: {list(self.pools)})")
+                    raise KeyError(f"host pool {str(t.name)!r} is not stored by kvtier (stored: {list(self.pools)})")
                 if not page_keys_ok(keys):
                     raise ValueError("page keys must be non-empty strings")
                 if t.host_indices is None:
                     raise ValueError(f"no host indices for {len(keys)} pages")
                 out[t.name] = move(pool, keys, t.host_indices.to("cpu", torch.int64)) if keys else []
             except Exception as e:
+                with self._lock:
+                    self._refused[str(t.name)] = self._refused.get(str(t.name), 0) + 1
                 on_error(str(t.name), e)
                 out[t.name] = [False] * len(keys)
         return out
@@ -203,11 +209,18 @@ class PoolStores:
         return pool.page_store.get_pages(keys, host_indices)
 
     @staticmethod
-    def save(hints: AgentHints | None) -> Callable[[PoolStore, list[str], torch.Tensor], list[bool]]:
+    def save(hints: AgentHints | None) -> Move:
         return lambda pool, keys, host_indices: pool.page_store.set_pages(keys, host_indices, hints)
 
     def take_counts(self) -> dict[str, dict[str, int]]:
-        return {name: pool.page_store.take_counts() for name, pool in self.pools.items()}
+        """Each pool's page counters since the last call (pagestore.COUNTERS, and ``refused``: its v2 transfers
+        that failed as a whole: unknown pool, bad indices or keys, a store error), and reset them. A pool name
+        SGLang asked for that kvtier does not store has the ``refused`` count only."""
+        with self._lock:
+            refused, self._refused = self._refused, {}
+        out = {name: {**pool.page_store.take_counts(), "refused": refused.pop(name, 0)}
+               for name, pool in self.pools.items()}
+        return out | {name: {"refused": n} for name, n in refused.items()}
 
     def close(self) -> None:
         """Close the extra pools' stores (the KV store is the backend's)."""
