@@ -17,16 +17,8 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from sglang_harness import device_pool, host_pool, install, make_backend, storage_config  # noqa: E402
-from sglang_hybrid import (  # noqa: E402
-    PS,
-    HybridController,
-    MambaRadixServer,
-    SwaRadixServer,
-    mamba_host,
-    page_keys,
-    read_pages,
-    write_random,
-)
+from sglang_hybrid import PS, HybridController, mamba_host, page_keys, read_pages, write_random  # noqa: E402
+from sglang_hybrid_radix import DsaRadixServer, MambaRadixServer, RadixServer, SwaRadixServer  # noqa: E402
 
 install()
 
@@ -44,6 +36,17 @@ from kvtier.connectors.sglang.identity import StorageIdentity  # noqa: E402
 from kvtier.connectors.sglang.pools import UnsupportedModel, pool_identity  # noqa: E402
 
 TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
+
+
+@pytest.fixture(autouse=True)
+def host_memory_budget():
+    """SGLang sizes a host pool against free RAM less a 10 GiB reserve, which on this shared machine is often
+    negative (and the test's pools then fail to build); these pools are a few MiB, so they are booked against an
+    explicit budget with SGLang's own host_memory_budget_scope."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(1 << 30):
+        yield
 
 
 def prompt(pages: int, start: int = 1000) -> list[int]:
@@ -431,11 +434,11 @@ def test_block_groups_report_their_own_pages_and_never_gate_kv():
 
 
 @pytest.fixture
-def swa_servers():
-    made: list[SwaRadixServer] = []
+def radix_servers():
+    made: list[RadixServer] = []
 
-    def make(**kwargs) -> SwaRadixServer:
-        server = SwaRadixServer(**kwargs)
+    def make(cls: type[RadixServer], **kwargs) -> RadixServer:
+        server = cls(**kwargs)
         made.append(server)
         return server
 
@@ -444,36 +447,36 @@ def swa_servers():
         s.close()
 
 
-def test_a_sliding_window_model_comes_back_from_kvtier_through_sglangs_radix_cache(swa_servers):
+def test_a_sliding_window_model_comes_back_from_kvtier_through_sglangs_radix_cache(radix_servers):
     """SGLang's UnifiedRadixCache (FULL + SWA components, window 8 tokens) writes the prompt through to kvtier
     (the SWA pages with batch_set_v2, the full pages with batch_set_v1); after the prompt leaves the device and
     the host, a new request prefetches it (batch_exists_v2 with the window's trailing policy, batch_get_v1,
     batch_get_v2) and loads it back: the full layers' KV of the whole prefix and the SWA layers' KV of its
     window are bit-exact."""
-    s = swa_servers()
+    s = radix_servers(SwaRadixServer)
     tokens = prompt(8)
     ref_full, ref_swa = s.insert(tokens, seed=11)
     assert s.pump(s.backed_up)
     saved = s.backend.stats()["pools"]["swa"]["pages"]["saved_in_place"]
-    assert saved >= s.window // PS  # the window's pages went through the v2 calls
-    s.forget(tokens)
+    assert saved >= s.window // s.page_size  # the window's pages went through the v2 calls
+    s.forget(tokens, swa_num_tokens=len(tokens))
     assert s.prefetch(tokens + [7]) == len(tokens)
     full, swa = s.load_back(tokens)
     assert len(full[0]) == len(tokens)
     assert all(torch.equal(a, b) for a, b in zip(full, ref_full))
     assert all(torch.equal(a, b[-s.window:]) for a, b in zip(swa, ref_swa))
-    assert s.backend.stats()["pools"]["swa"]["pages"]["loaded_direct"] == s.window // PS
+    assert s.backend.stats()["pools"]["swa"]["pages"]["loaded_direct"] == s.window // s.page_size
 
 
-def test_without_its_window_in_kvtier_a_sliding_window_prefix_is_not_loaded(swa_servers):
+def test_without_its_window_in_kvtier_a_sliding_window_prefix_is_not_loaded(radix_servers):
     """The negative control: the same prompt backed up, then the SWA pool's pages dropped from kvtier (the full
     pages stay: the v1 query finds all 8). kvtier's query answers no restorable length, so SGLang reads no KV page
     at all (rather than loading KV and then finding the window missing) and loads nothing."""
-    s = swa_servers()
+    s = radix_servers(SwaRadixServer)
     tokens = prompt(8)
     s.insert(tokens, seed=12)
     assert s.pump(s.backed_up)
-    s.forget(tokens)
+    s.forget(tokens, swa_num_tokens=len(tokens))
     assert s.backend.pools.pools["swa"].page_store.clear() > 0
     assert s.backend.batch_exists(HybridController.keys(tokens)) == 8
     s.backend.stats()  # resets the page counters
@@ -485,30 +488,16 @@ def test_without_its_window_in_kvtier_a_sliding_window_prefix_is_not_loaded(swa_
 # ---- the whole live path: UnifiedRadixCache with FULL + MAMBA components ---------------------------------------
 
 
-@pytest.fixture
-def mamba_servers():
-    made: list[MambaRadixServer] = []
-
-    def make(**kwargs) -> MambaRadixServer:
-        server = MambaRadixServer(**kwargs)
-        made.append(server)
-        return server
-
-    yield make
-    for s in made:
-        s.close()
-
-
-def test_a_mamba_model_comes_back_from_kvtier_through_sglangs_radix_cache(mamba_servers):
+def test_a_mamba_model_comes_back_from_kvtier_through_sglangs_radix_cache(radix_servers):
     """SGLang's UnifiedRadixCache (FULL + MAMBA) writes a finished prompt through to kvtier (its state with
     batch_set_v2, keyed by the last page's key; its KV with batch_set_v1); after both leave the device and the
     host, a new request prefetches them (batch_exists_v2 answers the one restorable length, 24) and loads them
     back: the KV and the recurrent state are bit-exact."""
-    s = mamba_servers()
+    s = radix_servers(MambaRadixServer)
     tokens = list(range(1000, 1024))
     ref_kv, ref_state = s.insert(tokens, seed=21)
     assert s.pump(s.backed_up)
-    s.forget(tokens)
+    s.forget(tokens, mamba_num=1)
     assert s.prefetch(tokens + [7]) == len(tokens)
     kv, state = s.load_back(tokens)
     assert len(kv[0]) == len(tokens) and all(torch.equal(a, b) for a, b in zip(kv, ref_kv))
@@ -517,15 +506,15 @@ def test_a_mamba_model_comes_back_from_kvtier_through_sglangs_radix_cache(mamba_
     assert pages["saved_in_place"] == 1 and pages["loaded_direct"] == 1
 
 
-def test_a_mamba_prefix_is_restored_only_where_its_state_was_taken(mamba_servers):
+def test_a_mamba_prefix_is_restored_only_where_its_state_was_taken(radix_servers):
     """The negative controls: a request sharing the first 18 tokens of a stored 24-token prompt finds 18 KV pages
     in kvtier but no state at 18 (states exist only at 24): no restorable length, nothing loaded, no KV page
     read. The same prompt with its Mamba pages dropped from kvtier: nothing loaded either."""
-    s = mamba_servers()
+    s = radix_servers(MambaRadixServer)
     tokens = list(range(1000, 1024))
     s.insert(tokens, seed=22)
     assert s.pump(s.backed_up)
-    s.forget(tokens)
+    s.forget(tokens, mamba_num=1)
     fork = tokens[:18] + [9, 9, 9]
     assert s.backend.batch_exists(page_keys(fork[:18], 1)) == 18  # the KV pages are there
     s.backend.stats()  # resets the page counters
@@ -534,3 +523,38 @@ def test_a_mamba_prefix_is_restored_only_where_its_state_was_taken(mamba_servers
     assert kv["loaded_direct"] + kv["loaded_staged"] + kv["missed"] == 0
     assert s.backend.pools.pools["mamba"].page_store.clear() == 1
     assert s.prefetch(tokens + [7], rid="whole") == 0
+
+
+# ---- the whole live path: a DSA model (MLA + indexer: not hybrid, but its indexer pages move through v2) -------
+
+
+def test_a_dsa_models_indexer_pages_come_back_through_sglangs_radix_cache(radix_servers):
+    """SGLang's UnifiedRadixCache over a DSATokenToKVPool: the indexer pages go to kvtier with batch_set_v2 (a
+    KV-derived sidecar: the KV pages' keys and host indices), come back with batch_get_v2 beside each KV batch,
+    and load back bit-exact with the MLA KV."""
+    s = radix_servers(DsaRadixServer)
+    tokens = list(range(1000, 1000 + 3 * s.page_size))
+    ref_kv, ref_index = s.insert(tokens, seed=31)
+    assert s.pump(s.backed_up)
+    s.forget(tokens)
+    assert s.prefetch(tokens + [7]) == len(tokens)
+    kv, index = s.load_back(tokens)
+    assert len(kv[0]) == len(tokens) and all(torch.equal(a, b) for a, b in zip(kv, ref_kv))
+    assert all(torch.equal(a, b) for a, b in zip(index, ref_index))
+    assert s.backend.stats()["pools"]["indexer"]["pages"]["loaded_direct"] == 3
+
+
+def test_without_its_indexer_pages_a_dsa_prefix_is_not_loaded(radix_servers):
+    """The negative control: the indexer pages dropped from kvtier, the MLA pages kept (the v1 query finds 3):
+    the all_pages policy leaves no restorable length, so no KV page is read and nothing is loaded."""
+    s = radix_servers(DsaRadixServer)
+    tokens = list(range(1000, 1000 + 3 * s.page_size))
+    s.insert(tokens, seed=32)
+    assert s.pump(s.backed_up)
+    s.forget(tokens)
+    assert s.backend.pools.pools["indexer"].page_store.clear() == 3
+    assert s.backend.batch_exists(page_keys(tokens, s.page_size)) == 3
+    s.backend.stats()  # resets the page counters
+    assert s.prefetch(tokens + [7]) == 0
+    kv = s.backend.stats()["pages"]
+    assert kv["loaded_direct"] + kv["loaded_staged"] + kv["missed"] == 0

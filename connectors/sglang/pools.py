@@ -64,13 +64,14 @@ def _unsupported(name: str, host_pool: Any, why: str) -> UnsupportedModel:
 
 
 def pool_pages(name: str, host_pool: Any, *, interface: str, copy_threads: int) -> HostPages:
-    """The page geometry of one registered pool, or UnsupportedModel naming it and what to do."""
-    if getattr(host_pool, "kv_buffer", None) is None:  # SGLang's own test for an anchor without a buffer
-        raise _unsupported(name, host_pool, "it holds no pages of its own (a logical anchor pool)")
+    """The page geometry of one registered pool (its ``get_page_buffer_meta``: the DSA indexer's pool keeps its
+    pages outside ``kv_buffer``, so that is what is asked), or UnsupportedModel naming it and what to do: a pool
+    without buffers of its own, a layout whose pages are not fixed segments (SGLang raises for them)."""
     try:
         return HostPages(host_pool, interface=interface, copy_threads=copy_threads)
-    except (NotImplementedError, ValueError, AssertionError) as e:
-        raise _unsupported(name, host_pool, f"its pages have no fixed segment table ({e})") from None
+    except Exception as e:  # whatever the pool raises describing a page: start-up fails, naming it
+        raise _unsupported(name, host_pool, f"its pages have no fixed segment table ({type(e).__name__}: {e})"
+                           ) from None
 
 
 def pool_signature(name: str, host_pool: Any, pages: HostPages) -> str:
