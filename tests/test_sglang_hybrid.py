@@ -16,7 +16,7 @@ if not sglang_available():
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from sglang_harness import device_pool, host_pool, install, make_backend, storage_config  # noqa: E402
+from sglang_harness import device_pool, host_budget, host_pool, install, make_backend, storage_config  # noqa: E402
 from sglang_hybrid import PS, HybridController, mamba_host, page_keys, read_pages, write_random  # noqa: E402
 from sglang_hybrid_radix import DsaRadixServer, MambaRadixServer, RadixServer, SwaRadixServer  # noqa: E402
 
@@ -40,12 +40,9 @@ TRAILING, ALL = PoolHitPolicy.TRAILING_PAGES, PoolHitPolicy.ALL_PAGES
 
 @pytest.fixture(autouse=True)
 def host_memory_budget():
-    """SGLang sizes a host pool against free RAM less a 10 GiB reserve, which on this shared machine is often
-    negative (and the test's pools then fail to build); these pools are a few MiB, so they are booked against an
-    explicit budget with SGLang's own host_memory_budget_scope."""
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-
-    with host_memory_budget_scope(1 << 30):
+    """Every host pool these tests build (directly, or in SGLang's assembly) is booked against an explicit budget
+    (sglang_harness.host_budget: SGLang's own scope), not free RAM less SGLang's 10 GiB reserve."""
+    with host_budget():
         yield
 
 
