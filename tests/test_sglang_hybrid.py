@@ -338,6 +338,32 @@ def test_each_pool_has_a_bounded_store_of_its_own():
         hybrid_backend({PoolName.MAMBA: mamba}, {"dram_capacity": "20KiB", "sidecar_share": 0.01})
 
 
+def test_a_state_larger_than_its_share_of_the_ssd_staging_still_gets_staging(tmp_path):
+    """A large model's Mamba slot can be bigger than its pool's share of ssd_staging_bytes: the pool's SSD tier
+    still stages two of its pages (the SSD tier's own floor), start-up succeeds and the state round-trips via the
+    SSD alone."""
+    mamba = mamba_host()
+    slot = mamba.get_size_per_token()
+    extra = {"ssd_path": str(tmp_path), "ssd_capacity": "8MiB", "ssd_segment_bytes": "1MiB",
+             "ssd_staging_bytes": slot, "ssd_offload": "write_through", "sidecar_share": 0.25}
+    kv, backend = hybrid_backend({PoolName.MAMBA: mamba}, extra)
+    try:
+        store = backend.pools.pools["mamba"].store
+        keys = HybridController.keys(prompt(1))
+        slots = mamba.alloc(1)
+        saved = write_random(mamba, slots, 11)
+        assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=keys)]) == {
+            PoolName.MAMBA: [True]}
+        assert store.flush(10)
+        store.tiers[0].remove(backend.pools.pools["mamba"].page_store.keys(keys))  # only the SSD has it now
+        target = mamba.alloc(1)
+        assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=target, keys=keys)]) == {
+            PoolName.MAMBA: [True]}
+        assert read_pages(mamba, target) == saved
+    finally:
+        backend.close()
+
+
 def test_a_pool_kvtier_cannot_store_is_refused_at_start_up():
     """A Mamba pool with registered per-slot side state has no fixed segment table (SGLang's get_page_buffer_meta
     refuses it): start-up fails naming the pool and what to do, and nothing is left open. A hybrid model in a

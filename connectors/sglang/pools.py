@@ -144,7 +144,7 @@ class PoolStores:
                 cfg = pool_config(config, name, each)
                 try:
                     store = TieredStore.from_config(cfg, pages.block_bytes)
-                except ConfigError as e:
+                except (ConfigError, ValueError) as e:  # a size no tier of it can hold: name the pool
                     raise ConfigError(f"host pool {name!r} (pages of {pages.block_bytes} B, {each:.0%} of the "
                                       f"capacities: sidecar_share {share} over {len(host_pools)} pools): {e}") from None
                 namespace = pool_identity(identity, name).namespace(pool_signature(name, host_pool, pages))
