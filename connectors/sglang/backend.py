@@ -297,7 +297,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def _pools(self) -> PoolStores:
         self._ready()
-        assert self.pools is not None  # opened with the page store
+        if self.pools is None:  # opened right after the page store, in on_host_pools_registered
+            raise RuntimeError("kvtier: the backend's pool stores are not open")
         return self.pools
 
     def _v2(self, kind: str, call: str, transfers: list[PoolTransfer], failed: str,
