@@ -8,6 +8,11 @@ SGLang's real host pools (``MHATokenToKVPoolHost`` in its 4 layouts on a Llama-3
 - get: ``batch_get_v1`` of them into other host pages (SGLang's prefetch IO thread);
 - baseline: one ``np.copyto`` of the same number of bytes, in the same round.
 
+``--pools mamba``: the same for a hybrid model's Mamba/GDN state pool (SGLang's ``MambaPoolHost``, page_first, on a
+Qwen3-Next-80B-shaped slot: 36 GatedDeltaNet layers of fp32 temporal state 32 x 128 x 128 and bf16 conv state
+8192 x 3, ~74 MiB a slot; ``--state-layers`` fewer) through ``batch_set_v2`` / ``batch_get_v2`` (a KV pool of one
+page beside it, as SGLang registers both), the pool's store holding ``sidecar_share`` 0.9 of the DRAM.
+
 1 GiB per round by default (as ``kvtier bench tiers``): far above the last-level cache, so both the backend and
 the baseline run at memory bandwidth (at 64 MiB on a machine with a 480 MiB L3, both copy from cache).
 
@@ -51,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes", default="1GiB", help="page bytes moved per round and direction (whole pages); keep it "
                                                   "well above the last-level cache, or every copy runs from cache")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--pools", default="mha,mla", help="which host pools: mha, mla or both")
+    p.add_argument("--pools", default="mha,mla", help="which host pools: mha, mla, mamba (comma-separated)")
+    p.add_argument("--state-layers", type=int, default=36, help="--pools mamba: GatedDeltaNet layers per state slot")
     p.add_argument("--layouts", default="", help="comma-separated host layouts (default: every layout of the pool)")
     p.add_argument("--standalone", action="store_true",
                    help="the node pool (a kvtier-pool subprocess, shared memory) as the top tier instead of DRAM")
@@ -63,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     stub_missing_torchvision()
     rows = []
     for kind in [k.strip() for k in args.pools.split(",") if k.strip()]:
+        if kind == "mamba":
+            rows += _bench_mamba(args)
+            continue
         for layout in [x for x in (args.layouts.split(",") if args.layouts else LAYOUTS[kind]) if x]:
             rows += _bench_layout(kind, layout, args)
     tier = "the node pool (kvtier-pool, shared memory)" if args.standalone else "kvtier DRAM"
@@ -130,6 +139,78 @@ def _bench_layout(kind: str, layout: str, args: argparse.Namespace) -> list[dict
     base = gbps(nbytes, median(times["memcpy"]))
     segments = len(host.get_page_buffer_meta(torch.arange(ps))[0])
     fields = {"pool": kind.upper(), "layout": layout, "segments": segments, "pages": n, "block_bytes": page_bytes}
+    copies = {"set": 2 if counts["saved_staged"] else 1, "get": 2 if counts["loaded_staged"] else 1}
+    return [row({**fields, "op": op, "copies": copies[op]}, gbps(nbytes, median(times[op])), base)
+            for op in ("set", "get")]
+
+
+MAMBA_SHAPE = ("qwen3-next-80b", (32, 128, 128), (8192, 3))  # temporal (v heads, k dim, v dim) fp32; conv bf16
+
+
+def _bench_mamba(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Mamba state slots through the v2 calls, beside np.copyto of the same bytes (see the module docstring)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    name, temporal, conv = MAMBA_SHAPE
+    layers = args.state_layers
+    slot_bytes = layers * (int(np.prod(temporal)) * 4 + int(np.prod(conv)) * 2)
+    n = max(1, parse_bytes(args.bytes) // slot_bytes)
+    info = MambaStateBufferInfo(temporal=torch.empty(layers, 1, *temporal, dtype=torch.float32),
+                                conv=(torch.empty(layers, 1, *conv, dtype=torch.bfloat16),))
+    with host_memory_budget_scope(1 << 50):  # as _host_pool: a bench knows its size
+        host = MambaPoolHost(info, 2.0 * n, 0, device_capacity=1, pin_memory=False, device="cpu", layout="page_first")
+        kv = _host_pool("mha", "page_first", 1, pages=1)  # the KV pool SGLang registers beside it (unused)
+    for buf in host.kv_buffer:
+        buf.view(torch.uint8).fill_(3)  # touch every slot before timing
+    src, dst = torch.arange(0, n, dtype=torch.int64), torch.arange(n, 2 * n, dtype=torch.int64)
+    share = 0.9
+    with ExitStack() as stack:
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name=name,
+            extra_config={"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang",
+                          "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "sidecar_share": share,
+                          "dram_capacity": int((n + 1) * slot_bytes / share) + 1, "dram_prefault": True})
+        backend = StorageBackendFactory.create_backend("dynamic", config, kv)
+        backend.register_mem_pool_host(kv)
+        backend.register_mem_host_pool_v2(kv, PoolName.KV)
+        backend.register_mem_host_pool_v2(host, PoolName.MAMBA)
+        backend.on_host_pools_registered()
+        stack.callback(backend.close)
+        pool = backend.pools.pools[str(PoolName.MAMBA)]
+        if pool.pages.block_bytes != slot_bytes:
+            raise RuntimeError(f"bench mamba: a state slot is {pool.pages.block_bytes} B, not {slot_bytes} B")
+        a = np.empty(n * slot_bytes, np.uint8)
+        a.fill(5)
+        b = np.empty_like(a)
+        times: dict[str, list[float]] = {"set": [], "get": [], "memcpy": []}
+        for rnd in range(args.rounds + 1):
+            keys = [f"{rnd:08x}{i:056x}" for i in range(n)]
+            out: dict[str, list[bool]] = {}
+            t_set = time_once(lambda: out.update(set=backend.batch_set_v2(  # noqa: B023 - called now
+                [PoolTransfer(name=PoolName.MAMBA, host_indices=src, keys=keys)])[PoolName.MAMBA]))  # noqa: B023
+            t_get = time_once(lambda: out.update(get=backend.batch_get_v2(  # noqa: B023
+                [PoolTransfer(name=PoolName.MAMBA, host_indices=dst, keys=keys)])[PoolName.MAMBA]))  # noqa: B023
+            t_copy = time_once(lambda: np.copyto(b, a))
+            if not all(out["set"]) or not all(out["get"]):
+                raise RuntimeError(f"bench mamba: {out['set'].count(False)} sets and {out['get'].count(False)} gets "
+                                   "failed")
+            pool.store.remove(pool.page_store.keys(keys))  # the next round saves fresh slots
+            if rnd == 0:
+                _check(host, n, 1)
+                continue
+            times["set"].append(t_set)
+            times["get"].append(t_get)
+            times["memcpy"].append(t_copy)
+        counts = backend.stats()["pools"][str(PoolName.MAMBA)]["pages"]
+    nbytes = n * slot_bytes
+    base = gbps(nbytes, median(times["memcpy"]))
+    fields = {"pool": "MAMBA", "layout": "page_first", "segments": pool.pages.segments, "pages": n,
+              "block_bytes": slot_bytes}
     copies = {"set": 2 if counts["saved_staged"] else 1, "get": 2 if counts["loaded_staged"] else 1}
     return [row({**fields, "op": op, "copies": copies[op]}, gbps(nbytes, median(times[op])), base)
             for op in ("set", "get")]

@@ -7,7 +7,10 @@ What is replaced, and only that (everything of kvtier's and the rest of SGLang's
   before SGLang is imported);
 * the host pools' device<->host copies (``backup_from_device_all_layer``, ``load_to_device_per_layer``): their
   ``transfer_kv_*`` kernels exist only on CUDA/HIP/XPU builds; here they are torch index copies, per layout;
-* host pinning (cudaHostRegister needs CUDA): host pools are built with pin_memory off.
+* host pinning (cudaHostRegister needs CUDA): host pools are built with pin_memory off;
+* the host RAM SGLang books a host pool against (free RAM less a 10 GiB reserve, often negative on this shared
+  machine, and then no pool builds): the test's pools (a few MiB) are built inside SGLang's own
+  ``host_memory_budget_scope`` with an explicit budget (``host_budget``).
 
 ``sglang_available()`` says whether the sglang package is importable (tests/run.sh installs it into
 .venv-sglang and runs these tests there); the tests skip with that reason elsewhere.
@@ -63,6 +66,16 @@ def install() -> None:
         cls.backup_from_device_all_layer = _backup
         cls.load_to_device_per_layer = _load
     _installed = True
+
+
+HOST_BUDGET = 1 << 30  # bytes of host RAM the test's host pools may book (host_budget)
+
+
+def host_budget() -> Any:
+    """SGLang's host_memory_budget_scope with HOST_BUDGET: build host pools inside it."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    return host_memory_budget_scope(HOST_BUDGET)
 
 
 def _host_rows(host: Any, part: int, layer: int, idx: torch.Tensor) -> tuple[torch.Tensor, tuple]:
@@ -139,10 +152,11 @@ def host_pool(dev: Any, layout: str, *, ratio: float = 2.0) -> Any:
     info = dev.get_device_pool_infos()[0].buffer_info
     common = dict(pin_memory=False, device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer,
                   end_layer=dev.end_layer)
-    if isinstance(dev, MLATokenToKVPool):
-        return MLATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, target_layer_num=dev.layer_num,
-                                    override_kv_cache_dim=dev.kv_cache_dim, **common)
-    return get_mha_host_pool_cls(info)(info, ratio, 0, dev.page_size, layout, **common)
+    with host_budget():
+        if isinstance(dev, MLATokenToKVPool):
+            return MLATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, target_layer_num=dev.layer_num,
+                                        override_kv_cache_dim=dev.kv_cache_dim, **common)
+        return get_mha_host_pool_cls(info)(info, ratio, 0, dev.page_size, layout, **common)
 
 
 def storage_config(extra: dict, *, model: str = "test/model", tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
@@ -238,7 +252,8 @@ class RadixServer:
         params = CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
                                  page_size=page_size, tree_components=(ComponentType.FULL,))
         self.cache = UnifiedRadixCache(params)
-        self.cache.init_hicache(self.server_args, params)
+        with host_budget():
+            self.cache.init_hicache(self.server_args, params)
         self.backend = self.cache.cache_controller.storage_backend
 
     def device_layers(self) -> list[torch.Tensor]:

@@ -33,12 +33,11 @@ from sglang_harness import (  # noqa: E402
 
 install()
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolName  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from kvtier.config import ConfigError  # noqa: E402
 from kvtier.connectors.sglang import KVTierHiCacheStorage  # noqa: E402
-from kvtier.connectors.sglang.backend import UnsupportedModel  # noqa: E402
 from kvtier.hashers import SglangPageHasher  # noqa: E402
 
 LAYOUTS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
@@ -106,18 +105,6 @@ def test_mla_with_tp_and_private_stores_is_refused_and_mla_keys_carry_no_tp_rank
     _, solo = backends("mha", "page_first", tp_size=1)
     k0, k1, k = (b.page_store.keys(page_keys(3)) for b in (m0, m1, solo))
     assert not set(k0) & set(k1) and not set(k0) & set(k)  # MHA: per TP rank and per TP width
-
-
-def test_a_hybrid_model_is_refused_at_start_up():
-    host = host_pool(device_pool("mha"), "page_first")
-    backend = StorageBackendFactory.create_backend("dynamic", storage_config({"dram_capacity": "1MiB"}), host)
-    backend.register_mem_pool_host(host)
-    backend.register_mem_host_pool_v2(host, PoolName.KV)
-    backend.register_mem_host_pool_v2(host, PoolName.MAMBA)
-    with pytest.raises(UnsupportedModel, match="mamba"):
-        backend.on_host_pools_registered()
-    assert backend.store is None  # nothing opened
-    assert backend.batch_get_v2([]) == {}
 
 
 # ---- set / exists / get in every layout ---------------------------------------------------------------------

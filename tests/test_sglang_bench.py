@@ -34,3 +34,20 @@ def test_bench_sglang_rows_and_copies(tmp_path, standalone, capsys):
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0
         assert r["copies"] == (2 if standalone and r["segments"] > 1 else 1), r
     assert "SGLang HiCache L3 backend" in capsys.readouterr().out
+
+
+def test_bench_sglang_mamba_state_slots_through_v2(tmp_path):
+    """``--pools mamba``: Mamba state slots through batch_set_v2 / batch_get_v2, each byte copied once per
+    direction (gathered into / scattered from kvtier's DRAM slot), beside memcpy."""
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "rows.json"
+    args = parser.parse_args(["--pools", "mamba", "--state-layers", "2", "--bytes", "8MiB", "--rounds", "1",
+                              "--json", str(out)])
+    assert bench.run(args) == 0
+    import json
+
+    rows = json.loads(out.read_text())
+    assert [(r["pool"], r["op"]) for r in rows] == [("MAMBA", "set"), ("MAMBA", "get")]
+    for r in rows:
+        assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["copies"] == 1 and r["segments"] == 2, r

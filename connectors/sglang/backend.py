@@ -7,13 +7,14 @@
 SGLang keeps L1 (GPU) and L2 (its host pool) itself and asks this backend for the rest: kvtier's DRAM, the
 node pool, other nodes' pools and the SSD, behind one TieredStore per rank (settings.py: the extra config is
 the store's config, the same keys as the vLLM connector's ``kv_connector_extra_config``; identity.py: the
-rank, its namespace and directories; pagestore.py: the copies; events.py: L3 KV events for routers).
+rank, its namespace and directories; pagestore.py: the copies; pools.py and hits.py: a hybrid model's other
+host pools (Mamba, SWA, indexer, draft) and the v2 calls; events.py: L3 KV events for routers).
 
 Lifecycle (SGLang's attach order): ``__init__(storage_config, kwargs)`` validates the config ->
 ``register_mem_pool_host(pool)`` reads the host pool's page geometry -> ``register_mem_host_pool_v2`` for
-each pool -> ``on_host_pools_registered()`` opens the store (a model with other host pools than KV, a hybrid
-model, is refused there: kvtier stores KV pages only) -> the calls below, from SGLang's prefetch, IO,
-backup and scheduler threads at once -> ``close()``.
+each pool -> ``on_host_pools_registered()`` opens the stores (the KV pool's, and one per other pool of a hybrid
+model: pools.py; a pool kvtier cannot store is refused there, named) -> the calls below, from SGLang's
+prefetch, IO, backup and scheduler threads at once -> ``close()``.
 
 Contract: thread-safe; a failure is a miss or False, never an exception into SGLang (each is logged, at
 most once a second per kind); host memory is read and written only during a call.
@@ -39,7 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvtier.config import Config, ConfigError
+from kvtier.config import Config
 from kvtier.connectors.hints import AgentHints, parse_hints
 from kvtier.connectors.paths import PER_WORKER_KEYS, model_dir, per_worker
 from kvtier.ratelog import RateLimitedLog
@@ -49,6 +50,7 @@ from kvtier.tiers.ssd import DirectoryInUse
 from .identity import StorageIdentity, check_sharing
 from .pages import HostPages, page_keys_ok
 from .pagestore import PageStore
+from .pools import KV, PoolStores, UnsupportedModel, pool_config
 from .settings import BackendSettings, split_extra_config
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,6 @@ T = TypeVar("T")
 
 GB = 1e9
 METRICS_KEPT = 4096  # samples of each StorageMetrics list kept between two get_stats calls
-
-
-class UnsupportedModel(ConfigError):
-    """The model has host pools this backend does not store (hybrid models: Mamba, SWA, indexer, draft)."""
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -82,7 +80,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.page_store: PageStore | None = None
         self.store: TieredStore | None = None
         self.events: Any = None  # events.L3Events when kv_events_endpoint is set on the publishing rank
-        self._extra_pools: list[str] = []
+        self.pools: PoolStores | None = None  # every pool's store, for the v2 calls (pools.py)
+        self._extra_pools: dict[str, Any] = {}  # name -> host pool, the pools besides KV
         self._prefetch_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
         self._backup_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
         self._prefetch_bw: deque[float] = deque(maxlen=METRICS_KEPT)
@@ -102,25 +101,28 @@ class KVTierHiCacheStorage(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         if host_pool_name == PoolName.KV:
             return
-        self._extra_pools.append(str(host_pool_name))
         if self.page_store is not None:  # a pool SGLang adds while serving (a dynamic sidecar)
-            log.error("kvtier: host pool %r was registered while serving; kvtier stores KV pages only, so prefixes "
-                      "that need it get no L3 hit", str(host_pool_name))
+            log.error("kvtier: host pool %r was registered while serving; kvtier sizes its pools' stores at start-up, "
+                      "so prefixes that need this pool get no L3 hit", str(host_pool_name))
+            return
+        self._extra_pools[str(host_pool_name)] = host_pool
 
     def on_host_pools_registered(self) -> None:
-        if self._extra_pools:
-            raise UnsupportedModel(
-                f"this model has host pools {self._extra_pools} besides KV (a hybrid model: Mamba, SWA, indexer "
-                "or draft pools, which SGLang moves through the v2 storage calls); kvtier's backend stores KV pages "
-                "only and would serve no prefix of it. Run without --hicache-storage-backend, or use a backend with v2")
         if self.pages is None:
             raise RuntimeError("kvtier: SGLang registered no KV host pool before on_host_pools_registered")
         if self.page_store is not None:
             return  # a second burst (re-attach with the same pools)
+        if self._extra_pools and self.config.mode != "embedded":
+            raise UnsupportedModel(
+                f"this model has host pools {list(self._extra_pools)} besides KV; kvtier stores them in mode "
+                f"'embedded' only (the node pool holds blocks of one size, the KV page's), not '{self.config.mode}'. "
+                "Set \"mode\": \"embedded\" (DRAM and SSD of this server), or run without --hicache-storage-backend")
         ident = self.identity
         namespace = ident.namespace(self.pages.fingerprint)
+        share = self.settings.sidecar_share if self._extra_pools else 0.0
+        kv_config = pool_config(self.config, KV, 1 - share) if share else self.config
         try:
-            self.store = TieredStore.from_config(self.config, self.pages.block_bytes)
+            self.store = TieredStore.from_config(kv_config, self.pages.block_bytes)
         except DirectoryInUse as e:
             raise DirectoryInUse(f"kvtier rank {ident.rank_dir}: {e}; is another SGLang server of this model on this "
                                  "host using the same ssd_path? Give each server its own ssd_path") from None
@@ -136,7 +138,15 @@ class KVTierHiCacheStorage(HiCacheStorage):
                                    holds=partial(self.store.contains, local_only=True))  # no master RPC per eviction
             self.store.add_listener(self.events.on_store_event)
             naming = self.events.naming
-        self.page_store = PageStore(self.store, namespace, self.pages, self.settings.staging_bytes, naming)
+        kv_staging = max(1, int(self.settings.staging_bytes * (1 - share)))
+        self.page_store = PageStore(self.store, namespace, self.pages, kv_staging, naming)
+        try:
+            self.pools = PoolStores.open(self.page_store, self.mem_pool_host, self._extra_pools, config=self.config,
+                                         identity=ident, interface=self.interface, share=share,
+                                         staging_bytes=self.settings.staging_bytes)
+        except BaseException:
+            self.close()
+            raise
         log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s", ident.describe(), self.pages.describe(),
                  namespace.digest.hex()[:12], [t.name for t in self.store.tiers],
                  "".join(f", {k} {getattr(self.config, k)}" for k in PER_WORKER_KEYS if getattr(self.config, k)),
@@ -206,23 +216,28 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # ---- hybrid models' v2 calls: no L3 (refused at start-up; these answer a pool added while serving) ------
+    # ---- the v2 calls: every host pool (KV, Mamba, SWA, indexer, draft; pools.py) ----------------------------
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        if not pool_transfers:
-            return PoolTransferResult(self.batch_exists(keys, extra_info), {})
-        self._log("v2", logging.WARNING, "kvtier: no L3 for pools %s (kvtier stores KV pages only)",
-                  [str(t.name) for t in pool_transfers])
-        return PoolTransferResult.empty()
+        transfers = list(pool_transfers or ())
+        return self._guarded("exists", "batch_exists_v2", keys, "reported as 0 hits", PoolTransferResult.empty(),
+                             lambda store: self._pools().exists(keys, transfers))
 
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+        start = time.perf_counter()
+        out = self._v2("get", "batch_get_v2", transfers, "reported as misses", lambda: PoolStores.load)
+        self._sample_v2(self._prefetch_pgs, self._prefetch_bw, out, start)
+        return out
 
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
                      ) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or ()) for t in transfers}
+        start = time.perf_counter()
+        out = self._v2("set", "batch_set_v2", transfers, "none stored",
+                       lambda: PoolStores.save(self._hints(extra_info)))
+        self._sample_v2(self._backup_pgs, self._backup_bw, out, start)
+        return out
 
     # ---- admin, stats, lifetime ---------------------------------------------------------------------------
 
@@ -252,12 +267,19 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def stats(self) -> dict[str, Any]:
         """kvtier's own view: the store's stats and the page counters since the last call."""
         store = self._ready()
-        return {"store": store.store.stats(), "pages": store.take_counts()}
+        pools = self._pools()
+        counts = pools.take_counts()
+        stores = {p.name: p.store.stats() for p in pools.extra}
+        return {"store": store.store.stats(), "pages": counts.pop(KV),
+                "pools": {name: {"store": stores.get(name), "pages": c} for name, c in counts.items()}}
 
     def close(self) -> None:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self.pools is not None:
+            self.pools.close()
+            self.pools = None
         if self.page_store is not None:
             self.page_store.close()
         if self.store is not None:
@@ -272,6 +294,28 @@ class KVTierHiCacheStorage(HiCacheStorage):
             raise RuntimeError("kvtier: the backend has no host pool yet (SGLang calls register_mem_pool_host and "
                                "on_host_pools_registered first) or is closed")
         return self.page_store
+
+    def _pools(self) -> PoolStores:
+        self._ready()
+        if self.pools is None:  # opened right after the page store, in on_host_pools_registered
+            raise RuntimeError("kvtier: the backend's pool stores are not open")
+        return self.pools
+
+    def _v2(self, kind: str, call: str, transfers: list[PoolTransfer], failed: str,
+            mover: Callable[[], Callable[..., list[bool]]]) -> dict[str, list[bool]]:
+        """One of SGLang's v2 data calls, pool by pool (``mover()`` makes the per-pool move: bad hints fail the
+        call, inside the guard): a pool that fails answers all False (logged, rate-limited, as ``kind``), the
+        others go on; never raised into SGLang."""
+        def on_error(pool: str, e: BaseException) -> None:
+            self._log(f"{kind}:{pool}", logging.ERROR, "kvtier: %s of pool %s failed (%s); %s", call, pool, e, failed,
+                      exc_info=not isinstance(e, (KeyError, ValueError)))
+        try:
+            return self._pools().transfer(transfers, mover(), on_error)
+        except Exception:
+            self._log(kind, logging.ERROR, "kvtier: %s failed; %s", call, failed, exc_info=True)
+            return {t.name: [False] * len(t.keys or ()) for t in transfers}
+        finally:
+            self._publish()
 
     def _guarded(self, kind: str, call: str, keys: list[str], failed: str, fallback: T,
                  run: Callable[[PageStore], T]) -> T:
@@ -295,10 +339,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
             return None
         return parse_hints(extra_info.extra_info, None, "an SGLang storage call")
 
-    def _sample(self, pages: deque[int], bandwidth: deque[float], n: int, start: float) -> None:
+    def _sample(self, pages: deque[int], bandwidth: deque[float], n: int, start: float,
+                nbytes: int | None = None) -> None:
         if self._metrics and n and self.pages is not None:
             pages.append(n)
-            bandwidth.append(n * self.pages.block_bytes / max(time.perf_counter() - start, 1e-9) / GB)
+            moved = n * self.pages.block_bytes if nbytes is None else nbytes
+            bandwidth.append(moved / max(time.perf_counter() - start, 1e-9) / GB)
+
+    def _sample_v2(self, pages: deque[int], bandwidth: deque[float], out: dict[str, list[bool]], start: float) -> None:
+        if self._metrics and self.pools is not None:
+            sizes = {name: pool.pages.block_bytes for name, pool in self.pools.pools.items()}
+            n = sum(sum(ok) for ok in out.values())
+            self._sample(pages, bandwidth, n, start, sum(sum(ok) * sizes.get(str(name), 0) for name, ok in out.items()))
 
     def _publish(self) -> None:
         if self.events is not None:

@@ -39,6 +39,10 @@ class BackendSettings:
     # pages found on the SSD or in a pool, saves when the node pool is the top tier. A batch larger than it
     # goes through it in chunks.
     staging_bytes: int = field(default=256 << 20, metadata={"kind": "bytes"})  # or a size: "256MiB"
+    # A hybrid model's host pools besides KV (Mamba, SWA, indexer, draft: pools.py) share this fraction of
+    # dram_capacity, ssd_capacity and the staging memory, evenly, each in a store of its own; KV keeps the rest.
+    # Unused for a model with a KV pool only.
+    sidecar_share: float = 0.25
     # Agent hints (a storage call's extra_info["kvtier"]) may pin at most this fraction of the DRAM blocks.
     hint_max_fraction: float = 0.5
     # ZMQ PUB endpoint for kvtier's L3 KV events (SGLang's own event format and publisher; e.g. tcp://*:5560,
@@ -50,6 +54,8 @@ class BackendSettings:
     def __post_init__(self) -> None:
         if self.staging_bytes <= 0:
             raise ConfigError(f"staging_bytes must be > 0, got {self.staging_bytes}")
+        if not 0 < self.sidecar_share < 1:
+            raise ConfigError(f"sidecar_share must be in (0, 1), got {self.sidecar_share}")
         if not 0 <= self.hint_max_fraction <= 1:
             raise ConfigError(f"hint_max_fraction must be in [0, 1], got {self.hint_max_fraction}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
