@@ -398,7 +398,9 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
             assert all(c.put(keys, rows(src)))
             monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # ten acquires, releases on later ones
             real_body, bodies = c._body, []
-            refused = onesided.WINDOW  # the first request sent after a reply: it carries that chunk's release
+            # The first request carrying a release: the next request goes out before a reply's chunk is copied
+            # (its lease released), so the one sent on the second reply carries the first chunk's release.
+            refused = onesided.WINDOW + 1
 
             def one_of_another_size(ks, **extra):
                 body = real_body(ks, **extra)
@@ -411,6 +413,39 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
                 c.get(keys, rows(out))
             assert "releases" in bodies[refused]  # the refused request carried a release
             assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # none left to the lease's expiry
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("op", [P.RESERVE, P.ACQUIRE])
+def test_the_next_request_is_in_flight_while_a_chunk_is_copied(tmp_path, monkeypatch, op):
+    """While a reply's chunk is copied, the batch's window is full again: the request after it went out first, so
+    the pool serves it meanwhile (handled first, the lane sat idle for a round trip after every WINDOW chunks)."""
+    monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # eight requests per 32-block call
+    keys = ns.keys(range(300, 332))
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=5.0, lanes=1)
+        try:
+            sent: list = []  # the call's requests, in the order the batch made them
+            in_flight: list[int] = []  # per reply handled: requests sent and not yet answered, as it runs
+            batch, handle = c.channel.batch, c.channel._handle
+
+            def spy_batch(requests, *a, **kw):
+                sent.clear()
+                return batch((sent.append(r) or r for r in requests), *a, **kw)
+
+            def spy_handle(req, *a):
+                if req.op == op:
+                    in_flight.append(sum(1 for r in sent if r.sent and not r.done))
+                return handle(req, *a)
+            monkeypatch.setattr(c.channel, "batch", spy_batch)
+            monkeypatch.setattr(c.channel, "_handle", spy_handle)
+            src, out = filled(32, 5), filled(32, 0)
+            assert c.put(keys, rows(src)) == [True] * 32
+            assert_all_hits_exact(c.get(keys, rows(out)), out, 5)
+            # every reply but the last WINDOW ones is handled with a full window behind it
+            assert in_flight[:-onesided.WINDOW] == [onesided.WINDOW] * (8 - onesided.WINDOW), in_flight
+            assert until(lambda: c.stats()["leases"] == 0, timeout=5.0)
         finally:
             c.close()
 

@@ -25,8 +25,10 @@ half mid-copy (a SIGSTOPped process) can still scribble over a slot the pool has
 the next reader of that key sees an unchanged generation. Blocks carry no checksum on this path.
 
 Each request covers at most REQUEST_BYTES and the pool's request_bytes (an eighth of a client's share), and a
-batch keeps WINDOW (2) in flight on one lane: what a call holds at once (those and the chunk copied last, not
-committed yet) stays well inside one client's share of the pool (pool/budget.py).
+batch keeps WINDOW (2) in flight on one lane, refilled before a reply's chunk is copied (kvtier.transport.channel):
+what a call holds at once (those, the chunk being copied and the one copied before it, whose commit or release
+rides on the request just sent: WINDOW + 2 requests' worth, half the share) stays inside one client's share of
+the pool (pool/budget.py).
 A call has one deadline (kvtier.transport.connection), shared by its batch and its final commit or release.
 
 Every reply carries the pool's epoch; ``_write``/``_read`` get the epoch the offsets belong to, so a
