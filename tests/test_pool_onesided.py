@@ -5,6 +5,9 @@ each other of connections, a restarted pool is re-mapped and re-sized, and a poo
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -446,6 +449,59 @@ def test_the_next_request_is_in_flight_while_a_chunk_is_copied(tmp_path, monkeyp
             # every reply but the last WINDOW ones is handled with a full window behind it
             assert in_flight[:-onesided.WINDOW] == [onesided.WINDOW] * (8 - onesided.WINDOW), in_flight
             assert until(lambda: c.stats()["leases"] == 0, timeout=5.0)
+        finally:
+            c.close()
+
+
+_DIES_MID_BATCH = """
+import os, signal, sys
+import numpy as np
+from kvtier.keys import Namespace
+from kvtier.transport import connect, onesided
+endpoint, op, bb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+onesided.REQUEST_BYTES = 4 * bb  # eight requests for 32 blocks
+c = connect(endpoint, bb, timeout_s=10.0, lanes=1)
+keys = Namespace("abandoned").keys(range(32))
+src, out = np.full((32, bb), 9, np.uint8), np.zeros((32, bb), np.uint8)
+rows = lambda a: np.uint64(a.ctypes.data) + np.arange(32, dtype=np.uint64) * np.uint64(bb)
+if op == "acquire":
+    assert all(c.put(keys, rows(src)))
+handle = c.channel._handle
+def die(req, *a):  # killed right after its first chunk, the next requests already in flight
+    handle(req, *a)
+    if req.op == op:
+        os.kill(os.getpid(), signal.SIGKILL)
+c.channel._handle = die
+c.put(keys, rows(src)) if op == "reserve" else c.get(keys, rows(out))
+"""
+
+
+@pytest.mark.parametrize("op", [P.RESERVE, P.ACQUIRE])
+def test_pipelined_leases_of_a_client_killed_mid_batch_end_by_their_deadline(tmp_path, op):
+    """A client SIGKILLed with its pipelined leases out (a copied chunk never committed or released, the next
+    requests already sent) holds nothing past its lease and quarantine: the pool takes every slot back, nothing
+    the dead put reserved is ever visible, and another client stores the whole capacity afterwards."""
+    lease_s = 0.5
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB, lease_s=lease_s) as p:
+        proc = subprocess.run([sys.executable, "-c", _DIES_MID_BATCH, p.ipc, op, str(BB)], timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        c = connect(p.ipc, BB, timeout_s=5.0)
+        try:
+            dead = Namespace("abandoned").keys(range(32))
+            # its first chunk and the requests it had sent: more than the one lease a call without a window holds
+            assert until(lambda: c.stats()["leases_expired"] >= 2, timeout=30.0), c.stats()
+            assert until(lambda: c.stats()["leases"] == 0 and not c.stats()["leases_quarantined"], timeout=30.0)
+            assert c.stats()["budgets"]["held"]["used"] == 0
+            if op == P.RESERVE:
+                assert c.contains(dead) == [False] * 32  # reserved and (first chunk) copied: never published
+            else:
+                assert c.contains(dead) == [True] * 32  # the dead reader's leases took nothing away
+                c.remove(dead)
+            n = 4 * 2**20 // BB
+            keys = ns.keys(range(5000, 5000 + n))
+            src, out = filled(n, 4), filled(n, 0)
+            assert c.put(keys, rows(src)) == [True] * n  # every slot back in use
+            assert_all_hits_exact(c.get(keys, rows(out)), out, 4)
         finally:
             c.close()
 
