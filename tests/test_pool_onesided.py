@@ -453,6 +453,40 @@ def test_the_next_request_is_in_flight_while_a_chunk_is_copied(tmp_path, monkeyp
             c.close()
 
 
+def test_once_the_reserves_are_out_chunks_are_committed_in_the_batch(tmp_path, monkeypatch):
+    """A put's chunks copied after its last reserve went out are committed by requests of their own in the batch,
+    while the last chunk is copied: the commit after the batch (a round trip nothing overlaps) carries at most
+    that last chunk, and every chunk's lease is committed exactly once."""
+    monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # eight reserves for 32 blocks
+    keys = ns.keys(range(400, 432))
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=5.0, lanes=1)
+        try:
+            sent: list = []
+            after: list[dict] = []  # commits sent after the batch
+            batch, call = c.channel.batch, c._call
+
+            def spy_batch(requests, *a, **kw):
+                return batch((sent.append(r) or r for r in requests), *a, **kw)
+
+            def spy_call(op, body, *a):
+                if op == P.COMMIT:
+                    after.append(body)
+                return call(op, body, *a)
+            monkeypatch.setattr(c.channel, "batch", spy_batch)
+            monkeypatch.setattr(c, "_call", spy_call)
+            src, out = filled(32, 8), filled(32, 0)
+            assert c.put(keys, rows(src)) == [True] * 32
+            assert_all_hits_exact(c.get(keys, rows(out)), out, 8)
+            reserves = [r for r in sent if r.op == P.RESERVE]
+            assert len(reserves) == 8 and P.COMMIT in [r.op for r in sent]
+            assert all(len(b["leases"]) <= 1 for b in after), after
+            committed = [x for r in sent for x in r.body.get("leases", ())] + [x for b in after for x in b["leases"]]
+            assert len(set(committed)) == len(committed) == 8  # each chunk's lease once
+        finally:
+            c.close()
+
+
 _DIES_MID_BATCH = """
 import os, signal, sys
 import numpy as np

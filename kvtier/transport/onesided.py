@@ -6,9 +6,10 @@
 Shared memory (shm.py: the client copies into and out of the pool's mapped file) and RDMA (rdma.py: one-sided
 RDMA WRITE and READ into the pool's registered memory) differ only in ``_write`` and ``_read``. A batch is cut
 into requests of ``REQUEST_BYTES``, the next one in flight on the same connection, so the pool reserves or
-looks up the next chunk while this process copies the current one. Commits ride on the next reserve and releases on
-the next acquire (the last ones go after the batch, once its connections are free: a reply handler never
-waits for a connection, so concurrent calls cannot starve each other of them).
+looks up the next chunk while this process copies the current one. Commits ride on the next reserve (once the
+reserves are out, on commits of their own in the batch) and releases on the next acquire (the last ones go after
+the batch, once its connections are free: a reply handler never waits for a connection, so concurrent calls
+cannot starve each other of them).
 
 Leases (never wrong bytes): the pool holds what it handed out for ``lease_s`` from when it got the request,
 then quarantines it for another ``lease_s`` before reusing the slots (pool/leases.py). This side times
@@ -123,6 +124,15 @@ class OneSidedConnection(ConnectionBase):
                 req = Request(P.RESERVE, body, (), on_reply)
                 if piggyback:
                     carried.append((req, piggyback))
+                yield req
+            # The reserves are all out: what is copied from now on is committed by a request of its own in the
+            # batch, so the pool commits those chunks while the last ones are copied, and the commit after the
+            # batch (a round trip nothing overlaps) carries only what was copied last, or nothing.
+            while copied:
+                done, copied[:] = list(copied), []
+                req = Request(P.COMMIT, {**commit_body(done), "block_bytes": bb, "session": self.session}, (),
+                              lambda ans, done=done: settle(done, ans.body["valid"]))
+                carried.append((req, done))
                 yield req
         deadline = self._deadline(n * bb)
         try:
