@@ -168,7 +168,7 @@ class SlotTable:
             new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending and keys[i] in only]
         if not new:
             return Taken(res, victims, vslots)
-        if len({keys[i] for i in new}) < len(new):
+        if len(set(keys) if len(new) == n else {keys[i] for i in new}) < len(new):
             new = _first_occurrences(keys, new)
         held, free = res.held, self.alloc.free_count
         if free < len(new) and self._admission != "off":
