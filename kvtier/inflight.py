@@ -25,17 +25,24 @@ class InflightPuts:
     def claim(self, keys: Sequence[bytes], held: Sequence[bool]) -> Iterator[list[int]]:
         """Positions of the keys ``held`` marks False that no other claim holds (a key repeated in ``keys``: its
         first position), in flight until the block exits."""
-        fresh: list[int] = []
         unheld = np.flatnonzero(~np.asarray(held, dtype=bool)).tolist()  # no Python work per held key
+        wanted = list(keys) if len(unheld) == len(keys) else [keys[i] for i in unheld]
+        distinct = set(wanted)
         with self._lock:
             claimed = self._keys
-            for i in unheld:
-                k = keys[i]
-                if k not in claimed:
-                    claimed.add(k)
-                    fresh.append(i)
+            if len(distinct) == len(wanted) and claimed.isdisjoint(distinct):
+                # No repeats and no other claim on them (the common case): one set operation, no loop per key.
+                claimed.update(distinct)
+                fresh, fresh_keys = unheld, wanted
+            else:
+                fresh, fresh_keys = [], []
+                for i, k in zip(unheld, wanted):
+                    if k not in claimed:
+                        claimed.add(k)
+                        fresh.append(i)
+                        fresh_keys.append(k)
         try:
             yield fresh
         finally:
             with self._lock:
-                self._keys.difference_update(keys[i] for i in fresh)
+                self._keys.difference_update(fresh_keys)

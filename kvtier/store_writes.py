@@ -49,7 +49,7 @@ class TopWrites:
             retry = [i for i, ok in enumerate(stored) if not ok]
             for i, ok in zip(retry, self.top.put([keys[i] for i in retry], rows.take(retry))):
                 stored[i] = ok
-        new_keys = [k for k, ok in zip(keys, stored) if ok]
+        new_keys = list(keys) if all(stored) else [k for k, ok in zip(keys, stored) if ok]
         result = self._stored(keys, new_keys)
         if self._sightings is not None:
             self._sightings.see(keys)  # stored or refused: either is a sighting

@@ -5,6 +5,9 @@ each other of connections, a restarted pool is re-mapped and re-sized, and a poo
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -398,7 +401,9 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
             assert all(c.put(keys, rows(src)))
             monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # ten acquires, releases on later ones
             real_body, bodies = c._body, []
-            refused = onesided.WINDOW  # the first request sent after a reply: it carries that chunk's release
+            # The first request carrying a release: the next request goes out before a reply's chunk is copied
+            # (its lease released), so the one sent on the second reply carries the first chunk's release.
+            refused = onesided.WINDOW + 1
 
             def one_of_another_size(ks, **extra):
                 body = real_body(ks, **extra)
@@ -411,6 +416,126 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
                 c.get(keys, rows(out))
             assert "releases" in bodies[refused]  # the refused request carried a release
             assert until(lambda: c.stats()["leases"] == 0, timeout=2.0)  # none left to the lease's expiry
+        finally:
+            c.close()
+
+
+@pytest.mark.parametrize("op", [P.RESERVE, P.ACQUIRE])
+def test_the_next_request_is_in_flight_while_a_chunk_is_copied(tmp_path, monkeypatch, op):
+    """While a reply's chunk is copied, the batch's window is full again: the request after it went out first, so
+    the pool serves it meanwhile (handled first, the lane sat idle for a round trip after every WINDOW chunks)."""
+    monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # eight requests per 32-block call
+    keys = ns.keys(range(300, 332))
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=5.0, lanes=1)
+        try:
+            sent: list = []  # the call's requests, in the order the batch made them
+            in_flight: list[int] = []  # per reply handled: requests sent and not yet answered, as it runs
+            batch, handle = c.channel.batch, c.channel._handle
+
+            def spy_batch(requests, *a, **kw):
+                sent.clear()
+                return batch((sent.append(r) or r for r in requests), *a, **kw)
+
+            def spy_handle(req, *a):
+                if req.op == op:
+                    in_flight.append(sum(1 for r in sent if r.sent and not r.done))
+                return handle(req, *a)
+            monkeypatch.setattr(c.channel, "batch", spy_batch)
+            monkeypatch.setattr(c.channel, "_handle", spy_handle)
+            src, out = filled(32, 5), filled(32, 0)
+            assert c.put(keys, rows(src)) == [True] * 32
+            assert_all_hits_exact(c.get(keys, rows(out)), out, 5)
+            # every reply but the last WINDOW ones is handled with a full window behind it
+            assert in_flight[:-onesided.WINDOW] == [onesided.WINDOW] * (8 - onesided.WINDOW), in_flight
+            assert until(lambda: c.stats()["leases"] == 0, timeout=5.0)
+        finally:
+            c.close()
+
+
+def test_once_the_reserves_are_out_chunks_are_committed_in_the_batch(tmp_path, monkeypatch):
+    """A put's chunks copied after its last reserve went out are committed by requests of their own in the batch,
+    while the last chunk is copied: the commit after the batch (a round trip nothing overlaps) carries at most
+    that last chunk, and every chunk's lease is committed exactly once."""
+    monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # eight reserves for 32 blocks
+    keys = ns.keys(range(400, 432))
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="8MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=5.0, lanes=1)
+        try:
+            sent: list = []
+            after: list[dict] = []  # commits sent after the batch
+            batch, call = c.channel.batch, c._call
+
+            def spy_batch(requests, *a, **kw):
+                return batch((sent.append(r) or r for r in requests), *a, **kw)
+
+            def spy_call(op, body, *a):
+                if op == P.COMMIT:
+                    after.append(body)
+                return call(op, body, *a)
+            monkeypatch.setattr(c.channel, "batch", spy_batch)
+            monkeypatch.setattr(c, "_call", spy_call)
+            src, out = filled(32, 8), filled(32, 0)
+            assert c.put(keys, rows(src)) == [True] * 32
+            assert_all_hits_exact(c.get(keys, rows(out)), out, 8)
+            reserves = [r for r in sent if r.op == P.RESERVE]
+            assert len(reserves) == 8 and P.COMMIT in [r.op for r in sent]
+            assert all(len(b["leases"]) <= 1 for b in after), after
+            committed = [x for r in sent for x in r.body.get("leases", ())] + [x for b in after for x in b["leases"]]
+            assert len(set(committed)) == len(committed) == 8  # each chunk's lease once
+        finally:
+            c.close()
+
+
+_DIES_MID_BATCH = """
+import os, signal, sys
+import numpy as np
+from kvtier.keys import Namespace
+from kvtier.transport import connect, onesided
+endpoint, op, bb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+onesided.REQUEST_BYTES = 4 * bb  # eight requests for 32 blocks
+c = connect(endpoint, bb, timeout_s=10.0, lanes=1)
+keys = Namespace("abandoned").keys(range(32))
+src, out = np.full((32, bb), 9, np.uint8), np.zeros((32, bb), np.uint8)
+rows = lambda a: np.uint64(a.ctypes.data) + np.arange(32, dtype=np.uint64) * np.uint64(bb)
+if op == "acquire":
+    assert all(c.put(keys, rows(src)))
+handle = c.channel._handle
+def die(req, *a):  # killed right after its first chunk, the next requests already in flight
+    handle(req, *a)
+    if req.op == op:
+        os.kill(os.getpid(), signal.SIGKILL)
+c.channel._handle = die
+c.put(keys, rows(src)) if op == "reserve" else c.get(keys, rows(out))
+"""
+
+
+@pytest.mark.parametrize("op", [P.RESERVE, P.ACQUIRE])
+def test_pipelined_leases_of_a_client_killed_mid_batch_end_by_their_deadline(tmp_path, op):
+    """A client SIGKILLed with its pipelined leases out (a copied chunk never committed or released, the next
+    requests already sent) holds nothing past its lease and quarantine: the pool takes every slot back, nothing
+    the dead put reserved is ever visible, and another client stores the whole capacity afterwards."""
+    lease_s = 0.5
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB, lease_s=lease_s) as p:
+        proc = subprocess.run([sys.executable, "-c", _DIES_MID_BATCH, p.ipc, op, str(BB)], timeout=120)
+        assert proc.returncode == -signal.SIGKILL
+        c = connect(p.ipc, BB, timeout_s=5.0)
+        try:
+            dead = Namespace("abandoned").keys(range(32))
+            # its first chunk and the requests it had sent: more than the one lease a call without a window holds
+            assert until(lambda: c.stats()["leases_expired"] >= 2, timeout=30.0), c.stats()
+            assert until(lambda: c.stats()["leases"] == 0 and not c.stats()["leases_quarantined"], timeout=30.0)
+            assert c.stats()["budgets"]["held"]["used"] == 0
+            if op == P.RESERVE:
+                assert c.contains(dead) == [False] * 32  # reserved and (first chunk) copied: never published
+            else:
+                assert c.contains(dead) == [True] * 32  # the dead reader's leases took nothing away
+                c.remove(dead)
+            n = 4 * 2**20 // BB
+            keys = ns.keys(range(5000, 5000 + n))
+            src, out = filled(n, 4), filled(n, 0)
+            assert c.put(keys, rows(src)) == [True] * n  # every slot back in use
+            assert_all_hits_exact(c.get(keys, rows(out)), out, 4)
         finally:
             c.close()
 

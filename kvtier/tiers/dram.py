@@ -104,12 +104,16 @@ class DramTier(AddressableSlots):
 
     def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
-        with self.acquire(keys) as addresses:
-            hit = [a is not None for a in addresses]
-            index = [i for i, h in enumerate(hit) if h]
-            if index:
-                src = np.fromiter((addresses[i] for i in index), dtype=np.uint64, count=len(index))
-                self.get_copies.copy(rows.ptrs[index], src, self.block_bytes)
+        with self._held_slots(keys) as slots:
+            if None not in slots:  # all hits (the common get): no Python work per key
+                hit, dst, held = [True] * len(slots), rows.ptrs, slots
+            else:
+                hit = [s is not None for s in slots]
+                index = [i for i, h in enumerate(hit) if h]
+                dst, held = rows.ptrs[index], [slots[i] for i in index]
+            if held:
+                src = self._base + np.asarray(held, dtype=np.uint64) * np.uint64(self.block_bytes)
+                self.get_copies.copy(dst, src, self.block_bytes)
         return hit
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -181,25 +185,31 @@ class DramTier(AddressableSlots):
 
         The blocks cannot be evicted or reused meanwhile; counts as a hit for the eviction policy and stats.
         """
+        with self._held_slots(keys) as slots:
+            bb, base = self.block_bytes, int(self._base)
+            yield [None if s is None else base + s * bb for s in slots]
+
+    @contextmanager
+    def _held_slots(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:
+        """``acquire``'s slots (None for misses), held until the context exits."""
         with self._lock:
-            get = self._slot_of.get
-            slots = [get(k) for k in keys]
-            self._policy.access([k for k, s in zip(keys, slots) if s is not None])
+            slots = list(map(self._slot_of.get, keys))
+            all_hit = None not in slots
+            self._policy.access(keys if all_hit else [k for k, s in zip(keys, slots) if s is not None])
             if self._leaving:  # being handed down: still readable, no longer the policy's
                 leaving = self._leaving.get
                 were = len(slots) - slots.count(None)
                 slots = [leaving(k) if s is None else s for k, s in zip(keys, slots)]
                 if len(slots) - slots.count(None) > were:
                     self._read_leaving.update(s for k, s in zip(keys, slots) if k in self._leaving)
-            hit_slots = [s for s in slots if s is not None]
+            hit_slots = slots if all_hit else [s for s in slots if s is not None]
             self._table.hold(hit_slots)
             st = self._stats
             st.hits += len(hit_slots)
             st.misses += len(slots) - len(hit_slots)
             st.get_bytes += len(hit_slots) * self.block_bytes
-        bb, base = self.block_bytes, int(self._base)
         try:
-            yield [None if s is None else base + s * bb for s in slots]
+            yield slots
         finally:
             with self._lock:
                 self._table.release(hit_slots)

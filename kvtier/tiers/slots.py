@@ -160,13 +160,15 @@ class SlotTable:
         victims: list[bytes] = []
         vslots: list[int] = []
         slot_of, pending = self.slot_of, self.pending
-        if only is None:
+        if only is None and slot_of.keys().isdisjoint(keys) and pending.keys().isdisjoint(keys):
+            new = list(range(n))  # all new (a put of fresh blocks): two set operations, no loop per key
+        elif only is None:
             new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
         else:
             new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending and keys[i] in only]
         if not new:
             return Taken(res, victims, vslots)
-        if len({keys[i] for i in new}) < len(new):
+        if len(set(keys) if len(new) == n else {keys[i] for i in new}) < len(new):
             new = _first_occurrences(keys, new)
         held, free = res.held, self.alloc.free_count
         if free < len(new) and self._admission != "off":
@@ -187,10 +189,9 @@ class SlotTable:
         for i in new[len(slots):]:
             held[i] = False
         self.stats.rejected += len(new) - len(slots)
-        res.keys = [keys[i] for i in res.index]
+        res.keys = list(keys) if len(res.index) == n else [keys[i] for i in res.index]  # index is ascending
         res.slots = slots
-        for k, s in zip(res.keys, slots):
-            pending[k] = s
+        pending.update(zip(res.keys, slots))
         self.busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
         return Taken(res, victims, vslots)
 
@@ -200,18 +201,27 @@ class SlotTable:
         the slot instead). Returns (committed keys, keys dropped while being written: their slots are doomed)."""
         published: list[bytes] = []
         lost: list[bytes] = []
-        self.busy[list(slots)] -= 1
+        slots = list(slots)
+        self.busy[slots] -= 1
         pending, slot_of = self.pending, self.slot_of
-        for k, s in zip(keys, slots):
-            if pending.get(k) == s:
+        if success and list(map(pending.get, keys)) == slots:
+            # Every key still pending in its slot (nothing removed it meanwhile: the common case): the maps
+            # change in bulk, with no test per key.
+            for k in keys:
                 del pending[k]
-                if success:
-                    slot_of[k] = s
-                    published.append(k)
-                    continue
-                self.doomed.add(s)
-            else:  # removed while being written: drop() doomed the slot
-                lost.append(k)
+            slot_of.update(zip(keys, slots))
+            published = list(keys)
+        else:
+            for k, s in zip(keys, slots):
+                if pending.get(k) == s:
+                    del pending[k]
+                    if success:
+                        slot_of[k] = s
+                        published.append(k)
+                        continue
+                    self.doomed.add(s)
+                else:  # removed while being written: drop() doomed the slot
+                    lost.append(k)
         self.policy.insert(published)
         if self.index is not None and published:
             self.index.add(key_array(published))

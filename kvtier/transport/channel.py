@@ -343,6 +343,10 @@ class _Run:
         self.load[id(entry[0])] -= 1
         self.progress = time.monotonic()
         entry[1].done = True
+        # The next request goes out before this reply is handled: the pool serves it while ``on_reply`` runs
+        # (a one-sided transport copies a whole chunk there). Handled first, a lane whose window's replies had
+        # all come in sat idle for a round trip after every ``window`` chunks.
+        self._fill()
         self.ch._handle(entry[1], ok, body, frames[1:], frames[0])
 
 

@@ -6,9 +6,10 @@
 Shared memory (shm.py: the client copies into and out of the pool's mapped file) and RDMA (rdma.py: one-sided
 RDMA WRITE and READ into the pool's registered memory) differ only in ``_write`` and ``_read``. A batch is cut
 into requests of ``REQUEST_BYTES``, the next one in flight on the same connection, so the pool reserves or
-looks up the next chunk while this process copies the current one. Commits ride on the next reserve and releases on
-the next acquire (the last ones go after the batch, once its connections are free: a reply handler never
-waits for a connection, so concurrent calls cannot starve each other of them).
+looks up the next chunk while this process copies the current one. Commits ride on the next reserve (once the
+reserves are out, on commits of their own in the batch) and releases on the next acquire (the last ones go after
+the batch, once its connections are free: a reply handler never waits for a connection, so concurrent calls
+cannot starve each other of them).
 
 Leases (never wrong bytes): the pool holds what it handed out for ``lease_s`` from when it got the request,
 then quarantines it for another ``lease_s`` before reusing the slots (pool/leases.py). This side times
@@ -25,8 +26,10 @@ half mid-copy (a SIGSTOPped process) can still scribble over a slot the pool has
 the next reader of that key sees an unchanged generation. Blocks carry no checksum on this path.
 
 Each request covers at most REQUEST_BYTES and the pool's request_bytes (an eighth of a client's share), and a
-batch keeps WINDOW (2) in flight on one lane: what a call holds at once (those and the chunk copied last, not
-committed yet) stays well inside one client's share of the pool (pool/budget.py).
+batch keeps WINDOW (2) in flight on one lane, refilled before a reply's chunk is copied (kvtier.transport.channel):
+what a call holds at once (those, the chunk being copied and the one copied before it, whose commit or release
+rides on the request just sent: WINDOW + 2 requests' worth, half the share) stays inside one client's share of
+the pool (pool/budget.py).
 A call has one deadline (kvtier.transport.connection), shared by its batch and its final commit or release.
 
 Every reply carries the pool's epoch; ``_write``/``_read`` get the epoch the offsets belong to, so a
@@ -121,6 +124,15 @@ class OneSidedConnection(ConnectionBase):
                 req = Request(P.RESERVE, body, (), on_reply)
                 if piggyback:
                     carried.append((req, piggyback))
+                yield req
+            # The reserves are all out: what is copied from now on is committed by a request of its own in the
+            # batch, so the pool commits those chunks while the last ones are copied, and the commit after the
+            # batch (a round trip nothing overlaps) carries only what was copied last, or nothing.
+            while copied:
+                done, copied[:] = list(copied), []
+                req = Request(P.COMMIT, {**commit_body(done), "block_bytes": bb, "session": self.session}, (),
+                              lambda ans, done=done: settle(done, ans.body["valid"]))
+                carried.append((req, done))
                 yield req
         deadline = self._deadline(n * bb)
         try:
