@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 import torch
+
+# Triton fixes its mode when it is first imported, and any test module may import it first (vLLM does, and the
+# hybrid bench's tests import vLLM at collection): on a machine without a GPU the kernel tests run Triton in its
+# interpreter, so the interpreter is asked for here, before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def block_for(key: bytes, nbytes: int) -> torch.Tensor:
