@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import logging
 import sys
 import tempfile
@@ -22,8 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# `kvtier demo`: the shipped sample (package data), replayed on these settings, the default policy beside LRU.
-DEMO_TRACES = ("sample-traces", "agentic-cc")
+# `kvtier demo`: the shipped sample (traces.sample_traces()), replayed on these settings, the default policy beside LRU.
 # Eight of the ten sample traces, 8 lanes, HBM 5% of their unique blocks (an engine's HBM is small against the
 # sessions it serves): first DRAM at 2%..25%, drawn as a PNG; then DRAM 10% without and with a second node's
 # DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 70 s of CPU in all (each pool
@@ -202,27 +200,28 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
 def run_demo(args: argparse.Namespace) -> int:
     """Two replays of the shipped sample: DRAM capacities (plotted), then DRAM with a pool and an SSD under it.
     ``--json`` gets the first report with the second under ``"tiers"``."""
-    root = importlib.resources.files("kvtier").joinpath(*DEMO_TRACES)
-    with importlib.resources.as_file(root) as sample:
-        if not Path(sample).is_dir():
-            raise OSError(f"the demo traces are missing from this install ({sample}); reinstall kvtier")
-        parser = argparse.ArgumentParser(prog="kvtier demo")
-        parser.add_argument("traces", nargs="+")
-        add_replay_arguments(parser)
-        passed = ["--no-progress"] if args.no_progress else []
-        passed += ["--model", args.model] if args.model else []
-        plot = ["--plot", str(args.plot)] if args.plot else []
-        print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
-        with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
-            report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *passed]),
-                            title="kvtier demo, DRAM capacity", pool=pool)
-            if args.plot:
-                print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
-                      "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
-                      "the infinite cache")
-            print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
-            report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *passed]),
-                                     title="kvtier demo, tiers under DRAM", pool=pool)
+    from kvtier.replay.traces import sample_traces
+
+    sample = sample_traces()
+    if not sample.is_dir():
+        raise OSError(f"the demo traces are missing from this install ({sample}); reinstall kvtier")
+    parser = argparse.ArgumentParser(prog="kvtier demo")
+    parser.add_argument("traces", nargs="+")
+    add_replay_arguments(parser)
+    passed = ["--no-progress"] if args.no_progress else []
+    passed += ["--model", args.model] if args.model else []
+    plot = ["--plot", str(args.plot)] if args.plot else []
+    print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
+    with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
+        report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *passed]),
+                        title="kvtier demo, DRAM capacity", pool=pool)
+        if args.plot:
+            print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
+                  "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
+                  "the infinite cache")
+        print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
+        report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *passed]),
+                                 title="kvtier demo, tiers under DRAM", pool=pool)
     if args.json:
         from kvtier.bench.common import write_json
 
