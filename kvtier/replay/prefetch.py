@@ -13,6 +13,7 @@ loaded as usual.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 
 from kvtier.prefetch import Prefetcher
@@ -21,12 +22,29 @@ from kvtier.store import TieredStore
 
 
 class _Channel:
-    __slots__ = ("bandwidth", "t", "demand_until")
+    """One lower tier's read bandwidth on the virtual clock: the demand loads' intervals on it, and the credit
+    (in blocks) its free time has earned the prefetches and they have not spent yet."""
+
+    __slots__ = ("bandwidth", "t", "busy", "credit")
 
     def __init__(self, bandwidth: float) -> None:
         self.bandwidth = bandwidth
-        self.t = 0.0  # the channel's prefetch traffic is done up to here
-        self.demand_until = 0.0  # demand loads hold the channel until here
+        self.t = 0.0  # free time is counted up to here
+        self.busy: deque[tuple[float, float]] = deque()  # demand loads' (start, end), in start order
+        self.credit = 0.0
+
+    def free(self, now: float) -> float:
+        """Seconds in [t, now] no demand load held the channel (t moves to now)."""
+        t0, busy = self.t, self.busy
+        held = 0.0
+        while busy and busy[0][1] <= t0:
+            busy.popleft()
+        for start, end in busy:
+            if start >= now:
+                break
+            held += min(end, now) - max(start, t0)
+        self.t = max(t0, now)
+        return max(0.0, now - t0 - held)
 
 
 class ReplayPrefetch:
@@ -39,28 +57,22 @@ class ReplayPrefetch:
         self.prefetcher = Prefetcher(store, resident=hbm.prefix if hbm is not None else None)
         self.block_bytes = block_bytes
         self.channels = {t.name: _Channel(bandwidth[t.name]) for t in store.tiers[1:]}
-        self.bytes_moved = 0
 
-    def demand(self, tier: str, until: float) -> None:
-        """A demand load from ``tier`` holds its channel until ``until``."""
+    def demand(self, tier: str, start: float, seconds: float) -> None:
+        """A demand load holds ``tier``'s channel for ``seconds`` from ``start`` (the link's order: starts
+        never go back)."""
         ch = self.channels.get(tier)
-        if ch is not None and until > ch.demand_until:
-            ch.demand_until = until
+        if ch is not None and seconds > 0:
+            ch.busy.append((start, start + seconds))
 
     def advance(self, now: float) -> None:
-        """Spend the channels' free time up to ``now`` on the prefetcher's jobs."""
+        """Spend the channels' free time up to ``now`` on the prefetcher's jobs: what a channel's credit does
+        not buy (no job, or no room in DRAM) is lost, idle time is never banked."""
         budget: dict[str, int] = {}
-        starts: dict[str, float] = {}
         for name, ch in self.channels.items():
-            start = max(ch.t, ch.demand_until)
-            starts[name] = start
-            if now > start:
-                budget[name] = int((now - start) * ch.bandwidth / self.block_bytes)
-        moved = self.prefetcher.step(budget) if budget and self.prefetcher.pending() else {}
+            ch.credit += ch.free(now) * ch.bandwidth / self.block_bytes
+            budget[name] = int(ch.credit)
+        moved = self.prefetcher.step(budget) if self.prefetcher.pending() else {}
         for name, ch in self.channels.items():
             n = moved.get(name, 0)
-            if n and n >= budget.get(name, 0):  # busy the whole interval: the remainder carries over
-                ch.t = starts[name] + n * self.block_bytes / ch.bandwidth
-            else:  # idle for part of it (no job, or no room): that time is gone
-                ch.t = max(now, starts[name]) if now > starts[name] else ch.t
-            self.bytes_moved += n * self.block_bytes
+            ch.credit = ch.credit - n if n >= budget[name] else 0.0

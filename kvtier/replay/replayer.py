@@ -302,10 +302,10 @@ class Replayer:
                 for tier, count in per_tier.items():
                     hit_tokens[tier] += count * bt
                     load_s += count * self.real_block_bytes / self._bandwidth[tier]
-                if self.prefetch is not None:  # the demand load holds those tiers' channels until it is done
-                    until = max(self.server.link_free, now) + load_s
-                    for tier in per_tier:
-                        self.prefetch.demand(tier, until)
+                if self.prefetch is not None:  # the demand load holds each tier's channel for its part
+                    start = max(self.server.link_free, now)
+                    for tier, count in per_tier.items():
+                        self.prefetch.demand(tier, start, count * self.real_block_bytes / self._bandwidth[tier])
             if self.config.offload == "write-through" and h + d < n:
                 self._put_tail_first(keys[h + d:])
         victims = self.hbm.admit(keys)
