@@ -17,6 +17,11 @@ router: the SDK's prefetch call). Counted, in blocks: ``prefetched`` (copied up)
 to them while they were on top), ``wasted`` (evicted from the top tier unused), ``cancelled`` (left undone when
 a job ended early).
 
+In a server the Prefetcher is moved by a PrefetchDriver (a thread: every ``tick_s`` each lower tier's budget is
+its read rate measured on the prefetches' own copies times the tick, and nothing moves while a demand read is
+under way in the store: demand first); in a replay by the virtual clock (kvtier/replay/prefetch.py).
+PrefetchCollector exposes the counts to Prometheus, in bytes.
+
 Bounded: at most ``max_jobs`` jobs (the one predicted back last is dropped first) and ``max_chains`` remembered
 chains (least recently seen forgotten), and ``max_tracked`` prefetched keys waiting to be used (oldest forgotten).
 Thread-safe (one lock; the store calls run outside it only for the copies).
@@ -27,9 +32,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvtier.policies import Observations
 from kvtier.store import TieredStore
@@ -81,6 +90,7 @@ class Prefetcher:
         self._requests: OrderedDict[str, str] = OrderedDict()  # request -> session, for completions
         self._brought: OrderedDict[bytes, None] = OrderedDict()  # prefetched, not used or evicted yet
         self._top_name = store.tiers[0].name
+        self.rates: dict[str, float] = {}  # bytes/s read per lower tier, measured on the prefetches' copies
         store.add_watcher(self.observe)
         store.add_listener(self._on_event)
 
@@ -156,7 +166,9 @@ class Prefetcher:
                 break
             if self.resident is not None:
                 job.pos = max(job.pos, self.resident(job.chain))
+            t0 = time.perf_counter()
             got = self.store.bring_up(job.chain, job.session, job.pos, left)
+            self._measured(got.moved, time.perf_counter() - t0)
             with self._lock:
                 if self._jobs.get(job.session) is not job:
                     continue  # cancelled meanwhile (its agent came back): what it copied up is counted anyway
@@ -191,6 +203,18 @@ class Prefetcher:
                     ranked.append((back, i, job))
         ranked.sort(key=lambda r: (r[0], r[1]))
         return [job for _, _, job in ranked]
+
+    def _measured(self, moved: Mapping[str, int], seconds: float) -> None:
+        """A step's copies: the read rate of the one lower tier it read from (several: not attributable, so
+        not counted), smoothed."""
+        if len(moved) != 1 or seconds <= 0:
+            return
+        (tier, n), = moved.items()
+        if n < 4:
+            return
+        rate = n * self.store.block_bytes / seconds
+        old = self.rates.get(tier)
+        self.rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
 
     # ---- bookkeeping (under the lock) ------------------------------------------------------------------------
 
@@ -232,3 +256,69 @@ class Prefetcher:
             for k in event.keys:
                 brought.pop(k, None)
             self.counts.wasted += n - len(brought)
+
+
+class PrefetchDriver:
+    """Moves a Prefetcher's jobs in real time on a thread of its own: every ``tick_s``, unless a demand read is
+    under way in the store (``TieredStore.demand_reads``: demand first), each lower tier gets a budget of
+    ``share`` of its measured read rate times the tick (``probe_blocks`` until a rate is measured), at most
+    ``max_blocks``. ``close`` stops it (at most one step's copies later)."""
+
+    def __init__(self, prefetcher: Prefetcher, *, tick_s: float = 0.05, share: float = 0.5,
+                 probe_blocks: int = 16, max_blocks: int = 4096) -> None:
+        if not tick_s > 0 or not 0 < share <= 1:
+            raise ValueError(f"tick_s must be > 0 and share in (0, 1], got {tick_s}, {share}")
+        self.prefetcher, self.tick_s, self.share = prefetcher, tick_s, share
+        self.probe_blocks, self.max_blocks = probe_blocks, max_blocks
+        self.deferred = 0  # ticks skipped for demand reads
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
+        self._thread.start()
+
+    def budget(self) -> dict[str, int]:
+        store = self.prefetcher.store
+        out = {}
+        for tier in store.tiers[1:]:
+            rate = self.prefetcher.rates.get(tier.name)
+            n = self.probe_blocks if rate is None else int(rate * self.share * self.tick_s / store.block_bytes)
+            out[tier.name] = max(1, min(self.max_blocks, n))
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            if not self.prefetcher.pending():
+                continue
+            if self.prefetcher.store.demand_reads:
+                self.deferred += 1
+                continue
+            try:
+                self.prefetcher.step(self.budget())
+            except Exception:
+                log.exception("prefetch step failed; retrying at the next tick")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class PrefetchCollector(Collector):
+    """Prometheus view of a Prefetcher: ``kvtier_prefetch_bytes_total{outcome}`` (prefetched, used, wasted,
+    cancelled) and ``kvtier_prefetch_jobs`` (agents waiting for their prefix). Register it in the process's
+    registry (``registry.register(PrefetchCollector(p))``)."""
+
+    def __init__(self, prefetcher: Prefetcher) -> None:
+        self.prefetcher = prefetcher
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        p = self.prefetcher
+        bb = p.store.block_bytes
+        c = CounterMetricFamily("kvtier_prefetch_bytes", "Bytes of prefetch between turns, by outcome: prefetched "
+                                "(copied up into DRAM), used (their agent came back to them), wasted (evicted "
+                                "unused), cancelled (left undone: the agent came back first or finished)",
+                                labels=["outcome"])
+        for outcome in COUNTS:
+            c.add_metric([outcome], getattr(p.counts, outcome) * bb)
+        yield c
+        g = GaugeMetricFamily("kvtier_prefetch_jobs", "Idle agents whose prefix is being brought up")
+        g.add_metric([], p.pending())
+        yield g

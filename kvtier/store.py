@@ -77,6 +77,7 @@ class TieredStore:
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight = InflightPuts()  # what put skips: keys another thread is writing now
+        self.demand_reads = 0  # gets under way: a prefetch driver yields to them (kvtier/prefetch.py)
         self._listeners: list[Listener] = []
         self._reclaimers: list[Callable[[], int]] = []  # release stale pins (expired leases) when full
         # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
@@ -188,6 +189,15 @@ class TieredStore:
         """
         check_keys(keys)
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
+        with self._lock:
+            self.demand_reads += 1
+        try:
+            return self._get(keys, rows)
+        finally:
+            with self._lock:
+                self.demand_reads -= 1
+
+    def _get(self, keys: Sequence[bytes], rows: BlockRows) -> list[bool]:
         hit = self.tiers[0].get(keys, rows)
         served = [0 if h else -1 for h in hit]  # which tier served each key
         for t, tier in enumerate(self.tiers[1:], 1):

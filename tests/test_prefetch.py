@@ -154,6 +154,23 @@ def test_a_finished_hint_cancels_the_prefetch(tmp_path):
         assert pf.pending() == 0 and pf.counts.cancelled - cancelled == 8
 
 
+def test_no_room_when_dram_holds_only_agents_needed_sooner(tmp_path):
+    """DRAM is full of agents calling tools (back in ~5 s); the idle agent answered a human (back in ~60 s):
+    its prefix stays on the SSD, and theirs in DRAM."""
+    clock = Clock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        agents = Agents(store, clock)
+        agents.teach_two()
+        agents.turn(9, chain(9, 8), stop="end_turn")
+        for a in range(10, 14):
+            agents.turn(a, chain(a, 4), stop="tool_use")
+        sooner = [key for a in range(10, 14) for key in chain(a, 4)]
+        assert where(store, sooner) == ["dram"] * 16 and "dram" not in where(store, chain(9, 8))
+        got = store.bring_up(chain(9, 8), "a9", 0, {"ssd": 100})
+        assert got.why == "room" and got.keys == [] and got.done == 0
+        assert where(store, sooner) == ["dram"] * 16
+
+
 @settings(max_examples=20, deadline=None)
 @given(gaps=st.lists(st.sampled_from([2.0, 5.0, 30.0, 120.0]), min_size=3, max_size=6),
        target=st.integers(0, 5), budget=st.integers(1, 40))
@@ -185,3 +202,43 @@ def test_a_prefetch_never_evicts_a_block_predicted_to_be_needed_sooner(gaps, tar
             assert mine is not None and owner != x and (other is None or other >= mine), (
                 f"agent {owner} (back at {other}) lost a block to agent {x}'s prefetch (back at {mine})")
         read_back(store, [key for key in chain(x, 10) if key in after])
+
+
+def test_the_driver_moves_jobs_in_real_time_and_prometheus_counts_bytes(tmp_path):
+    """A PrefetchDriver thread brings the prefix up at a measured rate; the collector's exposition (checked by
+    promtool where installed) counts it in bytes."""
+    import shutil
+    import subprocess
+    import time
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvtier.prefetch import PrefetchCollector, PrefetchDriver
+
+    clock = Clock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        pf = Prefetcher(store)
+        agents = Agents(store, clock)
+        agents.teach_two()
+        agents.push_out(9)
+        registry = CollectorRegistry()
+        registry.register(PrefetchCollector(pf))
+        driver = PrefetchDriver(pf, tick_s=0.01, probe_blocks=2)
+        try:
+            deadline = time.monotonic() + 20
+            while pf.pending() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            driver.close()
+        assert where(store, chain(9, 8)) == ["dram"] * 8
+        read_back(store, chain(9, 8))
+        agents.arrive(9, chain(9, 9))
+        text = generate_latest(registry).decode()
+        got = {s.labels.get("outcome", s.name): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert got["prefetched"] == got["used"] == 8 * BB and got["wasted"] == 0
+        assert got["kvtier_prefetch_jobs"] == 0
+        promtool = shutil.which("promtool")
+        if promtool:
+            check = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True)
+            assert check.returncode == 0, check.stderr.decode() + check.stdout.decode()
