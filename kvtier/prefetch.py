@@ -15,7 +15,7 @@ A job ends when its chain is up, when the agent comes back (an arrival: what it 
 cancelled), or when a hint says the agent is finished. ``request`` is the explicit form (an operator or a
 router: the SDK's prefetch call). Counted, in blocks: ``prefetched`` (copied up), ``used`` (the agent came back
 to them while they were on top), ``wasted`` (evicted from the top tier unused), ``cancelled`` (left undone when
-a job ended early).
+a job ended early: the rest of its prefix still below the top tier then).
 
 In a server the Prefetcher is moved by a PrefetchDriver (a thread: every ``tick_s`` each lower tier's budget is
 its read rate measured on the prefetches' own copies times the tick, and nothing moves while a demand read is
@@ -89,6 +89,7 @@ class Prefetcher:
         self._inflight: dict[str, int] = {}  # session -> requests in flight
         self._requests: OrderedDict[str, str] = OrderedDict()  # request -> session, for completions
         self._brought: OrderedDict[bytes, None] = OrderedDict()  # prefetched, not used or evicted yet
+        self._dropped: list[_Job] = []  # jobs ended early, their undone part not counted yet (_settle)
         self._top_name = store.tiers[0].name
         self.rates: dict[str, float] = {}  # bytes/s read per lower tier, measured on the prefetches' copies
         store.add_watcher(self.observe)
@@ -130,6 +131,7 @@ class Prefetcher:
                 if session is not None and h.finished:
                     self._cancel(session)
                     self._chains.pop(session, None)
+        self._settle()
 
     def request(self, session: str, chain: Sequence[bytes]) -> None:
         """Bring ``chain`` (root first) up for ``session``, as for an idle agent (an operator's or a router's
@@ -137,10 +139,12 @@ class Prefetcher:
         with self._lock:
             self._cancel(session)
             self._enqueue(_Job(session, list(chain), explicit=True))
+        self._settle()
 
     def cancel(self, session: str) -> None:
         with self._lock:
             self._cancel(session)
+        self._settle()
 
     # ---- moving blocks -------------------------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class Prefetcher:
                 left[tier] = left.get(tier, 0) - n
             if got.why == "room":
                 break
+        self._settle()
         return moved
 
     def _order(self) -> list[_Job]:
@@ -198,7 +203,7 @@ class Prefetcher:
                 elif back is None:
                     if self._jobs.get(job.session) is job:
                         del self._jobs[job.session]
-                        self.counts.cancelled += len(job.chain) - job.pos
+                        self._dropped.append(job)
                 else:
                     ranked.append((back, i, job))
         ranked.sort(key=lambda r: (r[0], r[1]))
@@ -227,7 +232,20 @@ class Prefetcher:
     def _cancel(self, session: str) -> None:
         job = self._jobs.pop(session, None)
         if job is not None:
-            self.counts.cancelled += len(job.chain) - job.pos
+            self._dropped.append(job)
+
+    def _settle(self) -> None:
+        """Count what the jobs dropped since the last call left undone: the blocks of the rest of their prefix
+        still below the top tier (asked of the store outside the lock)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        undone = 0
+        for job in dropped:
+            found = self.store.lookup_prefix(job.chain[job.pos:])
+            undone += found.length - found.count(self._top_name)
+        if undone:
+            with self._lock:
+                self.counts.cancelled += undone
 
     def _record(self, keys: list[bytes], moved: Mapping[str, int]) -> None:
         c = self.counts

@@ -147,7 +147,7 @@ def test_a_finished_hint_cancels_the_prefetch(tmp_path):
         pf = Prefetcher(store)
         agents = Agents(store, clock)
         agents.teach_two()
-        agents.turn(9, chain(9, 8))
+        agents.push_out(9)  # its 8 blocks on the SSD, a job to bring them up
         assert pf.sessions() == ["a9"]
         cancelled = pf.counts.cancelled
         store.observe(hints=[Hint(session="a9", time=clock.t, finished=True)])
