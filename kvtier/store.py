@@ -19,7 +19,8 @@ which keys each tier gained and lost (the engines' KV events and the master's di
 tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload.py's.
 
 Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
-and the bookkeeping every call shares (the one tier walk, counters, events); its parts with a role of their own
+and the bookkeeping every call shares (the one tier walk, counters, events; ``bring_up``, the copy a prefetch
+between turns makes, is here because it is that walk and the promotion claim); its parts with a role of their own
 live beside it (store_build.py, store_writes.py, inflight.py, offload.py, leases.py).
 """
 
