@@ -111,6 +111,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                         "infers agents from the chains)")
     g.add_argument("--hints", action="store_true",
                    help="the harness also says when an agent is finished and when it waits on subagents")
+    g.add_argument("--prefetch", default="on", metavar="on|off|on,off",
+                   help="prefetch between turns: the store brings idle agents' prefixes up into DRAM before they "
+                        "are predicted back, at the lower tiers' bandwidth left by demand loads (default on; "
+                        "on,off runs each policy both ways, named POLICY+pf and POLICY-pf)")
     g.add_argument("--offload", choices=OFFLOAD_MODES, default="write-through",
                    help="write-through: computed blocks are stored at once; write-back: when HBM evicts them")
     g.add_argument("--prefill-rate", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="TOK/S",
@@ -162,8 +166,9 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
         tier, value = _key_value(item, "--bandwidth")
         bandwidth[tier] = float(parse_bytes(value.removesuffix("/s")))
     service = ServiceModel(args.prefill_rate, args.decode_rate, bandwidth)
+    prefetch = _switches(args.prefetch, "--prefetch")
     config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload,
-                          sessions=args.sessions, hints=args.hints)
+                          sessions=args.sessions, hints=args.hints, prefetch=prefetch[0])
     hbm = parse_capacity(args.hbm)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
 
@@ -181,7 +186,7 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
         name, hybrid = f"{name} (every group whole)", None
     sweep = Sweep(workload, layout, name, hbm, tiers, policies, service, config, extra,
                   progress=lambda desc, total: _bar(args, desc, total, unit="req"), hybrid=hybrid,
-                  share_bytes=sizing.share_bytes)
+                  share_bytes=sizing.share_bytes, prefetch=prefetch)
     points = sweep.run(pool)
     print_table(sweep, points, title)
     cpu = sum(r.result.cpu_s for p in points for r in p.runs.values())
@@ -261,6 +266,18 @@ def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> 
         else:
             Config.from_dict({key: value})  # raises ConfigError naming the key and the closest known ones
     return tiers, extra
+
+
+def _switches(text: str, flag: str) -> list[bool]:
+    """'on', 'off' or a comma list of them -> [True/False, ...]."""
+    out = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        if item not in ("on", "off"):
+            raise ValueError(f"{flag} {text!r}: expected on, off or on,off")
+        out.append(item == "on")
+    if not out:
+        raise ValueError(f"{flag} {text!r}: expected on, off or on,off")
+    return out
 
 
 def _key_value(item: str, flag: str) -> tuple[str, str]:
