@@ -19,7 +19,8 @@ which keys each tier gained and lost (the engines' KV events and the master's di
 tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload.py's.
 
 Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
-and the bookkeeping every call shares (the one tier walk, counters, events); its parts with a role of their own
+and the bookkeeping every call shares (the one tier walk, counters, events; ``bring_up``, the copy a prefetch
+between turns makes, is here because it is that walk and the promotion claim); its parts with a role of their own
 live beside it (store_build.py, store_writes.py, inflight.py, offload.py, leases.py).
 """
 
@@ -47,9 +48,9 @@ from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
 from kvtier.store_build import offloads_between, tiers_from_config
-from kvtier.store_types import Fill, Listener, PutResult, StoreEvent, StoreLookup
+from kvtier.store_types import BroughtUp, Fill, Listener, PutResult, StoreEvent, StoreLookup
 from kvtier.store_writes import PutPlan, TopWrites
-from kvtier.tiers.base import ObservingTier, RemoteTier, Tier
+from kvtier.tiers.base import ObservingTier, PrefetchTarget, RemoteTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class TieredStore:
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight = InflightPuts()  # what put skips: keys another thread is writing now
+        self.demand_reads = 0  # gets under way: a prefetch driver yields to them (kvtier/prefetch.py)
         self._listeners: list[Listener] = []
         self._reclaimers: list[Callable[[], int]] = []  # release stale pins (expired leases) when full
         # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
@@ -85,7 +87,7 @@ class TieredStore:
         self._closed = False
         self.close_timeout_s = close_timeout_s
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0,
-                         "promoted": 0}
+                         "promoted": 0, "prefetched": 0}
         # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py);
         # second_hit's memory of puts and hits is one for all lower tiers (recorded here, once per call).
         self._offloads, self._sightings = offloads_between(self.tiers, offload, promote, self._emit)
@@ -100,6 +102,7 @@ class TieredStore:
         self.clock: Clock = clock or time.monotonic
         self.sessions = SessionTracker(self.clock)
         self._observers = [t for t in self.tiers if isinstance(t, ObservingTier) and t.observes]
+        self._watchers: list[Callable[[Observations], None]] = []  # add_watcher: a prefetcher's, after the tiers
 
     @classmethod
     def from_config(cls, config: Config | Mapping[str, Any] | str | None, layout: BlockLayout | int, *,
@@ -187,6 +190,15 @@ class TieredStore:
         """
         check_keys(keys)
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
+        with self._lock:
+            self.demand_reads += 1
+        try:
+            return self._get(keys, rows)
+        finally:
+            with self._lock:
+                self.demand_reads -= 1
+
+    def _get(self, keys: Sequence[bytes], rows: BlockRows) -> list[bool]:
         hit = self.tiers[0].get(keys, rows)
         if all(hit):  # the top tier served every key (the common get): nothing to look for below it
             self._count(get_hits=len(keys), get_misses=0)
@@ -261,11 +273,81 @@ class TieredStore:
         raises for what it is told (unknown keys, requests or sessions are fine; a policy's error is logged).
         """
         batch = Observations(arrivals, completions, hints)
-        if not batch or not self._observers:
+        if not batch or not (self._observers or self._watchers):
             return
         batch = self.sessions.resolve(batch)
         for tier in self._observers:
             tier.observe(batch)
+        for watch in self._watchers:
+            try:
+                watch(batch)
+            except Exception:
+                log.exception("store observation watcher %r failed", watch)
+
+    def add_watcher(self, watch: Callable[[Observations], None]) -> None:
+        """Call ``watch(batch)`` with every resolved batch ``observe`` hands the tiers, after them (a
+        prefetcher learns which agents are idle from it). Keep it short; it runs on the observing thread."""
+        self._watchers.append(watch)
+
+    # ---- prefetch between turns ------------------------------------------------------------------------
+
+    def bring_up(self, chain: Sequence[bytes], session: str, start: int = 0,
+                 budget: Mapping[str, int] | None = None) -> BroughtUp:
+        """Copy into the top tier the blocks of ``chain[start:]`` (an agent's chain, root first) that only a
+        lower tier holds, root first, as far as ``budget`` (blocks per lower tier, by name; None: no limit) and
+        the top tier's policy (``PrefetchTarget.prefetch_room``: never evicting what is predicted to be needed
+        sooner) allow. Stops at the first key no tier holds (a prefix ends there). Copies through the
+        promotion path (the claim: a key a demand read is promoting meanwhile is written once); a block that
+        went before it was read is skipped (a miss here, never wrong bytes). What kvtier/prefetch.py moves."""
+        top = self.tiers[0]
+        keys = chain[start:]
+        if len(self.tiers) < 2 or not isinstance(top, PrefetchTarget) or not keys:
+            return BroughtUp(len(keys), {}, [], "done")
+        where = self._where(keys).tolist()
+        take: list[int] = []
+        per: dict[str, int] = {}
+        end, why = len(keys), "done"
+        for i, t in enumerate(where):
+            if t == 0:
+                continue
+            if t < 0:
+                end, why = i, "missing"
+                break
+            name = self.tiers[t].name
+            if budget is not None and per.get(name, 0) >= budget.get(name, 0):
+                end, why = i, "budget"
+                break
+            per[name] = per.get(name, 0) + 1
+            take.append(i)
+        if not take:
+            return BroughtUp(end, {}, [], why)
+        room = top.prefetch_room(session, keys[take[0]:], start + take[0], len(take))
+        if room < len(take):
+            end, why = take[room], "room"
+            take = take[:room]
+            if not take:
+                return BroughtUp(end, {}, [], why)
+        up = [keys[i] for i in take]
+        rows = block_rows(np.empty((len(up), self.block_bytes), np.uint8), len(up), self.block_bytes,
+                          writable=True, what="prefetch")
+        served = [-1] * len(up)
+        for t, tier in enumerate(self.tiers[1:], 1):
+            missing = [i for i, s in enumerate(served) if s < 0]
+            if not missing:
+                break
+            found = tier.get([up[i] for i in missing], rows.take(missing))
+            for i, f in zip(missing, found):
+                if f:
+                    served[i] = t
+        brought = self._promote(up, served, rows, always=True)
+        moved: dict[str, int] = {}
+        got = set(brought)
+        for key, t in zip(up, served):
+            if t > 0 and key in got:
+                name = self.tiers[t].name
+                moved[name] = moved.get(name, 0) + 1
+        self._count(prefetched=len(brought))
+        return BroughtUp(end, moved, brought, why)
 
     # ---- pins ------------------------------------------------------------------------------------------
 
@@ -366,15 +448,17 @@ class TieredStore:
 
         return on_evict
 
-    def _promote(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows) -> None:
+    def _promote(self, keys: Sequence[bytes], served: Sequence[int], rows: BlockRows, *,
+                 always: bool = False) -> list[bytes]:
         """Copy into the top tier what a lower tier served (``served[i]``: the index of the tier that served key
         i), where that tier's offloader promotes: the session's next turn finds it there, and it stays below
         too, so evicting it again costs no write. Through put's claim, so a key another thread is putting or
         promoting right now is written once; counted (``promoted``, per tier in the offload stats) and announced
-        as put's blocks are."""
-        up = [i for i, t in enumerate(served) if t > 0 and self._offloads[t - 1].promote]
+        as put's blocks are. ``always``: whatever the offloaders say (a prefetch: bring_up counts it apart).
+        Returns the keys copied up."""
+        up = [i for i, t in enumerate(served) if t > 0 and (always or self._offloads[t - 1].promote)]
         if not up:
-            return
+            return []
         up_keys = [keys[i] for i in up]
         # The top tier missed them before the copy from below; it is asked again here, with the claim, because
         # another reader of the same blocks may have promoted them meanwhile (two sessions on one prefix).
@@ -383,11 +467,14 @@ class TieredStore:
             stored = self.tiers[0].put(fresh_keys, rows.take([up[j] for j in fresh])) if fresh else []
         promoted = [j for j, ok in zip(fresh, stored) if ok]
         if not promoted:
-            return
-        self._count(promoted=len(promoted))
-        for offload in self._offloads:
-            offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
-        self._emit("stored", self.tiers[0].name, [up_keys[j] for j in promoted])
+            return []
+        out = [up_keys[j] for j in promoted]
+        if not always:
+            self._count(promoted=len(promoted))
+            for offload in self._offloads:
+                offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
+        self._emit("stored", self.tiers[0].name, out)
+        return out
 
     def _where(self, keys: Sequence[bytes], *, local_only: bool = False) -> np.ndarray:
         """Per key, the index of the first tier holding it (-1: none), as a numpy int array. Each tier is asked
@@ -466,4 +553,4 @@ class TieredStore:
                 self.counters[name] += d
 
 
-__all__ = ["Fill", "Listener", "PutPlan", "PutResult", "StoreEvent", "StoreLookup", "TieredStore"]
+__all__ = ["BroughtUp", "Fill", "Listener", "PutPlan", "PutResult", "StoreEvent", "StoreLookup", "TieredStore"]

@@ -58,6 +58,20 @@ def count_in_runs(runs: Sequence[tuple[str, int]], tier: str, upto: int) -> int:
     return total
 
 
+@dataclass
+class BroughtUp:
+    """What one ``TieredStore.bring_up`` did: ``done`` keys of the chain (from its start) were dealt with
+    (held on top already, or copied up now); ``moved`` counts the blocks copied up per lower tier they came
+    from, ``keys`` names them; ``why`` it stopped: "done" (the chain's end), "missing" (a key no tier holds:
+    the prefix ends there), "budget" (a lower tier's budget was spent), "room" (the top tier's policy would
+    have to evict blocks needed sooner)."""
+
+    done: int
+    moved: dict[str, int]
+    keys: list[bytes]
+    why: str
+
+
 @dataclass(frozen=True)
 class StoreEvent:
     """Keys that a tier gained ("stored") or lost ("removed": evicted or removed)."""
@@ -72,4 +86,4 @@ Listener = Callable[[StoreEvent], None]
 Fill = Callable[[list[int], BlockRows], None]
 
 
-__all__ = ["Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup", "count_in_runs"]
+__all__ = ["BroughtUp", "Fill", "Listener", "PutResult", "StoreEvent", "StoreLookup", "count_in_runs"]

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=d.lease_s, help="how long a shared-memory or RDMA client may "
                    f"hold reserved or acquired blocks before they are taken back (default {d.lease_s})")
     p.add_argument("--eviction", default=d.eviction, help=f"eviction policy (default {d.eviction})")
+    p.add_argument("--policy-clock", choices=("local", "sender"), default=d.policy_clock,
+                   help="where the eviction policy reads time: local (this host's clock; the engines' observation "
+                        "times are moved onto it), or sender (the latest time their observations carried: for a "
+                        "pool standing in for a replay's second node, whose time is virtual)")
     p.add_argument("--max-keys", type=int, default=d.max_keys, help=f"most keys per request (default {d.max_keys})")
     p.add_argument("--copy-threads", type=int, default=d.copy_threads, help="threads per batched copy")
     p.add_argument("--prefault", action="store_true", help="touch all of the DRAM at start (no page faults later)")
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             bind=tuple(args.bind or PoolSettings().bind), capacity=args.capacity, block_bytes=args.block_bytes,
             node_id=args.node_id, master=args.master, advertise=args.advertise, workers=args.workers,
             shm_dir=args.shm_dir, lease_s=args.lease_s, eviction=args.eviction, max_keys=args.max_keys,
+            policy_clock=args.policy_clock,
             copy_threads=args.copy_threads, prefault=args.prefault, rdma=args.rdma, stream=args.stream,
             stream_max_connections=args.stream_max_connections,
             stream_message_timeout_s=args.stream_message_timeout_s, stream_pending_max=args.stream_pending_max,

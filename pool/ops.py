@@ -1,5 +1,6 @@
 """The ops a kvtier-pool serves (kvtier/wire/pool.py documents each): hello, contains, remove, put, get,
-reserve/commit and acquire/release (one-sided clients), stats, clear, rdma_connect.
+reserve/commit and acquire/release (one-sided clients), stats, clear, rdma_connect, observe (what the
+engines know about their agents, for the pool's eviction policy).
 
 Each takes the PoolState, the Client that sent it (pool/clients.py: who, as far as the pool can
 tell; roles hang off it), the decoded request body and the request's data frames, and returns a Reply, or
@@ -21,6 +22,7 @@ thread-safe.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,7 @@ from kvtier.pool.sizing import MIN_BLOCK_BYTES, block_size_problem
 from kvtier.pool.state import PoolState
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError
 from kvtier.wire import frames as F
+from kvtier.wire import observations as observations_wire
 from kvtier.wire import pool as P
 
 Body = dict[str, Any]
@@ -304,6 +307,29 @@ def within_quota(st: PoolState, client: Client, keys: list[bytes], costs: Callab
     return np.flatnonzero(keep), skipped
 
 
+def observe(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
+    """What a client's engine knows about its agents (arrivals, completions, hints), for the pool's policy. Its
+    times are moved onto the pool's clock (by the difference of the two clocks' ``now``), or, for a pool on the
+    senders' clock (``--policy-clock sender``: a replay's), taken as sent. Before the first block sized the pool
+    there is no policy: taken 0."""
+    now = wire.float_field(body, "now", -1e15, 1e15)
+    clock = st.policy_clock
+    if clock is not None:
+        clock.saw(now)
+        shift = None
+    else:
+        delta = time.monotonic() - now
+        shift = lambda t: t + delta  # noqa: E731
+    batch = observations_wire.decode(body, st.settings.max_keys, shift, account=client.key)
+    tier = st.tier
+    n = len(batch.arrivals) + len(batch.completions) + len(batch.hints)
+    if tier is None or not n:
+        return Reply({"taken": 0})
+    tier.observe(batch)
+    st.count(observations=n)
+    return Reply({"taken": n})
+
+
 def clear(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
     tier = st.tier
     if tier is None:
@@ -368,7 +394,7 @@ Op = Callable[[PoolState, Client, Body, list[Any]], Reply]
 OPS: dict[str, Op] = {
     P.HELLO: hello, P.CONTAINS: contains, P.REMOVE: remove, P.PUT: put, P.GET: get, P.RESERVE: reserve,
     P.COMMIT: commit, P.ACQUIRE: acquire, P.RELEASE: release, P.STATS: stats, P.CLEAR: clear,
-    P.RDMA_CONNECT: rdma_connect, P.COPY_FROM: copy_from,
+    P.RDMA_CONNECT: rdma_connect, P.COPY_FROM: copy_from, P.OBSERVE: observe,
 }
 NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
 # What each op needs when the pool requires keys (kvtier/auth/roles.py; checked per message by PoolServer.serve
@@ -378,7 +404,7 @@ NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answ
 PERMISSIONS = {
     P.HELLO: DATA, P.CONTAINS: READ, P.STATS: READ, P.REMOVE: DATA, P.PUT: DATA, P.GET: DATA, P.RESERVE: DATA,
     P.COMMIT: DATA, P.ACQUIRE: DATA, P.RELEASE: DATA, P.RDMA_CONNECT: DATA, P.CLEAR: ADMIN,
-    P.COPY_FROM: ADMIN,
+    P.COPY_FROM: ADMIN, P.OBSERVE: DATA,
 }
 
 # Ops that make a client hold more (memory or slots): the dispatcher holds them back while the client's

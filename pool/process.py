@@ -37,10 +37,11 @@ class PoolDaemon:
 
     def __init__(self, capacity: int, block_bytes: int, *, ipc: bool = False, workers: int = 2,
                  eviction: str = "lru", log_level: str = "warning", start_timeout_s: float = 60.0,
-                 auth: bool = False) -> None:
+                 auth: bool = False, policy_clock: str = "local") -> None:
         self.capacity, self.block_bytes, self.ipc, self.workers = capacity, block_bytes, ipc, workers
         self.auth = auth
         self.eviction = eviction
+        self.policy_clock = policy_clock  # "sender": the policy reads the observations' (a replay's virtual) time
         self.log_level, self.start_timeout_s = log_level, start_timeout_s
         self.endpoints: list[str] = []
         self._dir: Path | None = None
@@ -61,6 +62,7 @@ class PoolDaemon:
         cmd = [sys.executable, "-m", "kvtier.pool", "--bind", "tcp://127.0.0.1:*", "--capacity", str(self.capacity),
                "--block-bytes", str(self.block_bytes), "--shm-dir", str(self.shm_dir), "--ready-file", str(ready),
                "--rdma", "off", "--workers", str(self.workers), "--eviction", self.eviction,
+               "--policy-clock", self.policy_clock,
                "--log-level", self.log_level, "--client-share", "1"]  # one client: this tool
         if self.ipc:
             cmd += ["--bind", f"ipc://{self._dir}/pool.sock"]

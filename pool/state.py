@@ -52,6 +52,7 @@ from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
 from kvtier.wire.generations import SlotGenerations
+from kvtier.wire.observations import SenderClock
 from kvtier.wire.pool import ERR_NOT_READY, ERR_WRONG_SIZE, MIN_HELD_BLOCKS, PAGES_LABEL, POOL_LABELS
 from kvtier.wire.verbs import unavailable_reason
 
@@ -76,6 +77,9 @@ class PoolSettings:
     shm_dir: str = "/dev/shm"
     lease_s: float = 30.0
     eviction: str = "lru"
+    # Where the policy reads time: "local" (this host's monotonic clock; the senders' observation times are moved
+    # onto it), or "sender" (the latest time the senders' observations carried: a replay's stand-in pool).
+    policy_clock: str = "local"
     max_keys: int = 1 << 16
     max_frame_bytes: int = 64 << 20  # the largest zmq frame taken in (and at least one block: server.py)
     copy_threads: int = 1
@@ -114,6 +118,8 @@ class PoolState:
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
         self.epoch = secrets.randbits(62)
+        # The policy's clock when it reads the senders' times (--policy-clock sender), else None: monotonic.
+        self.policy_clock = SenderClock() if settings.policy_clock == "sender" else None
         cap = settings.capacity
         # What clients may allocate beyond the capacity (half of it per client), and what they may hold
         # unevictable (half the capacity, --client-share of it per client): pool/budget.py.
@@ -203,7 +209,7 @@ class PoolState:
                 self.shm_path.parent.mkdir(parents=True, exist_ok=True)
             tier = DramTier(capacity, block_bytes, policy=s.eviction,
                             shm_path=str(self.shm_path) if self.shm_path else None, pin_memory="false",
-                            prefault=s.prefault, copy_threads=s.copy_threads)
+                            prefault=s.prefault, copy_threads=s.copy_threads, clock=self.policy_clock)
             tier.attach(PinTable(), lambda keys, _views: self.emit("removed", list(keys)))
             slots = tier.capacity_bytes // block_bytes
             gen_path = self.shm_path.with_suffix(".gen") if self.shm_path is not None else None

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.bench.agentx_client import Endpoint
-from kvtier.bench.agentx_report import modeled, summarize
-from kvtier.bench.agentx_run import LoopConfig, run_loop
-from kvtier.bench.agentx_workload import (SAMPLE_TRACES, PromptBuilder, Scaled, Scaling, TraceOrder, flatten,
+from kvtier.bench.agentx.client import Endpoint
+from kvtier.bench.agentx.report import modeled, summarize
+from kvtier.bench.agentx.loop import LoopConfig, run_loop
+from kvtier.bench.agentx.workload import (SAMPLE_TRACES, PromptBuilder, Scaled, Scaling, TraceOrder, flatten,
                                           load_traces)
 from kvtier.replay.traces import parse_agentic
 
@@ -81,8 +81,8 @@ def test_the_sample_is_fitted_or_skipped_with_a_count():
 
 
 def test_model_counts_hbm_then_dram_continuation():
-    from kvtier.bench.agentx_client import Completion
-    from kvtier.bench.agentx_run import LoopResult, Sent
+    from kvtier.bench.agentx.client import Completion
+    from kvtier.bench.agentx.loop import LoopResult, Sent
 
     keys = [bytes([i]) * 16 for i in range(6)]
     loop = LoopResult()
@@ -156,7 +156,7 @@ class _Server:
 def _run(server: _Server, alive, duration: float = 1.5, warmup: float = 5.0):  # noqa: ANN001
     scaling = Scaling(max_model_len=1024, max_output=4)
     s = trace([list(range(1, 3 + i)) for i in range(12)], think=0.0)
-    from kvtier.bench.agentx_workload import TraceSet
+    from kvtier.bench.agentx.workload import TraceSet
     cfg = LoopConfig(lanes=2, duration_s=duration, grace_s=1.0, warmup_s=warmup, think_cap_s=0.05, stall_s=0.5)
     return run_loop(Endpoint(server.url, "m"), TraceOrder(TraceSet([s]), 0), PromptBuilder(scaling), cfg,
                     lambda: {}, alive)
@@ -219,9 +219,9 @@ def test_prompt_token_ids_are_numpy_free():
 def test_itl_counts_the_servers_tokens_not_stream_events():
     """AIPerf's ITL: (last token - first token) / (output tokens - 1), tokens as the server's usage counts them
     (an event may carry several); interactivity p90 is the tail rate (1 / ITL p90)."""
-    from kvtier.bench.agentx_client import Completion
-    from kvtier.bench.agentx_report import _record, interactivity
-    from kvtier.bench.agentx_run import Sent
+    from kvtier.bench.agentx.client import Completion
+    from kvtier.bench.agentx.report import _record, interactivity
+    from kvtier.bench.agentx.loop import Sent
 
     s = Sent(0, 1, "window", [], 40, 5, 10.0,
              result=Completion(10.0, events=[10.1, 10.5], completion_tokens=5, done=10.5))

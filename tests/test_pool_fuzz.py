@@ -26,8 +26,9 @@ PROBE = Namespace("pool-fuzz-probe").keys(range(8))
 KNOWN_CODES = {wire.ERR_BAD_MESSAGE, wire.ERR_BAD_VERSION, wire.ERR_UNKNOWN_OP, wire.ERR_BAD_REQUEST,
                wire.ERR_TOO_LARGE, P.ERR_NOT_READY}
 OPS = [P.HELLO, P.CONTAINS, P.REMOVE, P.PUT, P.GET, P.RESERVE, P.COMMIT, P.ACQUIRE, P.RELEASE, P.STATS,
-       P.RDMA_CONNECT]
-FIELDS = ["keys", "block_bytes", "lease", "ok", "leases", "oks", "noreply", "qpn", "psn", "gid", "lid", "mtu"]
+       P.RDMA_CONNECT, P.OBSERVE]
+FIELDS = ["keys", "block_bytes", "lease", "ok", "leases", "oks", "noreply", "qpn", "psn", "gid", "lid", "mtu",
+          "now", "scope", "arrivals", "completions", "hints"]
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True)
            | st.text(max_size=12) | st.binary(max_size=48))

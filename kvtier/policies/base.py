@@ -5,7 +5,8 @@ A policy tracks keys; the tier owns the bytes, the slots and the pins. All metho
 
 Keys-only policies (lru, fifo, s3fifo, arc) implement insert / access / remove / victims. Policies that use
 what the engine knows (chains, agents, stop reasons: observations.py) also implement ``observe`` and
-``admit``; ``Policy`` gives every method a default, so a policy overrides only what it uses. Time is read from
+``admit``, and a predicting one ``predicted_back`` and ``prefetch_room`` (what a prefetch between turns may
+evict: kvtier/prefetch.py); ``Policy`` gives every method a default, so a policy overrides only what it uses. Time is read from
 an injectable clock (``clock``, a callable returning seconds), never from the wall directly, so a replay runs
 policies on its virtual clock and tests on a hand-moved one.
 """
@@ -54,6 +55,16 @@ class EvictionPolicy(Protocol):
         order, as far as slots and victims go. An empty list stores none, None all of them in batch order.
         Never drops a key the tier holds already: it only decides about new ones."""
 
+    def predicted_back(self, session: str) -> float | None:
+        """When the agent ``session`` is predicted to send its next request (the clock's seconds); None where
+        the policy predicts nothing (keys-only policies, an agent it does not know, one not expected back)."""
+
+    def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
+        """How many of ``need`` blocks of agent ``session``'s chain (``chain``: its keys from depth ``start``
+        on, root first) a prefetch may bring into the tier now: the ``free`` slots, plus what can be evicted
+        without evicting a block predicted to be needed sooner than these (kvtier/prefetch.py). A policy that
+        learns chains claims the keys for the agent here, so the put that follows files them under it."""
+
     def __len__(self) -> int:
         """Number of tracked keys."""
 
@@ -75,6 +86,14 @@ class Policy:
 
     def admit(self, keys: Sequence[bytes], free: int) -> Sequence[int] | None:
         return None
+
+    def predicted_back(self, session: str) -> float | None:
+        return None
+
+    def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
+        """The free slots only: a policy that predicts nothing has no way to tell that a prefetched block is
+        needed sooner than the one it would evict, so it evicts nothing for a prefetch."""
+        return max(0, min(need, free))
 
 
 class KeysOnly(Policy):

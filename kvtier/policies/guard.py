@@ -5,7 +5,8 @@ policy's name; from then on an LRU policy holding every key the tier holds (``he
 own map, in no particular order) takes over, and the failed policy is never called again. What the failing
 call was doing is redone by the LRU: a ``victims`` call is answered by it, an ``insert`` or ``remove`` is
 already reflected in the tier's map (the tier updates its map before telling the policy), ``observe`` and
-``admit`` are dropped (admit: every new key is stored).
+``admit`` are dropped (admit: every new key is stored), ``predicted_back`` and ``prefetch_room`` are
+answered by the LRU (no prediction: a prefetch gets the free slots only).
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ class GuardedPolicy(Policy):
         except Exception as e:
             self._fail("admit", e)
             return None
+
+    def predicted_back(self, session: str) -> float | None:
+        try:
+            return self.policy.predicted_back(session)
+        except Exception as e:
+            self._fail("predicted_back", e)
+            return None
+
+    def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
+        try:
+            return self.policy.prefetch_room(session, chain, start, need, free)
+        except Exception as e:
+            self._fail("prefetch_room", e)
+            return self.policy.prefetch_room(session, chain, start, need, free)
 
     def __len__(self) -> int:
         try:

@@ -383,6 +383,41 @@ class PredictedNextUse(Policy):
         # Keys of no known agent are not worth an eviction where blocks of known ones are declined.
         return out
 
+    # ---- prefetch between turns (kvtier/prefetch.py) -----------------------------------------------------
+
+    def predicted_back(self, session: str) -> float | None:
+        agent = self._agents.get(session)
+        if agent is None or not agent.alive or agent.finished:
+            return None
+        now = self.clock()
+        if not self._predicts(now):
+            return None
+        t = self._predict(agent, now)
+        return None if t == INF else t
+
+    def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
+        """Free slots, then the blocks the eviction order takes before this agent's (agents not expected back,
+        blocks of no known agent, agents predicted back later): the same order ``victims`` follows, so what the
+        prefetch's put evicts is never predicted to be needed sooner. The chain's keys are claimed for the
+        agent (at their depths), so the put files them under it, deepest evicted first as usual."""
+        need = max(0, need)
+        agent = self._agents.get(session)
+        if agent is None or not agent.alive or agent.finished or need == 0:
+            return 0
+        now = self.clock()
+        if not self._predicts(now):
+            return min(need, max(0, free))
+        self._claim(agent, chain, start)
+        if need <= free:
+            return need
+        self._ranking.current(now)
+        key = self._key(agent, now)
+        if key[1] == INF:
+            return max(0, free)
+        short = need - max(0, free)
+        room = len(self._unknown()) + self._ranking.room_above(key, agent, short)
+        return max(0, free) + min(short, room)
+
     # ---- ranking ---------------------------------------------------------------------------------------
 
     def _predicts(self, now: float) -> bool:

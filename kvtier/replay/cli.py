@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import logging
 import sys
 import tempfile
@@ -22,8 +21,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# `kvtier demo`: the shipped sample (package data), replayed on these settings, the default policy beside LRU.
-DEMO_TRACES = ("sample-traces", "agentic-cc")
+# `kvtier demo`: the shipped sample (traces.sample_traces()), replayed on these settings, the default policy beside LRU.
 # Eight of the ten sample traces, 8 lanes, HBM 5% of their unique blocks (an engine's HBM is small against the
 # sessions it serves): first DRAM at 2%..25%, drawn as a PNG; then DRAM 10% without and with a second node's
 # DRAM (a kvtier-pool process, 25%, as a victim cache) and an SSD tier (50%). About 70 s of CPU in all (each pool
@@ -113,6 +111,10 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
                         "infers agents from the chains)")
     g.add_argument("--hints", action="store_true",
                    help="the harness also says when an agent is finished and when it waits on subagents")
+    g.add_argument("--prefetch", default="on", metavar="on|off|on,off",
+                   help="prefetch between turns: the store brings idle agents' prefixes up into DRAM before they "
+                        "are predicted back, at the lower tiers' bandwidth left by demand loads (default on; "
+                        "on,off runs each policy both ways, named POLICY+pf and POLICY-pf)")
     g.add_argument("--offload", choices=OFFLOAD_MODES, default="write-through",
                    help="write-through: computed blocks are stored at once; write-back: when HBM evicts them")
     g.add_argument("--prefill-rate", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S, metavar="TOK/S",
@@ -164,8 +166,9 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
         tier, value = _key_value(item, "--bandwidth")
         bandwidth[tier] = float(parse_bytes(value.removesuffix("/s")))
     service = ServiceModel(args.prefill_rate, args.decode_rate, bandwidth)
+    prefetch = _switches(args.prefetch, "--prefetch")
     config = ReplayConfig(lanes=args.lanes, think_cap_s=args.think_cap, offload=args.offload,
-                          sessions=args.sessions, hints=args.hints)
+                          sessions=args.sessions, hints=args.hints, prefetch=prefetch[0])
     hbm = parse_capacity(args.hbm)
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
 
@@ -183,7 +186,7 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
         name, hybrid = f"{name} (every group whole)", None
     sweep = Sweep(workload, layout, name, hbm, tiers, policies, service, config, extra,
                   progress=lambda desc, total: _bar(args, desc, total, unit="req"), hybrid=hybrid,
-                  share_bytes=sizing.share_bytes)
+                  share_bytes=sizing.share_bytes, prefetch=prefetch)
     points = sweep.run(pool)
     print_table(sweep, points, title)
     cpu = sum(r.result.cpu_s for p in points for r in p.runs.values())
@@ -202,27 +205,28 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
 def run_demo(args: argparse.Namespace) -> int:
     """Two replays of the shipped sample: DRAM capacities (plotted), then DRAM with a pool and an SSD under it.
     ``--json`` gets the first report with the second under ``"tiers"``."""
-    root = importlib.resources.files("kvtier").joinpath(*DEMO_TRACES)
-    with importlib.resources.as_file(root) as sample:
-        if not Path(sample).is_dir():
-            raise OSError(f"the demo traces are missing from this install ({sample}); reinstall kvtier")
-        parser = argparse.ArgumentParser(prog="kvtier demo")
-        parser.add_argument("traces", nargs="+")
-        add_replay_arguments(parser)
-        passed = ["--no-progress"] if args.no_progress else []
-        passed += ["--model", args.model] if args.model else []
-        plot = ["--plot", str(args.plot)] if args.plot else []
-        print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
-        with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
-            report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *passed]),
-                            title="kvtier demo, DRAM capacity", pool=pool)
-            if args.plot:
-                print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
-                      "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
-                      "the infinite cache")
-            print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
-            report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *passed]),
-                                     title="kvtier demo, tiers under DRAM", pool=pool)
+    from kvtier.replay.traces import sample_traces
+
+    sample = sample_traces()
+    if not sample.is_dir():
+        raise OSError(f"the demo traces are missing from this install ({sample}); reinstall kvtier")
+    parser = argparse.ArgumentParser(prog="kvtier demo")
+    parser.add_argument("traces", nargs="+")
+    add_replay_arguments(parser)
+    passed = ["--no-progress"] if args.no_progress else []
+    passed += ["--model", args.model] if args.model else []
+    plot = ["--plot", str(args.plot)] if args.plot else []
+    print(f"kvtier demo = kvtier replay <sample> {' '.join(DEMO_CAPACITY_ARGS)}  (sample: {sample})")
+    with _run_pool(args.jobs) as pool:  # one set of workers for both sweeps
+        report = replay(parser.parse_args([str(sample), *DEMO_CAPACITY_ARGS, *plot, *passed]),
+                        title="kvtier demo, DRAM capacity", pool=pool)
+        if args.plot:
+            print(f"  {args.plot}: hit rate (share of input tokens served from HBM or the store) against DRAM "
+                  "capacity, one line per policy, with Belady's optimum for HBM + DRAM and for DRAM alone, and "
+                  "the infinite cache")
+        print(f"\nkvtier demo = kvtier replay <sample> {' '.join(DEMO_TIER_ARGS)}")
+        report["tiers"] = replay(parser.parse_args([str(sample), *DEMO_TIER_ARGS, *passed]),
+                                 title="kvtier demo, tiers under DRAM", pool=pool)
     if args.json:
         from kvtier.bench.common import write_json
 
@@ -262,6 +266,18 @@ def _tier_grid(dram: str, settings: list[str], known: list[str], parse: Any) -> 
         else:
             Config.from_dict({key: value})  # raises ConfigError naming the key and the closest known ones
     return tiers, extra
+
+
+def _switches(text: str, flag: str) -> list[bool]:
+    """'on', 'off' or a comma list of them -> [True/False, ...]."""
+    out = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        if item not in ("on", "off"):
+            raise ValueError(f"{flag} {text!r}: expected on, off or on,off")
+        out.append(item == "on")
+    if not out:
+        raise ValueError(f"{flag} {text!r}: expected on, off or on,off")
+    return out
 
 
 def _key_value(item: str, flag: str) -> tuple[str, str]:

@@ -38,6 +38,7 @@ from kvtier.policies import Arrival, Completion, Hint
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.hybrid import HybridModel
 from kvtier.replay.hybrid_replay import HybridCache
+from kvtier.replay.prefetch import ReplayPrefetch
 from kvtier.replay.service import Server, ServiceModel
 from kvtier.replay.traces import Step, TraceRequest
 from kvtier.replay.workload import Replay, Workload
@@ -57,13 +58,16 @@ class ReplayConfig:
     arrival (its full chain) and completion (the trace's stop reason). ``sessions``: arrivals carry the agent's
     session id (each conversation and each subagent its own); off, the store infers agents from the chains.
     ``hints``: the harness also says when an agent is finished (after its last request) and when it waits on
-    subagents (after the request that spawned them)."""
+    subagents (after the request that spawned them). ``prefetch``: between turns the store brings idle agents'
+    prefixes up into DRAM (kvtier/prefetch.py), at the lower tiers' bandwidth left by demand loads
+    (replay/prefetch.py)."""
 
     lanes: int = 32
     think_cap_s: float = 60.0
     offload: str = "write-through"
     sessions: bool = False
     hints: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.lanes < 1:
@@ -107,6 +111,7 @@ class ReplayResult:
     whole_bytes_stored: int = 0
     capacity_blocks: dict[str, int] = field(default_factory=dict)  # per tier, HBM included
     ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0))
+    prefetch: dict[str, int] = field(default_factory=dict)  # blocks prefetched, used, wasted, cancelled
     virtual_s: float = 0.0
     prefill_busy_s: float = 0.0
     cpu_s: float = 0.0
@@ -116,6 +121,14 @@ class ReplayResult:
     @property
     def hit_rate(self) -> float:
         return sum(self.hit_tokens.values()) / self.input_tokens if self.input_tokens else 0.0
+
+    @property
+    def dram_share(self) -> float:
+        """Of the hits below HBM, the share that was in the store's top tier (DRAM) when its request arrived
+        (counted at the lookup, before the request's own loads)."""
+        saved = self.store_saved_tokens
+        top = next((t for t in self.hit_tokens if t != HBM), None)
+        return self.hit_tokens[top] / saved if saved and top is not None else 0.0
 
     @property
     def tier_hit_rate(self) -> dict[str, float]:
@@ -197,6 +210,8 @@ class Replayer:
                                  "prefill makes them)")
             self.hybrid = HybridCache(hybrid, self._bt, store, self.hbm, workload.unique_blocks, self._bandwidth,
                                       self.result)
+        self.prefetch = (ReplayPrefetch(store, self._bandwidth, real_block_bytes, self.hbm)
+                         if config.prefetch and store is not None and len(store.tiers) > 1 and hybrid is None else None)
 
     # ---- the event loop --------------------------------------------------------------------------------
 
@@ -215,9 +230,12 @@ class Replayer:
                 self._start_next(0.0)
         now = 0.0
         events, pop, clock = self._events, heapq.heappop, self.clock
+        prefetch = self.prefetch
         while events:
             now, _, kind, payload = pop(events)
             clock.now = now
+            if prefetch is not None:  # what the lower tiers' free time moved up before this event
+                prefetch.advance(now)
             if kind == _ARRIVE:
                 self._arrive(now, *payload)
             elif kind == _READY:
@@ -286,7 +304,7 @@ class Replayer:
         if self.hybrid is not None:
             h, d, load_s = self.hybrid.serve(keys, self._stream[at: at + n])
         else:
-            h, d, load_s = self._serve(keys)
+            h, d, load_s = self._serve(now, keys)
         res = self.result
         res.hit_tokens[HBM] += h * self._bt
         computed = req.input_tokens - (h + d) * self._bt
@@ -300,7 +318,7 @@ class Replayer:
         else:
             self._ready(now, *payload)
 
-    def _serve(self, keys: list[bytes]) -> tuple[int, int, float]:
+    def _serve(self, now: float, keys: list[bytes]) -> tuple[int, int, float]:
         """(HBM blocks, store blocks, load seconds) of a uniform model's request: HBM's prefix, the store's
         continuation of it, the computed rest stored (write-through) or HBM's victims (write-back)."""
         h = self.hbm.prefix(keys)
@@ -324,6 +342,10 @@ class Replayer:
                 for tier, count in per_tier.items():
                     hit_tokens[tier] += count * bt
                     load_s += count * self.real_block_bytes / self._bandwidth[tier]
+                if self.prefetch is not None:  # the demand load holds each tier's channel for its part
+                    start = max(self.server.link_free, now)
+                    for tier, count in per_tier.items():
+                        self.prefetch.demand(tier, start, count * self.real_block_bytes / self._bandwidth[tier])
             if self.config.offload == "write-through" and h + d < n:
                 self._put_tail_first(keys[h + d:])
         victims = self.hbm.admit(keys)
@@ -384,6 +406,10 @@ class Replayer:
         res.ttft_s = np.asarray(self._ttft)
         res.stream = self._stream[: self._streamed]
         res.capacity_blocks[HBM] = self.hbm.capacity
+        if self.prefetch is not None:
+            c = self.prefetch.prefetcher.counts
+            res.prefetch = {"prefetched": c.prefetched, "used": c.used, "wasted": c.wasted, "cancelled": c.cancelled,
+                            **{f"from_{t}": n for t, n in c.from_tier.items()}}
         if self.store is not None:
             sim_bytes = self.store.block_bytes
             for tier in self.store.tiers:

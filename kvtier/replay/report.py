@@ -72,6 +72,9 @@ def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
         "bytes_loaded": dict(r.bytes_loaded),
         "bytes_stored": dict(r.bytes_stored),
         "ttft_s": {"p50": r.ttft_percentile(50), "p90": r.ttft_percentile(90)},
+        "dram_share_of_store_hits": r.dram_share,
+        "prefetch_blocks": dict(r.prefetch),
+        "prefetch_bytes": {k: v * block_bytes for k, v in r.prefetch.items()},
         "requests": r.requests,
         "lost_blocks": r.lost_blocks,
         "virtual_s": r.virtual_s,
@@ -142,7 +145,7 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
     head = "".join(f"{t + ' size':>20}" for t in lower) + f"  {'policy':<10}{'hit':>7}"
     head += "".join(f"{t:>7}" for t in tiers)
     head += f"{'OPT':>7}{'OPTd':>7}{'inf':>7}{'saved':>9}{'loaded':>11}{'stored':>11}{'TTFT p50':>10}{'p90':>8}{'busy':>6}"
-    head += f"{'req/CPU-s':>10}"
+    head += f"{'inDRAM':>7}{'prefetch':>10}{'wasted':>10}{'req/CPU-s':>10}"
     print("\n" + head)
     saturated = False
     for point in points:
@@ -157,14 +160,17 @@ def print_table(sweep: Sweep, points: list[SweepPoint], title: str = "kvtier rep
             print(f"{caps}  {name:<10}{r.hit_rate:>7.3f}{rates}{run.opt_hit_rate:>7.3f}"
                   f"{run.opt_dram_only_hit_rate:>7.3f}{run.infinite_hit_rate:>7.3f}"
                   f"{_tokens(r.store_saved_tokens):>9}{format_bytes(loaded):>11}{format_bytes(stored):>11}"
-                  f"{r.ttft_percentile(50):>9.2f}s{r.ttft_percentile(90):>7.1f}s{util:>6.0%}{rps:>10.0f}")
+                  f"{r.ttft_percentile(50):>9.2f}s{r.ttft_percentile(90):>7.1f}s{util:>6.0%}"
+                  f"{r.dram_share:>7.0%}{_pf_bytes(r, 'prefetched', bb):>10}{_pf_bytes(r, 'wasted', bb):>10}{rps:>10.0f}")
             caps = " " * len(caps)
     if sweep.hybrid is not None:
         _print_hybrid_bytes(points)
     print("\nhit: input tokens served from cache (per tier after it); OPT: Belady's optimum at the same total "
           "capacity (HBM + store) on the same request order;\nOPTd: the same at the store's capacity alone (HBM "
           "left out; DRAM-only for a DRAM store); inf: infinite cache; saved: prefill tokens loaded from below HBM;"
-          "\nbusy: prefill utilization of the modeled GPU.")
+          "\nbusy: prefill utilization of the modeled GPU; inDRAM: share of the hits below HBM that were in DRAM when their "
+          "request arrived;\nprefetch, wasted: bytes brought up into DRAM between turns, and those evicted unused "
+          "(- : prefetch off).")
     if saturated:
         print(f"\nwarning: the modeled server is saturated (busy above {SATURATED:.0%}): requests queue for minutes "
               "and the ranking of policies is decided in the drain at the end; compare them also where busy stays "
@@ -192,6 +198,10 @@ def _print_hybrid_bytes(points: list[SweepPoint]) -> None:
     print("stored/tok: bytes written to the store per input token (only what can be used: full-history blocks, "
           "and state and window tails at checkpoints), per group after it;\nwhole/tok: every group of the same "
           "blocks stored whole; loaded/tok: bytes read from the store per input token.")
+
+
+def _pf_bytes(r: Any, what: str, block_bytes: int) -> str:
+    return format_bytes(r.prefetch.get(what, 0) * block_bytes) if r.prefetch else "-"
 
 
 def _tokens(n: int) -> str:

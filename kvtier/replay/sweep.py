@@ -9,6 +9,7 @@ Each run's own access stream gives its OPT and infinite-cache limits (memoised w
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import functools
 import itertools
@@ -163,7 +164,9 @@ def build_store(policy: str, tier_blocks: Mapping[str, int], extra: Mapping[str,
         if pool_blocks > 0:  # a second node's DRAM: a real kvtier-pool process, reached over loopback TCP
             from kvtier.pool.process import PoolDaemon
 
-            pool = cleanup.enter_context(PoolDaemon(pool_blocks * sim_block_bytes, sim_block_bytes, eviction=policy))
+            # its policy reads the replay's virtual time from the observations the store sends it
+            pool = cleanup.enter_context(PoolDaemon(pool_blocks * sim_block_bytes, sim_block_bytes, eviction=policy,
+                                                    policy_clock="sender"))
             values.update(mode="distributed", pool=pool.endpoint("tcp"))
         for key in RUN_DIRECTORIES:
             if values.get(key):
@@ -185,6 +188,7 @@ class Sweep:
         policies: list[str], service: ServiceModel, config: ReplayConfig, extra_config: Mapping[str, Any] | None = None,
         progress: ProgressFactory | None = None, sim_block_bytes: int = SIM_BLOCK_BYTES,
         hybrid: HybridModel | None = None, share_bytes: int | None = None,
+        prefetch: list[bool] | None = None,
     ) -> None:
         known = capacity_keys()
         for key in tiers:
@@ -199,6 +203,8 @@ class Sweep:
         self.service, self.config = service, config
         self.extra = dict(extra_config or {})
         self.progress, self.sim_block_bytes = progress, sim_block_bytes
+        # Prefetch between turns, on and/or off: each policy runs once per setting (named by run_name).
+        self.prefetch = list(prefetch) if prefetch else [config.prefetch]
         self.namespace = Namespace(f"replay:{model}", layout.fingerprint)
         self.limits = LimitsCache()
         # A hybrid model storing only what can be used (hybrid_replay.py): its store slots (and HBM's) stand for
@@ -243,36 +249,44 @@ class Sweep:
                                                     for k, c in caps.items()}}
             point = SweepPoint({HBM: hbm_blocks, **{k.removesuffix("_capacity"): v for k, v in blocks.items()}},
                                labels)
-            grid += [(point, policy, blocks, labels) for policy in self.policies]
+            grid += [(point, policy, blocks, labels, pf) for policy in self.policies for pf in self.prefetch]
             out.append(point)
         if pool is None:
-            for point, policy, blocks, labels in grid:
-                point.runs[policy] = self.run_one(policy, hbm_blocks, blocks, labels)
+            for point, policy, blocks, labels, pf in grid:
+                point.runs[self.run_name(policy, pf)] = self.run_one(policy, hbm_blocks, blocks, labels, prefetch=pf)
             return out
         shipped = copy.copy(self)  # what a worker needs: no progress callback (a closure over a tty)
         shipped.progress = None
         shipped.limits = LimitsCache()
-        calls = [functools.partial(shipped.run_one, policy, hbm_blocks, blocks, labels)
-                 for _, policy, blocks, labels in grid]
+        calls = [functools.partial(shipped.run_one, policy, hbm_blocks, blocks, labels, prefetch=pf)
+                 for _, policy, blocks, labels, pf in grid]
         bar = self.progress(f"{len(grid)} runs", self.workload.requests * len(grid)) if self.progress else None
         try:
             runs = pool.map(calls, on_result=(lambda run: bar.update(run.result.requests)) if bar else None)
         finally:
             if bar is not None:
                 bar.close()
-        for (point, policy, _, _), run in zip(grid, runs):
-            point.runs[policy] = run
+        for (point, policy, _, _, pf), run in zip(grid, runs):
+            point.runs[self.run_name(policy, pf)] = run
         return out
 
+    def run_name(self, policy: str, prefetch: bool) -> str:
+        """A run's name in the report: the policy, with "+pf" / "-pf" when prefetch is swept on and off."""
+        if len(self.prefetch) < 2:
+            return policy
+        return f"{policy}{'+pf' if prefetch else '-pf'}"
+
     def run_one(self, policy: str, hbm_blocks: int, tier_blocks: Mapping[str, int],
-                labels: Mapping[str, str] | None = None, record: bool = False) -> PolicyRun:
+                labels: Mapping[str, str] | None = None, record: bool = False,
+                prefetch: bool | None = None) -> PolicyRun:
         desc = f"{policy} " + " ".join(f"{k}={v}" for k, v in (labels or {}).items())
+        config = self.config if prefetch is None else dataclasses.replace(self.config, prefetch=prefetch)
         bar = self.progress(desc, self.workload.requests) if self.progress else None
         clock = VirtualClock()
         try:
             with build_store(policy, tier_blocks, self.extra, self.sim_block_bytes, clock) as store:
                 replayer = Replayer(self.workload, self.namespace, store, hbm_blocks, self.unit_bytes,
-                                    self.service, self.config, progress=bar.update if bar is not None else None,
+                                    self.service, config, progress=bar.update if bar is not None else None,
                                     record=record, clock=clock, hybrid=self.hybrid)
                 result = replayer.run()
         finally:

@@ -17,6 +17,7 @@ Bad input raises ``TraceError`` naming the file and the line (JSONL) or the requ
 from __future__ import annotations
 
 import gzip
+import importlib.resources
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,13 @@ from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
+
+
+def sample_traces() -> Path:
+    """The agentic-cc sample shipped as package data (ten traces, Apache-2.0, NOTICE.md beside them): what
+    ``kvtier demo`` and ``kvtier bench agentx`` replay by default. A fresh clone or wheel has it; ``../shared``
+    need not exist."""
+    return Path(str(importlib.resources.files("kvtier").joinpath("sample-traces", "agentic-cc")))
 
 AGENTIC_BLOCK_TOKENS = 64
 MOONCAKE_BLOCK_TOKENS = 512

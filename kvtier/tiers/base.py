@@ -92,6 +92,19 @@ class ObservingTier(Protocol):
         """Pass a resolved batch (sessions and times filled in) to the policy, under the tier's lock."""
 
 
+@runtime_checkable
+class PrefetchTarget(Protocol):
+    """A tier a prefetch between turns can bring blocks up into (kvtier/prefetch.py): its policy says when an
+    agent is predicted back and how much room a prefetch may take without evicting what is needed sooner (the
+    DRAM tier)."""
+
+    def predicted_back(self, sessions: Sequence[str]) -> list[float | None]:
+        """Per session, when its agent is predicted back on the store's clock (None: no prediction)."""
+
+    def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int) -> int:
+        """How many of ``need`` blocks of the agent's chain (keys from depth ``start``) may be brought in now."""
+
+
 @dataclass
 class Reservation:
     """Slots reserved for keys by ``AddressableSlots.reserve``; hand it back to ``commit`` exactly once.

@@ -31,13 +31,13 @@ from kvtier.hostcopy import CopyThreads
 from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
-from kvtier.tiers.base import AddressableSlots, EvictListener, Reservation, TierStats
+from kvtier.tiers.base import AddressableSlots, EvictListener, PrefetchTarget, Reservation, TierStats
 from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
 
-class DramTier(AddressableSlots):
+class DramTier(AddressableSlots, PrefetchTarget):
     """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here.
 
     ``policy`` (a name or import path, ``default`` by default) decides evictions and, with ``admission``, which
@@ -147,6 +147,16 @@ class DramTier(AddressableSlots):
         """Hand the policy a batch of observations (sessions and times filled in: TieredStore.observe)."""
         with self._lock:
             self._policy.observe(batch)
+
+    # ---- prefetch between turns (PrefetchTarget) --------------------------------------------------------
+
+    def predicted_back(self, sessions: Sequence[str]) -> list[float | None]:
+        with self._lock:
+            return [self._policy.predicted_back(s) for s in sessions]
+
+    def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int) -> int:
+        with self._lock:
+            return self._policy.prefetch_room(session, chain, start, need, self._table.alloc.free_count)
 
     def close(self) -> None:
         with self._lock:

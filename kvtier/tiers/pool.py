@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -39,6 +40,7 @@ from kvtier.auth import AuthError, ClientKeys, load_keypair
 from kvtier.backoff import Backoff, Clock
 from kvtier.blocks import block_rows
 from kvtier.pins import PinTable
+from kvtier.policies import Observations
 from kvtier.ratelog import RateLimitedLog
 from kvtier.settings.pool import PoolKeys
 from kvtier.tiers.base import EvictListener, RemoteTier, TierStats, WriteBehindStaging
@@ -47,6 +49,7 @@ from kvtier.tiers.pool_route import MasterRoute, PeerRoute, PoolRoute
 from kvtier.tiers.writebehind import WriteBehind, staging_of
 from kvtier.transport import connect
 from kvtier.transport.base import PoolConnection, PoolError, PoolProtocolError, PoolUnavailable
+from kvtier.wire import observations as observations_wire
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ T = TypeVar("T")
 BACKOFF_S = (0.5, 10.0)  # first and longest back-off after a pool fails
 PROTOCOL_BACKOFF_S = 60.0
 MAX_SEND_BYTES = 256 << 20  # one write-behind send: at most this much
+MAX_OBSERVING = 4  # observation batches in flight to the pools at once; more are dropped (counted)
 
 
 class _PoolEndpoint:
@@ -107,6 +111,9 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self._no_pool_blocks = 0  # blocks a put had no pool for (none registered, listed or up)
         self._no_pool = False  # the last put found no pool at all
         self._closed = False
+        self._scope = secrets.token_hex(8)  # what the pools scope this engine's sessions and requests by
+        self._observing = 0  # observation batches being sent in the background
+        self._observations_dropped = 0
 
     @classmethod
     def from_config(cls, cfg: PoolKeys, block_bytes: int, dtypes: Sequence[str] = ()) -> PoolTier:
@@ -193,6 +200,53 @@ class PoolTier(WriteBehindStaging, RemoteTier):
                 self._bad("remove:" + endpoint, logging.WARNING, "pool remove failed: %s", e)
         return total
 
+    # ---- what the engine knows (observations), for the pools' policies ---------------------------------
+
+    @property
+    def observes(self) -> bool:
+        """Always: a pool evicts by its own policy, which learns the agents when told (a keys-only one ignores
+        the op's content)."""
+        return True
+
+    def observe(self, batch: Observations) -> None:
+        """Send a resolved batch to every pool the route knows, cut to the pools' key limit (each engine sharing
+        a pool tells it about its own agents; the pool scopes them by ``scope``). With write-behind (staging
+        memory) on a background thread, at most MAX_OBSERVING batches at once, the rest dropped and counted (a
+        policy missing an observation ranks an agent a little worse; nothing else depends on it); without, on
+        the caller's thread (a replay's order)."""
+        times = [o.time for o in (*batch.arrivals, *batch.completions, *batch.hints) if o.time is not None]
+        now = max(times, default=self._clock())
+        if self._writer is None:
+            self._send_observations(batch, now)
+            return
+        with self._lock:
+            if self._observing >= MAX_OBSERVING:
+                self._observations_dropped += 1
+                return
+            self._observing += 1
+        try:
+            self._fanout.submit(self._send_observations, batch, now).add_done_callback(self._observed)
+        except RuntimeError:  # closed
+            self._observed(None)
+
+    def _observed(self, _future: object) -> None:
+        with self._lock:
+            self._observing -= 1
+
+    def _send_observations(self, batch: Observations, now: float) -> None:
+        for endpoint in self.route.endpoints():
+            if not self._up(endpoint):
+                continue
+            try:
+                self._call(endpoint, lambda conn: self._observe_one(conn, batch, now))
+            except PoolError as e:
+                self._bad("observe:" + endpoint, logging.WARNING, "pool observe failed (its policy misses these "
+                          "observations): %s", e)
+
+    def _observe_one(self, conn: PoolConnection, batch: Observations, now: float) -> None:
+        for part in observations_wire.split(batch, conn.info.max_keys):
+            conn.observe(observations_wire.encode(part, now, self._scope))
+
     def stats(self) -> TierStats:
         with self._lock:
             pools = list(self._pools.values())
@@ -202,6 +256,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         s.extra = {"pools": {p.endpoint: {"transport": p.conn.transport if p.conn else None, "up": p.up(),
                                           "last_error": p.last_error} for p in pools},
                    "no_pool": self._no_pool, "no_pool_blocks": self._no_pool_blocks,
+                   "observations_dropped": self._observations_dropped,
                    "write_behind": dict(staged), **({"route": route} if (route := self.route.stats()) else {})}
         return s
 

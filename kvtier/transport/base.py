@@ -101,6 +101,10 @@ class PoolConnection(Protocol):
 
     def remove(self, keys: Sequence[bytes]) -> int: ...
 
+    def observe(self, body: dict[str, Any]) -> None:
+        """Tell the pool's policy what the engine saw (one encoded batch of wire.observations, at most
+        ``info.max_keys`` keys); the pool answers once it has applied it."""
+
     def stats(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...

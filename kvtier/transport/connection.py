@@ -66,6 +66,9 @@ class ConnectionBase:
         self._batch(requests(), self._count(len(keys), self.info.max_keys), self._deadline(0))
         return removed[0]
 
+    def observe(self, body: dict[str, Any]) -> None:
+        self._call(P.OBSERVE, body)
+
     def stats(self) -> dict[str, Any]:
         return self._call(P.STATS, {}).body
 

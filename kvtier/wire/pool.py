@@ -46,6 +46,9 @@ Ops (request body -> reply body):
   stats     {}                   -> {tier, leases, counters}
   clear     {}                   -> {removed: int}       drop every block (an operator's reset; a policy's
             history, e.g. S3-FIFO's ghosts, stays)
+  observe   {now, scope, arrivals, completions, hints} -> {taken: int}   what the sender's engine knows about
+            its agents (kvtier/wire/observations.py), for the pool's eviction policy: the pool evicts by the same
+            session-aware policy as the engines' DRAM; at most 4096 observations and max_keys keys a message
   rdma_connect {qp fields}       -> {qp fields, rkey, addr}   see kvtier/wire/verbs.py, pool/rdma.py
   copy_from {source, keys}       -> {copied, missing}     copy the keys' blocks from the pool at ``source``
             (its client endpoint) into this one, pool to pool (pool/replicas.py; hot-block replication
@@ -81,6 +84,7 @@ STATS = "stats"
 CLEAR = "clear"
 RDMA_CONNECT = "rdma_connect"
 COPY_FROM = "copy_from"
+OBSERVE = "observe"
 
 # Clients cut batches into requests of at most the hello's request_bytes but no fewer than MIN_REQUEST_BLOCKS
 # blocks (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold

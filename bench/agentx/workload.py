@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.replay.traces import Step, Subagents, Trace, TraceRequest, expand_paths, read_trace
+from kvtier.replay.traces import Step, Subagents, Trace, TraceRequest, expand_paths, read_trace, sample_traces
 
-SAMPLE_TRACES = Path(__file__).resolve().parent.parent / "kvtier" / "sample-traces" / "agentic-cc"
+SAMPLE_TRACES = sample_traces()
 LOW_TOKEN = 3  # below: the tiny model's special tokens (<unk>, <s>, </s>)
 
 

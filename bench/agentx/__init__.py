@@ -2,11 +2,11 @@
 serve``, streaming), kvtier beside the engine without a connector, measured, not modeled.
 
 Per concurrency (``--concurrency 2,4,8``) and per mode, a fresh server (one at a time, each closed before the
-next; same traces, same seed), a warm-up, a measured window of ``--duration`` seconds (bench/agentx_run.py),
+next; same traces, same seed), a warm-up, a measured window of ``--duration`` seconds (bench/agentx/loop.py),
 then from the client TTFT, inter-token latency, per-user output tokens/s (interactivity) and total tokens/s,
 and from the server's ``/metrics`` the prompt tokens computed vs cached by source (``device``: vLLM's own
 prefix cache in HBM; ``host``/``disk``: kvtier's tiers), beside the cache model's hit rate for the same
-requests (bench/agentx_report.py says why they differ). Modes:
+requests (bench/agentx/report.py says why they differ). Modes:
 
 * ``none``: vLLM alone (its HBM prefix cache only): the baseline every other row is divided by;
 * ``kvtier``: kvtier's connector with an embedded DRAM store (``--dram``);
@@ -17,7 +17,7 @@ requests (bench/agentx_report.py says why they differ). Modes:
 A mode whose server does not start is reported with the error line from its own log and skipped. HBM is
 deliberately small (``--hbm``: vLLM's ``kv_cache_memory_bytes``) so the sessions' working set does not fit;
 each row reports HBM blocks over the window's unique blocks. Traces (agentic-cc, the shipped sample by
-default) are fitted to the model's context (bench/agentx_workload.py: the merge factor and token scale per
+default) are fitted to the model's context (bench/agentx/workload.py: the merge factor and token scale per
 trace are in the JSON; a trace that cannot fit is skipped and counted).
 
 The model: ``--model DIR`` (any model vLLM serves; a random-weights one with ``--serve-arg=--load-format=dummy``
@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.agentx_client import Endpoint
-from kvtier.bench.agentx_report import compare, plot, print_table, summarize, write_aiperf
-from kvtier.bench.agentx_run import LoopConfig, run_loop
-from kvtier.bench.agentx_workload import SAMPLE_TRACES, PromptBuilder, Scaling, TraceOrder, load_traces
+from kvtier.bench.agentx.client import Endpoint
+from kvtier.bench.agentx.report import compare, plot, print_table, summarize, write_aiperf
+from kvtier.bench.agentx.loop import LoopConfig, run_loop
+from kvtier.bench.agentx.workload import SAMPLE_TRACES, PromptBuilder, Scaling, TraceOrder, load_traces
 from kvtier.bench.common import write_json
 from kvtier.bench.engine_proc import engine_python
 from kvtier.bench.serve_proc import ServeError, ServeProcess, get_text, parse_metrics, thread_pinned_env

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.bench.agentx_client import Completion, Endpoint, StreamError, complete
-from kvtier.bench.agentx_workload import PromptBuilder, Scaled, Step, Subagents, TraceOrder, flatten
+from kvtier.bench.agentx.client import Completion, Endpoint, StreamError, complete
+from kvtier.bench.agentx.workload import PromptBuilder, Scaled, Step, Subagents, TraceOrder, flatten
 from kvtier.replay.traces import TraceRequest
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.agentx_run import LoopResult, Sent
+from kvtier.bench.agentx.loop import LoopResult, Sent
 from kvtier.bench.serve_proc import labelled
 from kvtier.replay.hbm import HbmPrefixCache
 
