@@ -224,8 +224,10 @@ class PredictedNextUse(Policy):
             block = a.keys[d - 1]
             other = where.get(block) or (pending.get(block) or (None, 0))[0]
             sharers = (other.name,) if other is not None and other is not agent and other.alive else ()
-            self._checkpoints.add(agent.name, d, objects, sharers)
-            self._claim_objects(agent, objects, d - 0.5)
+            cid = self._checkpoints.add(agent.name, d, objects, sharers)
+            # A junction is as valuable as the soonest back of its agents: its objects are that one's.
+            owner = self._heir(cid, agent) if sharers else None
+            self._claim_objects(owner or agent, objects, d - 0.5)
         orphans = self._unknown()
         for key in self._checkpoints.superseded(agent.name, alive):
             owner = where.get(key)
