@@ -190,3 +190,74 @@ def test_a_fork_junction_survives_its_finished_agent_while_another_is_alive():
     _fill(put, 200, 40)
     assert not any(store.contains(ks["j"]))
     assert all(store.contains(ks["sa2"]))  # A, still expected, keeps its newest checkpoint
+
+
+CP_OPS = st.lists(st.tuples(
+    st.sampled_from(["arrive", "insert", "evict", "remove", "complete", "finish", "clock"]),
+    st.integers(0, 4),  # agent
+    st.integers(1, 10),  # chain length / n
+    st.integers(0, 4),  # blocks shared with every agent (a fork junction) / kind
+), max_size=60)
+
+
+def _chain(agent: int, n: int, shared: int) -> list[bytes]:
+    return [skey(d) for d in range(min(shared, n))] + [skey(1000 * (agent + 1) + d) for d in range(shared, n)]
+
+
+def _objects(block: bytes, units: int = 2) -> list[bytes]:
+    return [skey(int.from_bytes(block, "little") + 100_000 * (i + 1)) for i in range(units)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=CP_OPS, teach=st.booleans(), protected=st.sets(st.integers(0, 10), max_size=3))
+def test_pnu_with_checkpoints_keeps_its_invariants(ops, teach, protected):
+    """Random arrivals with checkpoints (an agent's end of chain, and the fork junction it shares with the
+    others), puts, evictions, removals, completions and finished agents: victims are tracked, distinct,
+    unprotected, at most n, fewer only if the rest is protected; every key is counted once (its agent's, of no
+    agent, or a superseded checkpoint's); at the end every key is evictable."""
+    from kvtier.policies import Arrival, Completion, Hint, Observations, make_policy
+
+    clock = Clock()
+    p = make_policy("default", 64, clock=clock)
+    if teach:  # make it predictive: tool_use is followed by a return every time
+        for i in range(4):
+            p.observe(Observations(arrivals=[Arrival(f"t{i}", [skey(999_000)], clock.t, "T")]))
+            clock.t += 1
+            p.observe(Observations(completions=[Completion(f"t{i}", clock.t, "tool_use")]))
+            clock.t += 2
+    tracked: set = set()
+    prot = {skey(1000 + i) for i in protected}
+    req: dict[int, str] = {}
+    for n_op, (op, agent, n, kind) in enumerate(ops):
+        keys = _chain(agent, n, kind)
+        cps = [(n, _objects(keys[n - 1]))] + ([(kind, _objects(keys[kind - 1]))] if 0 < kind < n else [])
+        if op == "arrive":
+            req[agent] = f"{agent}.{n_op}"
+            p.observe(Observations(arrivals=[Arrival(req[agent], keys, clock.t, f"s{agent}", cps)]))
+        elif op == "insert":
+            new = [x for x in keys + [o for _, objs in cps for o in objs] if x not in tracked]
+            p.insert(new)
+            tracked |= set(new)
+        elif op == "evict":
+            v = p.victims(n, prot)
+            assert len(v) == len(set(v)) <= n
+            assert set(v) <= tracked and not set(v) & prot
+            if len(v) < n:
+                assert tracked - set(v) <= prot
+            tracked -= set(v)
+        elif op == "remove":
+            gone = keys[n // 2:] + cps[0][1][:1]
+            p.remove(gone)
+            tracked -= set(gone)
+        elif op == "complete" and agent in req:
+            p.observe(Observations(completions=[Completion(req[agent], clock.t, "tool_use", session=f"s{agent}")]))
+        elif op == "finish":
+            p.observe(Observations(hints=[Hint(session=f"s{agent}", time=clock.t, finished=True)]))
+        elif op == "clock":
+            clock.t += [0.5, 3.0, 30.0, -5.0, 500.0][kind]
+        assert len(p) == len(tracked)
+        if p._orphans_map is not None:  # told of an arrival: every key is an agent's, of none, or dead
+            owned = sum(a.count for a in p._agents.values() if a.alive)
+            assert owned + len(p._orphans_map) + len(p._dead) == len(tracked)
+    assert set(p.victims(len(tracked) + 1, set())) == tracked
+    assert len(p) == 0
