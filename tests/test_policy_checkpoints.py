@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.policies.checkpoints import LIVE, SUPERSEDED, UNSEEN, CheckpointRule
+from kvtier.policies.checkpoints import LIVE, MAX_AGENTS, SUPERSEDED, UNSEEN, CheckpointRule
 
 
 def key(i: int) -> bytes:
@@ -44,6 +44,9 @@ def test_memory_is_bounded_oldest_forgotten_first():
         rule.add(key(i), "a", i)
     assert len(rule) == 3
     assert rule.eviction_class(key(0), {"a"}) == UNSEEN  # forgotten: no live agent's as far as the rule knows
+    for i in range(MAX_AGENTS + 10):  # a junction every agent passes through keeps a bounded set of them
+        rule.add(key(9), f"agent-{i}", 5)
+    assert len(rule._points[key(9)].agents) == MAX_AGENTS and "agent-73" in rule._points[key(9)].agents
     with pytest.raises(ValueError):
         CheckpointRule(max_checkpoints=0)
 

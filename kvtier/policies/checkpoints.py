@@ -14,8 +14,10 @@ agent's next turn extends its newest checkpoint, and the older ones are dead wei
 
 ``CheckpointRule`` holds what it was told of checkpoints (``add``) and answers an eviction order for given keys
 (``order``) from the caller's view of agents (alive, predicted back at); it moves no block. The session-aware
-policy (pnu.py) is the intended caller for the keys a connector marks as checkpoints. Bounded memory: at most
-``max_checkpoints`` entries, the oldest forgotten first (a forgotten checkpoint is ordered as no live agent's).
+policy (pnu.py) is the caller, for the keys an arrival marks as checkpoints. Bounded memory: at most
+``max_checkpoints`` entries, the oldest forgotten first (a forgotten checkpoint is ordered as no live agent's),
+each with at most ``MAX_AGENTS`` agents (a junction every conversation passes, such as a shared system prompt's,
+would otherwise gather them all: past the bound an arbitrary one of them is forgotten).
 Not thread-safe (a policy runs under its tier's lock).
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 SUPERSEDED, UNSEEN, LIVE = 0, 1, 2  # eviction classes, evicted in this order
+MAX_AGENTS = 64  # agents remembered per checkpoint
 
 
 @dataclass
@@ -48,6 +51,8 @@ class CheckpointRule:
     def add(self, key: bytes, agent: str, position: int) -> None:
         """Agent ``agent``'s request reached checkpoint ``key`` at ``position`` tokens (a second agent's: a junction)."""
         point = self._points.pop(key, None) or Checkpoint(position)
+        if agent not in point.agents and len(point.agents) >= MAX_AGENTS:
+            point.agents.pop()
         point.agents.add(agent)
         self._points[key] = point
         self._newest[agent] = max(self._newest.get(agent, -1), position)
@@ -92,7 +97,7 @@ class CheckpointObjects:
     policy learns them from arrivals (``Arrival.checkpoints``). A checkpoint is named by its first object's key;
     an object shared by several checkpoints (overlapping window tails) belongs to the one declared last.
     Bounded: ``max_checkpoints`` checkpoints (the oldest forgotten first, with their objects) and as many agents'
-    lists of their checkpoints not yet superseded."""
+    lists of their checkpoints not yet superseded, the newest ``MAX_AGENTS`` of each."""
 
     def __init__(self, max_checkpoints: int = 1 << 16) -> None:
         self.rule = CheckpointRule(max_checkpoints)
@@ -109,6 +114,7 @@ class CheckpointObjects:
             mine = self._by_agent.pop(a, None) or []
             if cid not in mine:
                 mine.append(cid)
+                del mine[:-MAX_AGENTS]  # junctions stay listed; the oldest beyond the bound are not re-checked
             self._by_agent[a] = mine
         self._objects.pop(cid, None)
         self._objects[cid] = tuple(objects)
