@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import kvtier
 from kvtier.keys import Namespace
+from kvtier.policies import Arrival
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.hybrid import STATE, HYBRID_MODELS, HybridModel, WindowGroup, checkpoints, restorable_depth
 from kvtier.replay.hybrid_replay import HybridCache
@@ -157,7 +158,8 @@ def test_a_missing_state_falls_back_to_the_previous_checkpoint():
         cache = HybridCache(BOTH, BT, store, HbmPrefixCache(0), 16, {"dram": 1e12}, result)
 
         def serve(ids):
-            return cache.serve([keys[i] for i in ids], gids[ids])
+            chain = [keys[i] for i in ids]
+            return cache.serve(chain, gids[ids], Arrival(str(ids), chain))
 
         assert serve([0, 1, 2, 3]) == (0, 0, pytest.approx(0.0))  # checkpoint at 4
         assert serve([0, 1, 4])[1] == 0  # 0,1 held, no checkpoint at 2: checkpoints the junction 2 and 3

@@ -31,12 +31,17 @@ class Arrival:
 
     ``session``: the client's session (agent) id, or None to let the store infer it (a chain that extends an
     earlier request's chain belongs to that request's agent).
+
+    ``checkpoints``: a hybrid model's checkpoints the request restores from or makes, each as (boundary: the
+    blocks of the chain before it, the store keys of its objects: recurrent state, window tails). Its objects
+    live and die together, and the session-aware policy keeps them by agent (checkpoints.py).
     """
 
     request: str
     keys: Sequence[bytes]
     time: float | None = None
     session: str | None = None
+    checkpoints: Sequence[tuple[int, Sequence[bytes]]] = ()
 
 
 @dataclass(frozen=True, slots=True)

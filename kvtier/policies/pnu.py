@@ -16,6 +16,12 @@ predicted back, using only what a server knows online (observations.py; the stud
   position in the arrival's chain, so the order of keys in a put never matters);
 * admission: when a put does not fit, its new blocks are stored only as far as room can be made without
   evicting an agent predicted back sooner than theirs (the root-most part first), or none;
+* a hybrid model's checkpoints (``Arrival.checkpoints``: its recurrent state and window tails at a boundary,
+  checkpoints.py) belong to the agents that reached them, at the depth of the block before the boundary, just
+  ahead of that block (a prefix without its checkpoint cannot be restored): a checkpoint superseded by its
+  agent's newer one is evicted before anything else, a fork junction is handed to the soonest back of its
+  other agents rather than evicted with one of them, and when one of a checkpoint's objects goes, the rest go
+  first (they are of no use apart);
 * until some stop reason is followed by a return at least two times in three (ReturnModel.predictive), the
   order is chain-aware LRU (chain_lru.py, kept beside at all times) and every block is admitted: traffic
   without sessions or completions, and chat traffic where half the requests are never followed up (Mooncake),
@@ -45,6 +51,7 @@ from operator import and_, is_, is_not, not_
 
 from kvtier.policies.base import Clock, Policy
 from kvtier.policies.chain_lru import ChainLRUPolicy
+from kvtier.policies.checkpoints import CheckpointObjects
 from kvtier.policies.observations import SUBAGENTS, Arrival, Completion, Hint, Observations
 from kvtier.policies.registry import register_policy
 from kvtier.policies.agents import INF, UNKNOWN_STOP, Agent, Key, Ranking
@@ -82,6 +89,8 @@ class PredictedNextUse(Policy):
         self._predicting = False
         self._uids = count()
         self._ranking = Ranking(self._key, refresh_s)
+        self._checkpoints = CheckpointObjects(self.max_pending)
+        self._dead: OrderedDict[bytes, None] = OrderedDict()  # tracked objects of superseded checkpoints: first
 
     # ---- observations ----------------------------------------------------------------------------------
 
@@ -106,6 +115,8 @@ class PredictedNextUse(Policy):
         agent.arrived = agent.last = now
         agent.finished = False
         agent.waiting = 0
+        if a.checkpoints:
+            self._reached(agent, a)
         self._claim(agent, a.keys, 0)
         requests = self._requests
         requests[a.request] = (agent, len(a.keys), now)
@@ -201,6 +212,53 @@ class PredictedNextUse(Policy):
         while len(pending) > self.max_pending:
             pending.popitem(last=False)
 
+    def _reached(self, agent: Agent, a: Arrival) -> None:
+        """The arrival's checkpoints: each one's objects go to the agent just ahead of the block before its
+        boundary; another agent that owns that block saw the prefix too (a fork junction). The agent's
+        checkpoints its newest supersedes become dead weight, evicted first."""
+        where, pending = self._where, self._pending
+        alive = _Alive(self._agents)
+        for d, objects in a.checkpoints:
+            if not objects or not 0 < d <= len(a.keys):
+                continue
+            block = a.keys[d - 1]
+            other = where.get(block) or (pending.get(block) or (None, 0))[0]
+            sharers = (other.name,) if other is not None and other is not agent and other.alive else ()
+            cid = self._checkpoints.add(agent.name, d, objects, sharers)
+            # A junction is as valuable as the soonest back of its agents: its objects are that one's.
+            owner = self._heir(cid, agent) if sharers else None
+            self._claim_objects(owner or agent, objects, d - 0.5)
+        orphans = self._unknown()
+        for key in self._checkpoints.superseded(agent.name, alive):
+            owner = where.get(key)
+            if owner is not None:
+                del where[key]
+                owner.count -= 1
+                self._shrunk(owner)
+            elif key not in orphans:
+                continue  # not stored (or pending): nothing to evict
+            orphans.pop(key, None)
+            self._dead[key] = None
+
+    def _claim_objects(self, agent: Agent, keys: Sequence[bytes], depth: float) -> None:
+        """A checkpoint's objects belong to ``agent`` at ``depth`` (tracked ones move to it now)."""
+        where, orphans, dead, pending = self._where, self._unknown(), self._dead, self._pending
+        for key in keys:
+            owner = where.get(key)
+            if owner is agent:
+                continue
+            if owner is not None:
+                owner.count -= 1
+                self._shrunk(owner)
+            elif key in orphans:
+                del orphans[key]
+            elif key in dead:
+                del dead[key]
+            else:
+                pending[key] = (agent, depth)  # type: ignore[assignment]
+                continue
+            self._own(agent, key, depth)  # type: ignore[arg-type]
+
     def _own(self, agent: Agent, key: bytes, depth: int) -> None:
         self._where[key] = agent
         heapq.heappush(agent.heap, (-depth, key))
@@ -268,6 +326,8 @@ class PredictedNextUse(Policy):
             return
         if not where:
             _drain(map(orphans.pop, keys, repeat(None)))
+            if self._dead:
+                _drain(map(self._dead.pop, keys, repeat(None)))
             return
         shrunk = set()
         for key in keys:
@@ -277,6 +337,7 @@ class PredictedNextUse(Policy):
                 shrunk.add(agent)
             else:
                 orphans.pop(key, None)
+                self._dead.pop(key, None)
         for agent in shrunk:
             self._shrunk(agent)
 
@@ -293,13 +354,31 @@ class PredictedNextUse(Policy):
             return out
         out = self._victims(n, protected, now)
         self._recency.remove(out)
+        if self._checkpoints.rule:
+            self._together(out)
         return out
+
+    def _together(self, victims: Sequence[bytes]) -> None:
+        """A checkpoint's objects live and die together: those left of a checkpoint that lost one go first."""
+        where, orphans, dead, of = self._where, self._unknown(), self._dead, self._checkpoints.of
+        for cid in {c for c in map(of, victims) if c is not None}:
+            for key in self._checkpoints.objects(cid):
+                owner = where.pop(key, None)
+                if owner is not None:
+                    owner.count -= 1
+                    self._shrunk(owner)
+                elif key not in orphans:
+                    continue
+                orphans.pop(key, None)
+                dead[key] = None
 
     def _victims(self, n: int, protected: Container[bytes], now: float) -> list[bytes]:
         out: list[bytes] = []
         ranking = self._ranking.current(now)
         i = len(ranking) - 1
         keys = self._ranking.keys
+        if self._dead:
+            self._take_queue(self._dead, n, protected, out)
         while i >= 0 and len(out) < n and keys[i][1] == INF:  # finished, or not expected back: first
             self._take(ranking[i], n, protected, out)
             i -= 1
@@ -317,6 +396,8 @@ class PredictedNextUse(Policy):
         heap, where = agent.heap, self._where
         kept = []
         pop = heapq.heappop
+        heirs: dict[bytes, Agent | None] = {}
+        of = self._checkpoints.of if self._checkpoints.rule else _none
         while heap and len(out) < n:
             entry = pop(heap)
             key = entry[1]
@@ -325,6 +406,13 @@ class PredictedNextUse(Policy):
             if key in protected:
                 kept.append(entry)
                 continue
+            cid = of(key)
+            if cid is not None:  # a fork junction is kept while another of its agents is back sooner
+                heir = heirs[cid] if cid in heirs else heirs.setdefault(cid, self._heir(cid, agent))
+                if heir is not None:
+                    agent.count -= 1
+                    self._own(heir, key, -entry[0])
+                    continue
             del where[key]
             agent.count -= 1
             out.append(key)
@@ -339,8 +427,26 @@ class PredictedNextUse(Policy):
             self._orphans_map = OrderedDict.fromkeys(k for k in self._recency.keys() if k not in where)
         return self._orphans_map
 
+    def _heir(self, cid: bytes, agent: Agent) -> Agent | None:
+        """Of checkpoint ``cid``'s other agents still expected, the one back soonest if before ``agent``
+        (strictly: a junction never cycles between agents)."""
+        now = self.clock()
+        best, best_key = None, self._key(agent, now)
+        for name in self._checkpoints.agents(cid):
+            other = self._agents.get(name)
+            if other is None or other is agent or not other.alive or other.finished:
+                continue
+            k = self._key(other, now)
+            if k[1] < INF and k < best_key:
+                best, best_key = other, k
+        return best
+
     def _take_orphans(self, n: int, protected: Container[bytes], out: list[bytes]) -> None:
-        orphans = self._unknown()
+        self._take_queue(self._unknown(), n, protected, out)
+
+    def _take_queue(self, orphans: OrderedDict[bytes, None], n: int, protected: Container[bytes],
+                    out: list[bytes]) -> None:
+        """From the front of a queue of keys of no agent, until ``out`` has ``n``."""
         move = orphans.move_to_end
         for _ in range(len(orphans)):  # each looked at once per call: a protected queue is not cycled
             if len(out) >= n:
@@ -457,6 +563,23 @@ class PredictedNextUse(Policy):
 
     def pending(self) -> int:
         return len(self._pending)
+
+
+class _Alive:
+    """The agents still expected, by name: in the table and not finished (CheckpointRule's ``alive``)."""
+
+    __slots__ = ("_agents",)
+
+    def __init__(self, agents: dict[str, Agent]) -> None:
+        self._agents = agents
+
+    def __contains__(self, name: object) -> bool:
+        agent = self._agents.get(name)  # type: ignore[call-overload]
+        return agent is not None and agent.alive and not agent.finished
+
+
+def _none(key: bytes) -> None:
+    return None
 
 
 def _drain(it: object) -> None:

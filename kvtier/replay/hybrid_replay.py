@@ -22,12 +22,13 @@ every stored block whole (one packed block) would have written for the same bloc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
+from kvtier.policies import Arrival
 from kvtier.replay.hbm import HbmPrefixCache
 from kvtier.replay.hybrid import STATE, HybridModel, boundary_objects, checkpoints, restorable_depth
 from kvtier.store import TieredStore
@@ -126,9 +127,11 @@ class HybridCache:
 
     # ---- one request -----------------------------------------------------------------------------------
 
-    def serve(self, keys: list[bytes], gids: np.ndarray) -> tuple[int, int, float]:
+    def serve(self, keys: list[bytes], gids: np.ndarray, arrival: Arrival) -> tuple[int, int, float]:
         """(HBM blocks, store blocks, load seconds) of one request arriving with block ``keys`` (global ids
-        ``gids``); stores what its prefill computes and admits it all to HBM."""
+        ``gids``); stores what its prefill computes and admits it all to HBM. The store observes ``arrival``
+        with the checkpoints the request restores from and makes, once its lookup knows them (an engine knows
+        the one it loads after its lookup and the ones it saves before its puts)."""
         n, hbm, store = len(keys), self.hbm, self.store
         res = self.result
         junction = int(np.argmin(self._seen[gids])) if not self._seen[gids].all() else n
@@ -149,6 +152,10 @@ class HybridCache:
         if d > h:
             d, load_s = self._load(keys, fh, h, d)
         new = checkpoints(n, d, junction, self.interval)
+        if store is not None:
+            reached = [d] if d else []
+            store.observe(arrivals=[replace(arrival, checkpoints=[(c, self.boundary_keys(keys, c))
+                                                                  for c in reached + new])])
         made: list[bytes] = []
         for c in new:
             made += self.boundary_keys(keys, c)

@@ -298,12 +298,13 @@ class Replayer:
         self._requests += 1
         rid = str(self._requests)
         store = self.store
-        if store is not None:  # as an engine registers a request when it schedules it, before its lookup
-            session = str(run.ident) if self.config.sessions and run.ident != -1 else None
-            store.observe(arrivals=[Arrival(rid, keys, now, session)])
-        if self.hybrid is not None:
-            h, d, load_s = self.hybrid.serve(keys, self._stream[at: at + n])
+        session = str(run.ident) if self.config.sessions and run.ident != -1 else None
+        arrival = Arrival(rid, keys, now, session)
+        if self.hybrid is not None:  # observed once its checkpoints are known: after its lookup, before its puts
+            h, d, load_s = self.hybrid.serve(keys, self._stream[at: at + n], arrival)
         else:
+            if store is not None:  # as an engine registers a request when it schedules it, before its lookup
+                store.observe(arrivals=[arrival])
             h, d, load_s = self._serve(now, keys)
         res = self.result
         res.hit_tokens[HBM] += h * self._bt
