@@ -320,3 +320,49 @@ def test_sliding_window_saves_are_the_engines_reachable_mask_and_cover_every_hit
         for i in group.needed(0, b):
             if start <= i < end:
                 assert mask[i - start]
+
+
+# ---- checkpoints reach the eviction policy ------------------------------------------------------------------
+
+
+def _record_arrivals(side) -> list:
+    """The arrivals the worker's store is told (its real observe still runs: the policy learns as always)."""
+    seen: list = []
+    observe = side.store.observe
+
+    def recording(arrivals=(), completions=(), hints=()):
+        seen.extend(arrivals)
+        return observe(arrivals, completions, hints)
+
+    side.store.observe = recording
+    return seen
+
+
+def test_a_requests_checkpoint_objects_reach_the_policy_as_its_checkpoints(hybrid):
+    """The session-aware policy keeps a hybrid checkpoint's objects by agent (policies/checkpoints.py) only if
+    it is told which keys they are: the arrival the worker's store gets names the checkpoint A's prefill makes
+    (block 8, its prompt's end) with the three recurrent groups' states there, exactly the keys that were saved;
+    B, resumed from it, names it too (what it restores from) beside its own."""
+    eng = hybrid(specs=mamba_like())
+    side = worker_side(eng)
+    seen = _record_arrivals(side)
+    a = run_prompt(eng, "A", PROMPT_A)
+    states = [k for g in range(3) for k in side.namespaces[g].keys(a.block_hashes[7:8])]
+    assert [(arr.request, [(b, list(keys)) for b, keys in arr.checkpoints]) for arr in seen] == [("A", [(8, states)])]
+    assert all(side.store.contains(states))
+    assert eng.scheduler.reset_prefix_cache()
+    b = run_prompt(eng, "B", PREFIX + TAIL + [9, 9, 9, 9])
+    boundaries = dict(seen[-1].checkpoints)
+    assert seen[-1].request == "B" and boundaries[8] == states
+    assert max(boundaries) == (len(b.prompt_token_ids) - 1) // BLOCK  # B's own: its prompt's end
+
+
+def test_a_uniform_models_arrivals_name_no_checkpoints(model, ipc_dir):
+    eng = Engine(vllm_config(model, {"dram_capacity": "4MiB", "staging_bytes": "64KiB", "ipc_dir": ipc_dir}),
+                 num_blocks=256)
+    try:
+        seen = _record_arrivals(worker_side(eng))
+        run_prompt(eng, "A", PROMPT_A)
+        assert [arr.request for arr in seen] == ["A"] and seen[0].checkpoints == ()
+    finally:
+        eng.close()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,9 @@ class ArrivalNote:
     hashes: tuple[bytes, ...]  # the request's full blocks, root first
     session: str | None
     age_s: float
+    # A hybrid model's checkpoints the request restores from or makes, as block boundaries (blocks of the chain
+    # before each): the worker names their objects (state, window tails) for the policy, which keeps them by agent.
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,16 @@ class RequestNotes:
     def __bool__(self) -> bool:
         return bool(self.arrivals or self.completions or self.hints)
 
-    def apply(self, store: TieredStore, namespace: Namespace) -> None:
+    def apply(self, store: TieredStore, namespace: Namespace,
+              checkpoint_keys: Callable[[Sequence[bytes], int], list[bytes]] | None = None) -> None:
         """Tell ``store`` (a worker's), with the hashes folded into this rank's ``namespace`` and the ages
-        placed on the store's clock."""
+        placed on the store's clock. ``checkpoint_keys(hashes, boundary)``: the store keys of a hybrid model's
+        checkpoint objects at ``boundary`` of the chain ``hashes`` (the worker's groups and namespaces)."""
         now = store.clock()
-        arrivals = [Arrival(a.req_id, namespace.keys(a.hashes), now - a.age_s, a.session) for a in self.arrivals]
+        arrivals = [Arrival(a.req_id, namespace.keys(a.hashes), now - a.age_s, a.session,
+                            [(b, checkpoint_keys(a.hashes, b)) for b in a.checkpoints]
+                            if checkpoint_keys is not None else ())
+                    for a in self.arrivals]
         hints = [Hint(h.req_id, h.session, now - h.age_s, h.finished, h.subagents, h.ttl_s, h.priority)
                  for h in self.hints]
         completions = [Completion(c.req_id, now - c.age_s, c.stop, namespace.keys(c.hashes))
@@ -96,17 +104,18 @@ class Notebook:
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.clock = clock
-        self._arrivals: list[tuple[str, tuple[bytes, ...], str | None, float]] = []
+        self._arrivals: list[tuple[str, tuple[bytes, ...], str | None, float, tuple[int, ...]]] = []
         self._completions: list[tuple[str, str | None, tuple[bytes, ...], float]] = []
         self._hints: list[tuple[str, str | None, bool, int, float | None, float | None, float]] = []
 
-    def arrived(self, request: Any, hashes: Sequence[bytes]) -> None:
-        """``request`` was admitted with these full blocks (root first); its hints go with it."""
+    def arrived(self, request: Any, hashes: Sequence[bytes], checkpoints: Sequence[int] = ()) -> None:
+        """``request`` was admitted with these full blocks (root first) and, for a hybrid model, these
+        checkpoint boundaries (ArrivalNote); its hints go with it."""
         hint = policy_hints(request_transfer_params(request), f"request {request.request_id}")
         session = (hint.get("session") if hint else None) or request_session_id(request)
         now = self.clock()
         self._arrivals.append((request.request_id, tuple(hashes), session if isinstance(session, str) else None,
-                               now))
+                               now, tuple(checkpoints)))
         if hint and any(k in hint for k in ("finished", "subagents", "ttl_s", "priority")):
             self._hints.append((request.request_id, None, bool(hint.get("finished", False)),
                                 int(hint.get("subagents", 0)), hint.get("ttl_s"), hint.get("priority"), now))
@@ -117,7 +126,7 @@ class Notebook:
 
     def take(self) -> RequestNotes:
         now = self.clock()
-        notes = RequestNotes([ArrivalNote(r, h, s, now - t) for r, h, s, t in self._arrivals],
+        notes = RequestNotes([ArrivalNote(r, h, s, now - t, c) for r, h, s, t, c in self._arrivals],
                              [CompletionNote(r, s, h, now - t) for r, s, h, t in self._completions],
                              [HintNote(r, s, f, n, ttl, p, now - t) for r, s, f, n, ttl, p, t in self._hints])
         self._arrivals, self._completions, self._hints = [], [], []

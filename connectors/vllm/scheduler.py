@@ -167,7 +167,8 @@ class SchedulerSide:
         if tracked is None:
             tracked = self._tracked[req_id] = _Tracked(request, stored=[0] * len(self.groups), hints=hints_of(request))
             tracked.arrival_blocks = self.num_hashed_blocks(request)
-            self.notes.arrived(request, self.block_hashes(request, 0, tracked.arrival_blocks))
+            self.notes.arrived(request, self.block_hashes(request, 0, tracked.arrival_blocks),
+                               self._checkpoints(request, tracked.arrival_blocks, num_external_tokens))
         tracked.tables = [list(t) for t in block_ids]
         lk = self._lookups.pop(req_id, None)
         if lk is None:
@@ -239,6 +240,20 @@ class SchedulerSide:
                         table.extend(ids)
             self._plan_save(tracked, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id], meta)
         return meta
+
+    def _checkpoints(self, request: Any, blocks: int, num_external_tokens: int) -> tuple[int, ...]:
+        """A hybrid model's checkpoints (block boundaries) ``request`` restores from or makes, for the workers'
+        eviction policies (observe.py): the boundary its hit restores (the engine's own prefix cache and
+        kvtier's) and those its prefill checkpoints at (``hit_boundaries``, as its saves). Empty for a model of
+        one group, whose blocks are all chain blocks."""
+        if not self.hybrid:
+            return ()
+        lk = self._lookups.get(request.request_id)
+        restored = (lk.start + num_external_tokens // self.block_size) if lk is not None else 0
+        made = hit_boundaries(request.num_prompt_tokens, request_shared_prefix_boundary(request),
+                              request.num_prompt_tokens, self.block_size, self.retention_interval)
+        points = {restored, *(p // self.block_size for p in made)}
+        return tuple(sorted(b for b in points if 0 < b <= blocks))
 
     def _plan_save(self, tracked: _Tracked, computed_tokens: int, meta: KVTierMetadata) -> None:
         if not self.save:

@@ -217,7 +217,7 @@ class WorkerSide:
         queue this step's loads (the notes go first: this step's saves must find their requests' chains)."""
         store, ns, transfers = self._ready()
         if meta.notes:
-            meta.notes.apply(store, ns)
+            meta.notes.apply(store, ns, self.checkpoint_keys if is_hybrid(self.groups) else None)
         for lease in meta.releases:
             self.lookup_leases.release(lookup_lease(lease))
         for plan in meta.loads:
@@ -229,6 +229,16 @@ class WorkerSide:
                 if job.layerwise:
                     self._step_loads.append(job)
                 transfers.submit_load(job)
+
+    def checkpoint_keys(self, hashes: Sequence[bytes], boundary: int) -> list[bytes]:
+        """The store keys of a hybrid model's checkpoint at block ``boundary`` of the chain ``hashes``: each
+        sliding-window group's window tail and each Mamba group's state (the blocks a hit there needs beyond the
+        full-attention chain, ``GroupSpec.needed``), in their groups' namespaces."""
+        keys: list[bytes] = []
+        for group, ns in zip(self.groups, self.namespaces):
+            if group.kind != FULL:
+                keys += ns.keys([hashes[i] for i in group.needed(0, boundary)])
+        return keys
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until every layer-wise load of this step has written layer ``layer_name``."""
