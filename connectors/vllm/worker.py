@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.config import Config
+from kvtier.connectors.kv_hints import HintOutcomes, apply_kv_hints
 from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
@@ -101,6 +102,7 @@ class WorkerSide:
         self._save_jobs: dict[str, list[SaveJob]] = {}
         self._awaiting_free: set[str] = set()  # finished requests whose blocks wait for their saves
         self._lookups_served = 0
+        self.hint_outcomes = HintOutcomes()  # the standard envelopes' outcomes, counted in the stats (hint_*)
         self._stalled_waits = 0  # load_timeout_s periods the engine thread waited on a copy thread
 
     # ---- set-up -----------------------------------------------------------------------------------------
@@ -218,6 +220,9 @@ class WorkerSide:
         store, ns, transfers = self._ready()
         if meta.notes:
             meta.notes.apply(store, ns)
+        for note in meta.kv_hints:  # after the arrivals: a Demote / Retain finds the request's agent
+            self.hint_outcomes.record(f"request {note.req_id}", apply_kv_hints(
+                note.envelope, store, note.session, ns.keys(note.hashes), request=note.req_id))
         for lease in meta.releases:
             self.lookup_leases.release(lookup_lease(lease))
         for plan in meta.loads:
@@ -297,6 +302,7 @@ class WorkerSide:
         counters = self._transfers.take_counters() if self._transfers is not None else {}
         counters["lookups_served"], self._lookups_served = self._lookups_served, 0
         counters["stalled_waits"], self._stalled_waits = self._stalled_waits, 0
+        counters.update(self.hint_outcomes.take())
         return counters
 
     def take_events(self) -> list[Any]:
