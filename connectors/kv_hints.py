@@ -43,6 +43,18 @@ MAX_PIN_S = 3600.0
 MAX_ACTIONS = 16  # per envelope; the rest rejected
 
 
+def supported_hints() -> dict[str, Any]:
+    """What kvtier applies of the standard envelope (``kvtier status`` shows it: neither engine lets a connector
+    advertise its actions to a client)."""
+    return {"protocol_versions": list(PROTOCOL_VERSIONS), "actions": dict(SUPPORTED)}
+
+
+def describe_hints(hints: dict[str, Any]) -> str:
+    """``supported_hints()`` on one line."""
+    actions = ", ".join(f"{name} v{version}" for name, version in hints["actions"].items())
+    return f"protocol {'/'.join(hints['protocol_versions'])}: {actions}"
+
+
 @dataclass(frozen=True)
 class Applied:
     """One action's outcome: ``action`` its type (as sent, cut to 64 characters), ``outcome`` one of OUTCOMES,
