@@ -13,11 +13,11 @@ What differs lives here, keyed by version (never probed with ``hasattr``):
   (``supports_sleep_mode``, a classmethod 0.32 never calls, so it needs no branch).
 
 And the fields the connector reads of vLLM's objects beyond the connector API (a request's transfer params,
-hint envelope, session id and stop reason; the parallel layout; the load format), one named function each saying which
-versions have the field, so the connector modules read declared answers instead of ``getattr`` defaults. Every
-one is in both supported versions (checked in their source: ``vllm/v1/request.py``, ``vllm/config/parallel.py``,
-``vllm/config/load.py``); a new version is checked against this list and a field it lacks gets a branch on
-``VLLM_VERSION`` here, where it is read.
+hint envelope, session id and stop reason; the parallel layout; the load format), one named function each
+saying which versions have the field, so the connector modules read declared answers instead of ``getattr``
+defaults. Every one is in both supported versions (checked in their source: ``vllm/v1/request.py``,
+``vllm/config/parallel.py``, ``vllm/config/load.py``); a new version is checked against this list and a field it
+lacks gets a branch on ``VLLM_VERSION`` here, where it is read.
 
 Importing this module checks the version: any other vLLM raises ``UnsupportedVllmVersion`` naming the version
 found and the supported ones, before the connector imports anything whose absence would fail more obscurely.

@@ -23,8 +23,8 @@ from typing import Any
 
 from kvtier.connectors.hints import AgentHints, parse_hints
 
-from .observe import policy_hints
 from .compat import request_kv_hints, request_session_id, request_transfer_params
+from .observe import policy_hints
 
 __all__ = ["AgentHints", "KvHintsNote", "hints_of", "kv_hints_note"]
 

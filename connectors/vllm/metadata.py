@@ -58,8 +58,8 @@ class SavePlan:
 class KVTierMetadata(KVConnectorMetadata):
     """One step's work for every worker: loads, saves, lookup leases to release (the scheduler will not
     load them), requests preempted this step (their blocks are freed before they are overwritten), and what
-    the scheduler saw of requests since the last step, for the stores' policies (``notes``), and the standard hint
-envelopes of the requests admitted since (``kv_hints``, applied after the notes: hints.py)."""
+    the scheduler saw of requests since the last step, for the stores' policies (``notes``), and the standard
+    hint envelopes of the requests admitted since (``kv_hints``, applied after the notes: hints.py)."""
 
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
