@@ -34,12 +34,13 @@ hints = KvHintsEnvelope(protocol_version="1", message_id="m1", actions=[
 engine = llm.llm_engine
 out = {}
 for rid, h in (("hinted", hints), ("plain", None)):
-    llm.reset_prefix_cache()  # the second turn's prefix comes from kvtier's store, not vLLM's own cache
+    assert llm.reset_prefix_cache()  # the second turn's prefix comes from kvtier's store, not vLLM's own cache
     engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt + [6]), params, kv_hints=h)
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 out[rid] = list(o.outputs[0].token_ids)
+                out[rid + "_cached"] = o.num_cached_tokens
 print("RESULT " + json.dumps({"first": list(first), **out}))
 '''
 
@@ -54,6 +55,7 @@ def test_kv_hints_reach_the_store_through_the_real_engine(engine_py, model, work
     assert r.returncode == 0, r.stderr[-4000:]
     result = json.loads(r.stdout.split("RESULT ", 1)[1])
     assert len(result["hinted"]) == 8 and result["hinted"] == result["plain"], "served the same with hints"
+    assert result["hinted_cached"] >= 992 and result["plain_cached"] >= 992, "both loaded the prefix from kvtier"
     events = re.findall(r"kvtier hint event: request (\S+) (\S+) (\S+)", r.stderr)
     assert [(a, o) for _, a, o in events] == [("Pin", "accepted"), ("Teleport", "rejected"), ("Retain", "rejected")]
     assert all("hinted" in rid for rid, _, _ in events), "only the hinted request's envelope is applied"
