@@ -16,7 +16,7 @@ from .enginekit import connector, prompt_tokens
 pytestmark = pytest.mark.slow
 
 SCRIPT = r'''
-import json, logging, sys
+import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -34,7 +34,15 @@ hints = KvHintsEnvelope(protocol_version="1", message_id="m1", actions=[
 engine = llm.llm_engine
 out = {}
 for rid, h in (("hinted", hints), ("plain", None)):
-    assert llm.reset_prefix_cache()  # the second turn's prefix comes from kvtier's store, not vLLM's own cache
+    # The second turn's prefix must come from kvtier's store, not vLLM's own cache; vLLM refuses the reset while
+    # a finished request's blocks wait for their saves (idle steps let the worker report them).
+    for _ in range(100):
+        if llm.reset_prefix_cache():
+            break
+        engine.step()
+        time.sleep(0.05)
+    else:
+        raise AssertionError("vLLM never reset its prefix cache")
     engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt + [6]), params, kv_hints=h)
     while engine.has_unfinished_requests():
         for o in engine.step():
