@@ -99,11 +99,13 @@ def _field(obj: Any, name: str) -> Any:
 
 
 def apply_kv_hints(envelope: Any, store: Any, session: str | None, keys: Sequence[bytes], *,
-                   prefetcher: Any = None, now: float | None = None, request: str | None = None) -> list[Applied]:
+                   prefetcher: Any = None, now: float | None = None, request: str | None = None,
+                   only: str | None = None) -> list[Applied]:
     """Apply ``envelope``'s actions to ``store`` for the request of ``session`` whose chain is ``keys``
     (root first); the outcome of each action, in order. ``prefetcher``: a kvtier.prefetch.Prefetcher or None.
     ``request``: the request's id, for the policy to find the agent when ``session`` is None (the client named
-    none: the policy inferred the agent from the chains) and to name the Pin's lease then."""
+    none: the policy inferred the agent from the chains) and to name the Pin's lease then. ``only``: apply the
+    actions of this type alone (the others get no outcome): a connector retrying a deferred Pin."""
     if envelope is None:
         return []
     version = _version(_field(envelope, "protocol_version"))
@@ -114,6 +116,8 @@ def apply_kv_hints(envelope: Any, store: Any, session: str | None, keys: Sequenc
     out = []
     for i, action in enumerate(actions):
         kind = str(_field(action, "action_type"))[:64]
+        if only is not None and kind != only:
+            continue
         if i >= MAX_ACTIONS:
             out.append(Applied(kind, "rejected", f"more than {MAX_ACTIONS} actions in one envelope"))
             continue

@@ -115,3 +115,23 @@ def test_requests_without_an_envelope_send_none():
     req.kv_hints = envelope(("Share", {}))
     note = kv_hints_note(req, (b"h",))
     assert note is not None and note.req_id == "R" and note.session is None and note.envelope is req.kv_hints
+
+
+def test_a_first_turns_pin_is_deferred_then_leases_its_blocks_once_they_are_saved(engine):
+    """A first turn's blocks are not stored when it arrives: the Pin is deferred, then applied when the request's
+    saves are done, and the blocks survive pressure."""
+    eng = engine(dram_capacity="96KiB")
+    a = make_request("A", PREFIX + [5, 6, 7])
+    a.kv_hints = envelope(("Pin", {"ttl_s": 600}))
+    eng.add(a)
+    eng.run([a])
+    eng.wait_idle_transfers()
+    side = worker_side(eng)
+    a_keys = side.namespace.keys(make_request("x", PREFIX).block_hashes)
+    assert side.store.leases.keys_of(session_lease("A")) == set(a_keys), "leased under the request's id"
+    data = eng.stats.data
+    assert data["hint_Pin_deferred"] == 1 and data["hint_Pin_accepted"] == 1
+    bb = side.store.block_bytes
+    for k in [bytes([8, i]) * 8 for i in range(2 * (96 << 10) // bb)]:
+        side.store.put([k], blocks_for([k], bb))
+    assert side.store.contains(a_keys) == [True] * 5

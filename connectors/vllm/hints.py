@@ -12,8 +12,8 @@ holds, so a router can extend a session on every node). vLLM's Request fields ar
 The engine's standard envelope (``Request.kv_hints``: Prefetch / Pin / Retain / Demote / Share, kvtier's
 connectors/kv_hints.py) is read on the scheduler when the request is admitted (``kv_hints_note``), carried in
 that step's metadata to every worker, and applied to its store there before the step's loads and saves: a Pin
-leases the blocks of the request's prefix the store holds by then (a first turn's blocks are not stored yet: the
-Pin is ``deferred``; ``kv_transfer_params["kvtier"]["ttl_s"]`` pins them after their save).
+leases the blocks of the request's prefix the store holds by then. A first turn's blocks are not stored yet: its
+Pin is ``deferred`` and applied again (counted again) when the request has finished and its saves are done.
 """
 
 from __future__ import annotations
