@@ -4,7 +4,8 @@
     KvHintsEnvelope(protocol_version, message_id, actions=[KvHintAction(action_id, action_type, action_version,
                                                                         payload: dict)])
 
-Neither engine defines action names in code; kvtier takes SGLang RFC #27574's (``SUPPORTED``, version 1 each):
+Neither engine defines action names in code; kvtier takes SGLang RFC #27574's (``SUPPORTED``, version "1" each;
+both engines type the versions as strings, an integer 1 is read as "1"):
 
   Prefetch  bring the request's prefix up into DRAM now (Prefetcher.request), if the store has a prefetcher
   Pin       keep the request's blocks pinned for ``payload["ttl_s"]`` seconds (a lease bounded by ``MAX_PIN_S``:
@@ -35,11 +36,23 @@ from kvtier.policies import Hint
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSIONS = (1,)
-SUPPORTED = {"Prefetch": 1, "Pin": 1, "Retain": 1, "Demote": 1, "Share": 1}
+PROTOCOL_VERSIONS = ("1",)
+SUPPORTED = {"Prefetch": "1", "Pin": "1", "Retain": "1", "Demote": "1", "Share": "1"}
 OUTCOMES = ("accepted", "clipped", "deferred", "rejected", "ignored")
 MAX_PIN_S = 3600.0
 MAX_ACTIONS = 16  # per envelope; the rest rejected
+
+
+def supported_hints() -> dict[str, Any]:
+    """What kvtier applies of the standard envelope (``kvtier status`` shows it: neither engine lets a connector
+    advertise its actions to a client)."""
+    return {"protocol_versions": list(PROTOCOL_VERSIONS), "actions": dict(SUPPORTED)}
+
+
+def describe_hints(hints: dict[str, Any]) -> str:
+    """``supported_hints()`` on one line."""
+    actions = ", ".join(f"{name} v{version}" for name, version in hints["actions"].items())
+    return f"protocol {'/'.join(hints['protocol_versions'])}: {actions}"
 
 
 @dataclass(frozen=True)
@@ -66,18 +79,36 @@ class HintOutcomes:
         for a in applied:
             log.info("kvtier hint event: %s %s %s%s", owner, a.action, a.outcome, f" ({a.why})" if a.why else "")
 
+    def take(self) -> dict[str, int]:
+        """The counts since the last take, as ``hint_<action>_<outcome>`` counters (a connector's stats), reset."""
+        with self._lock:
+            out = {f"hint_{action}_{outcome}": n for (action, outcome), n in self.counts.items()}
+            self.counts.clear()
+        return out
+
+
+def _version(v: Any) -> str | None:
+    """A version as the engines type it (a string); an integer (a hand-written dict) reads as its digits."""
+    if isinstance(v, str):
+        return v
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
 
 def _field(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
 
-def apply_kv_hints(envelope: Any, store: Any, session: str, keys: Sequence[bytes], *,
-                   prefetcher: Any = None, now: float | None = None) -> list[Applied]:
+def apply_kv_hints(envelope: Any, store: Any, session: str | None, keys: Sequence[bytes], *,
+                   prefetcher: Any = None, now: float | None = None, request: str | None = None,
+                   only: str | None = None) -> list[Applied]:
     """Apply ``envelope``'s actions to ``store`` for the request of ``session`` whose chain is ``keys``
-    (root first); the outcome of each action, in order. ``prefetcher``: a kvtier.prefetch.Prefetcher or None."""
+    (root first); the outcome of each action, in order. ``prefetcher``: a kvtier.prefetch.Prefetcher or None.
+    ``request``: the request's id, for the policy to find the agent when ``session`` is None (the client named
+    none: the policy inferred the agent from the chains) and to name the Pin's lease then. ``only``: apply the
+    actions of this type alone (the others get no outcome): a connector retrying a deferred Pin."""
     if envelope is None:
         return []
-    version = _field(envelope, "protocol_version")
+    version = _version(_field(envelope, "protocol_version"))
     actions = _field(envelope, "actions")
     if version not in PROTOCOL_VERSIONS or not isinstance(actions, (list, tuple)):
         return [Applied("envelope", "rejected", f"protocol_version {version!r} (supported: {PROTOCOL_VERSIONS}) "
@@ -85,18 +116,20 @@ def apply_kv_hints(envelope: Any, store: Any, session: str, keys: Sequence[bytes
     out = []
     for i, action in enumerate(actions):
         kind = str(_field(action, "action_type"))[:64]
+        if only is not None and kind != only:
+            continue
         if i >= MAX_ACTIONS:
             out.append(Applied(kind, "rejected", f"more than {MAX_ACTIONS} actions in one envelope"))
             continue
-        out.append(_apply(kind, action, store, session, keys, prefetcher, now))
+        out.append(_apply(kind, action, store, session, keys, prefetcher, now, request))
     return out
 
 
-def _apply(kind: str, action: Any, store: Any, session: str, keys: Sequence[bytes], prefetcher: Any,
-           now: float | None) -> Applied:
+def _apply(kind: str, action: Any, store: Any, session: str | None, keys: Sequence[bytes], prefetcher: Any,
+           now: float | None, request: str | None) -> Applied:
     if kind not in SUPPORTED:
         return Applied(kind, "rejected", f"unknown action (supported: {', '.join(SUPPORTED)})")
-    if _field(action, "action_version") != SUPPORTED[kind]:
+    if _version(_field(action, "action_version")) != SUPPORTED[kind]:
         return Applied(kind, "rejected", f"action_version {_field(action, 'action_version')!r}, "
                                          f"supported {SUPPORTED[kind]}")
     payload = _field(action, "payload") or {}
@@ -107,14 +140,14 @@ def _apply(kind: str, action: Any, store: Any, session: str, keys: Sequence[byte
     if kind == "Prefetch":
         if prefetcher is None:
             return Applied(kind, "ignored", "no prefetcher on this store")
-        prefetcher.request(session, list(keys))
+        prefetcher.request(session or request or "", list(keys))
         return Applied(kind, "accepted")
     if kind == "Pin":
         ttl = _number(payload.get("ttl_s"))
         if ttl is None or ttl <= 0:
             return Applied(kind, "rejected", "payload ttl_s must be a positive number")
         clipped = ttl > MAX_PIN_S
-        held = store.leases.lease(session_lease(session), list(keys), min(ttl, MAX_PIN_S),
+        held = store.leases.lease(session_lease(session or request or ""), list(keys), min(ttl, MAX_PIN_S),
                                   _number(payload.get("priority")) or 0.0)
         if not any(held):
             return Applied(kind, "deferred", "none of the blocks is held yet")
@@ -125,7 +158,7 @@ def _apply(kind: str, action: Any, store: Any, session: str, keys: Sequence[byte
             return Applied(kind, "rejected", "payload priority must be a finite number")
     else:  # Demote
         priority = min(-1.0, priority) if priority is not None else -1.0
-    store.observe(hints=[Hint(session=session, time=now, priority=priority)])
+    store.observe(hints=[Hint(request=request, session=session, time=now, priority=priority)])
     return Applied(kind, "accepted")
 
 

@@ -4,10 +4,13 @@ What it shows, all from kvtier-master through the SDK's ``MasterClient`` (ping, 
 nodes and their state (dead and silent ones flagged first), each tier's capacity / used / utilization,
 measured bandwidth and RPC latency per node, the directory's size, the master's requests by op with their
 errors, lookup hits and misses (keys asked vs leading keys some live node held), the hottest prefixes, and
-the master's most recent errors. ``--json`` prints the same data for scripts; ``--watch N`` redraws every N
-seconds (a master that stops answering is shown as such, and the watch keeps trying).
+the master's most recent errors, and the standard agent hints this kvtier applies (``Request.kv_hints`` /
+``GenerateReqInput.kv_hints``: actions and protocol versions, which no engine can advertise for it). ``--json``
+prints the same data for scripts; ``--watch N`` redraws every N seconds (a master that stops answering is shown
+as such, and the watch keeps trying). ``--hints`` prints the hints line alone, without a master.
 
     kvtier status --master tcp://10.0.0.1:7300 [--auth-dir DIR] [--top 10] [--json] [--watch 2]
+    kvtier status --hints [--json]
 """
 
 from __future__ import annotations
@@ -65,8 +68,10 @@ def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "
     hottest = [] if hot is None else [
         {"key": k.hex(), "heat": round(h, 3), "count": c, "last": last}
         for k, h, c, last in zip(hot.keys, hot.heat, hot.count, hot.last)]
+    from kvtier.connectors.kv_hints import supported_hints
+
     return {"master": master, "at": time.time(), "rtt_s": rtt, "ping": ping, "nodes": nodes, "hottest": hottest,
-            "masters": masters}
+            "masters": masters, "hints": supported_hints()}
 
 
 # ---- rendering -----------------------------------------------------------------------------------------------
@@ -179,7 +184,14 @@ def render(data: dict[str, Any], width: int = 110) -> str:
         out.append(f"  {at} {e['op']:<10} {e['code']:<12} {e['message'][:width - 40]}")
     if not errors:
         out.append("  (none)")
+    out += ["", hints_line(data["hints"])]
     return "\n".join(out)
+
+
+def hints_line(hints: dict[str, Any]) -> str:
+    from kvtier.connectors.kv_hints import describe_hints
+
+    return f"AGENT HINTS (kv_hints envelope)  {describe_hints(hints)}"
 
 
 def unreachable(master: str, error: Exception) -> str:
@@ -208,19 +220,28 @@ def failure(master: str, error: Exception) -> tuple[str, int]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="one screen of a running cluster: nodes, tiers, bandwidth, hits, errors",
                        description=__doc__.split("\n")[0])
-    p.add_argument("--master", required=True, help="kvtier-master's endpoint, e.g. tcp://10.0.0.1:7300, or the "
+    p.add_argument("--master", help="kvtier-master's endpoint, e.g. tcp://10.0.0.1:7300, or the "
                    "masters of a shared directory, comma-separated (each one's state is shown)")
     p.add_argument("--top", type=int, default=10, help="how many of the hottest prefixes to show")
     p.add_argument("--json", action="store_true", help="print the data as JSON instead of the screen")
     p.add_argument("--watch", type=float, default=0.0, metavar="SECONDS", help="redraw every SECONDS")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the master")
     p.add_argument("--auth-dir", default="", help="CurveZMQ client keys, as the store's auth_dir")
+    p.add_argument("--hints", action="store_true", help="print only the standard agent hints (kv_hints actions and "
+                   "protocol versions) this kvtier applies; needs no master")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.client.master import MasterError
+    from kvtier.connectors.kv_hints import supported_hints
 
+    if args.hints:
+        print(json.dumps({"hints": supported_hints()}, indent=1) if args.json else hints_line(supported_hints()))
+        return 0
+    if not args.master:
+        print("kvtier status: --master is required (or --hints alone)", file=sys.stderr)
+        return 2
     while True:
         try:
             data = gather(args.master, args.top, args.timeout, args.auth_dir)

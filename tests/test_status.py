@@ -87,6 +87,8 @@ def test_status_screen_shows_nodes_tiers_hits_and_errors(cluster):
     assert all(k.hex() in hottest for k in KEYS[:4])
     errors = screen.split("RECENT ERRORS", 1)[1]
     assert "bad_request" in errors and "(none)" not in errors
+    assert screen.splitlines()[-1] == ("AGENT HINTS (kv_hints envelope)  protocol 1: Prefetch v1, Pin v1, Retain v1, "
+                                       "Demote v1, Share v1")
 
 
 def test_status_json_is_the_same_data(cluster):
@@ -151,3 +153,18 @@ def test_activity_keeps_a_bounded_ring_of_errors_newest_first():
     assert max(len(e["message"]) for e in v["recent_errors"]) == 300
     assert v["requests"] == {"lookup": {"bad_request": 3 * RECENT_ERRORS}}
     assert v["lookups"] == {"count": 1, "keys": 10, "hits": 7, "misses": 3}
+
+
+def test_status_hints_needs_no_master_and_says_what_kvtier_applies():
+    """The actions and protocol versions of the standard kv_hints envelope this kvtier applies: the same answer
+    the connectors apply (kvtier.connectors.kv_hints), as a line and as JSON."""
+    from kvtier.connectors.kv_hints import PROTOCOL_VERSIONS, SUPPORTED
+
+    line = status("--hints")
+    assert line.returncode == 0, line.stderr
+    assert line.stdout.strip() == "AGENT HINTS (kv_hints envelope)  protocol 1: " + ", ".join(
+        f"{a} v{v}" for a, v in SUPPORTED.items())
+    data = json.loads(status("--hints", "--json").stdout)
+    assert data == {"hints": {"protocol_versions": list(PROTOCOL_VERSIONS), "actions": SUPPORTED}}
+    bare = status()
+    assert bare.returncode == 2 and "--master is required" in bare.stderr

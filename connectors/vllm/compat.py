@@ -13,11 +13,11 @@ What differs lives here, keyed by version (never probed with ``hasattr``):
   (``supports_sleep_mode``, a classmethod 0.32 never calls, so it needs no branch).
 
 And the fields the connector reads of vLLM's objects beyond the connector API (a request's transfer params,
-session id and stop reason; the parallel layout; the load format), one named function each saying which
-versions have the field, so the connector modules read declared answers instead of ``getattr`` defaults. Every
-one is in both supported versions (checked in their source: ``vllm/v1/request.py``, ``vllm/config/parallel.py``,
-``vllm/config/load.py``); a new version is checked against this list and a field it lacks gets a branch on
-``VLLM_VERSION`` here, where it is read.
+hint envelope, session id and stop reason; the parallel layout; the load format), one named function each
+saying which versions have the field, so the connector modules read declared answers instead of ``getattr``
+defaults. Every one is in both supported versions (checked in their source: ``vllm/v1/request.py``,
+``vllm/config/parallel.py``, ``vllm/config/load.py``); a new version is checked against this list and a field it
+lacks gets a branch on ``VLLM_VERSION`` here, where it is read.
 
 Importing this module checks the version: any other vLLM raises ``UnsupportedVllmVersion`` naming the version
 found and the supported ones, before the connector imports anything whose absence would fail more obscurely.
@@ -34,6 +34,7 @@ from packaging.version import InvalidVersion, Version
 if TYPE_CHECKING:
     from vllm.config import LoadConfig, ParallelConfig, VllmConfig
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.kv_hints import KvHintsEnvelope
     from vllm.v1.request import Request
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
@@ -110,6 +111,12 @@ def engine_ranks(parallel: ParallelConfig) -> EngineRanks:
 def request_transfer_params(request: Request) -> dict[str, Any] | None:
     """``Request.kv_transfer_params`` (0.32 to 0.34: None unless the client sent some)."""
     return request.kv_transfer_params
+
+
+def request_kv_hints(request: Request) -> KvHintsEnvelope | None:
+    """``Request.kv_hints``: the orchestrator's standard hint envelope (``vllm/v1/kv_hints/protocol.py``, the same
+    in 0.32 to 0.34; None unless the client sent one)."""
+    return request.kv_hints
 
 
 def request_session_id(request: Request) -> str | None:

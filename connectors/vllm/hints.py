@@ -8,17 +8,25 @@ which sessions keep their pins when hints pin more than ``hint_max_fraction`` of
 the scheduler (``hints_of``), carried in each SavePlan, applied by the worker after the save
 (``TieredStore.leases``, lease ``kvtier.leases.session_lease(session)``: the one a kvtier-master session pin
 holds, so a router can extend a session on every node). vLLM's Request fields are read through compat.py.
+
+The engine's standard envelope (``Request.kv_hints``: Prefetch / Pin / Retain / Demote / Share, kvtier's
+connectors/kv_hints.py) is read on the scheduler when the request is admitted (``kv_hints_note``), carried in
+that step's metadata to every worker, and applied to its store there before the step's loads and saves: a Pin
+leases the blocks of the request's prefix the store holds by then. A first turn's blocks are not stored yet: its
+Pin is ``deferred`` and applied again (counted again) when the request has finished and its saves are done.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.connectors.hints import AgentHints, parse_hints
 
-from .compat import request_session_id, request_transfer_params
+from .compat import request_kv_hints, request_session_id, request_transfer_params
+from .observe import policy_hints
 
-__all__ = ["AgentHints", "hints_of"]
+__all__ = ["AgentHints", "KvHintsNote", "hints_of", "kv_hints_note"]
 
 
 def hints_of(request: Any) -> AgentHints | None:
@@ -27,3 +35,26 @@ def hints_of(request: Any) -> AgentHints | None:
     params = request_transfer_params(request) or {}
     default = request_session_id(request) or request.request_id
     return parse_hints(params, default, f"request {request.request_id}")
+
+
+@dataclass(frozen=True)
+class KvHintsNote:
+    """A request's standard hint envelope on its way to the workers: ``hashes`` its full blocks when admitted
+    (root first), ``session`` the client's (None: the policy finds the agent by ``req_id``)."""
+
+    req_id: str
+    session: str | None
+    hashes: tuple[bytes, ...]
+    envelope: Any  # vLLM's KvHintsEnvelope (a msgspec struct: pickles with the metadata)
+
+
+def kv_hints_note(request: Any, hashes: tuple[bytes, ...]) -> KvHintsNote | None:
+    """The note of ``request.kv_hints``, or None if it has none. Its session is the one the arrival's note names
+    (observe.py: ``kv_transfer_params["kvtier"]["session"]``, else vLLM's session id), so the policy sees one
+    agent."""
+    envelope = request_kv_hints(request)
+    if envelope is None:
+        return None
+    named = policy_hints(request_transfer_params(request), f"request {request.request_id}") or {}
+    session = named.get("session") or request_session_id(request)
+    return KvHintsNote(request.request_id, session, hashes, envelope)

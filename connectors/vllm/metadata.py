@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .hints import AgentHints
+from .hints import AgentHints, KvHintsNote
 from .observe import RequestNotes
 
 
@@ -58,13 +58,15 @@ class SavePlan:
 class KVTierMetadata(KVConnectorMetadata):
     """One step's work for every worker: loads, saves, lookup leases to release (the scheduler will not
     load them), requests preempted this step (their blocks are freed before they are overwritten), and what
-    the scheduler saw of requests since the last step, for the stores' policies (``notes``)."""
+    the scheduler saw of requests since the last step, for the stores' policies (``notes``), and the standard
+    hint envelopes of the requests admitted since (``kv_hints``, applied after the notes: hints.py)."""
 
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     notes: RequestNotes = field(default_factory=RequestNotes)
+    kv_hints: list[KvHintsNote] = field(default_factory=list)  # standard envelopes of requests admitted since
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.releases or self.preempted or self.notes)
+        return not (self.loads or self.saves or self.releases or self.preempted or self.notes or self.kv_hints)

@@ -14,7 +14,8 @@ Decides, per request, which blocks to load and which to save; moves no bytes and
   write them; the workers report them in ``get_finished`` and vLLM frees them then.
 * what it sees of each request (its block hashes when admitted, its stop reason and output blocks when it
   finishes, the client's hints) goes to every worker's store in the step's metadata (observe.py), so every
-  rank's eviction policy learns the same agents.
+  rank's eviction policy learns the same agents; so does its standard hint envelope (``Request.kv_hints``,
+  hints.py), which each worker applies to its store.
 
 A lookup channel other than the embedded workers' (a shared pool the scheduler can ask directly) only needs
 another object with LookupClient's ``submit / poll / result / expired / forget``.
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 from .compat import boundary_state_offloads, request_shared_prefix_boundary, resumed_req_ids
 from .groups import FULL, MAMBA, GroupSpec, hit_boundaries, is_hybrid, save_mask
 from .lookup import ConnectorLookup
-from .hints import AgentHints, hints_of
+from .hints import AgentHints, KvHintsNote, hints_of, kv_hints_note
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
 from .observe import Notebook
 from .settings import ConnectorSettings
@@ -111,6 +112,7 @@ class SchedulerSide:
         self._releases: list[int] = []
         self._hit_tiers: dict[str, ConnectorLookup] = {}
         self.notes = Notebook()  # what the workers' stores are told at the next step
+        self._kv_hints: list[KvHintsNote] = []  # standard envelopes, sent at the next step
         self.counters: dict[str, float] = {"lookups": 0, "lookup_hit_blocks": 0, "lookup_seconds": 0.0,
                                            "lookup_timeouts": 0}
 
@@ -167,8 +169,12 @@ class SchedulerSide:
         if tracked is None:
             tracked = self._tracked[req_id] = _Tracked(request, stored=[0] * len(self.groups), hints=hints_of(request))
             tracked.arrival_blocks = self.num_hashed_blocks(request)
-            self.notes.arrived(request, self.block_hashes(request, 0, tracked.arrival_blocks),
+            arrival = self.block_hashes(request, 0, tracked.arrival_blocks)
+            self.notes.arrived(request, arrival,
                                self._checkpoints(request, tracked.arrival_blocks, num_external_tokens))
+            note = kv_hints_note(request, tuple(arrival))
+            if note is not None:
+                self._kv_hints.append(note)
         tracked.tables = [list(t) for t in block_ids]
         lk = self._lookups.pop(req_id, None)
         if lk is None:
@@ -212,8 +218,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, so: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=list(self._loads.values()), releases=self._releases,
-                              preempted=set(so.preempted_req_ids or ()), notes=self.notes.take())
-        self._releases = []
+                              preempted=set(so.preempted_req_ids or ()), notes=self.notes.take(),
+                              kv_hints=self._kv_hints)
+        self._releases, self._kv_hints = [], []
         self._loading.update(p.req_id for p in meta.loads if not p.layerwise)
         self._loads.clear()
         for new in so.scheduled_new_reqs:

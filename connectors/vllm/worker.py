@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.config import Config
+from kvtier.connectors.kv_hints import HintOutcomes, apply_kv_hints
 from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
@@ -36,6 +37,7 @@ from kvtier.tiers.ssd import DirectoryInUse
 from .events import EventRecorder, event_group
 from .groups import FULL, MAMBA, GroupSpec, is_hybrid, needed_blocks, restorable
 from .lookup import LookupServer, RankLookupReply, endpoint
+from .hints import KvHintsNote
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
 from .paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
@@ -101,6 +103,8 @@ class WorkerSide:
         self._save_jobs: dict[str, list[SaveJob]] = {}
         self._awaiting_free: set[str] = set()  # finished requests whose blocks wait for their saves
         self._lookups_served = 0
+        self.hint_outcomes = HintOutcomes()  # the standard envelopes' outcomes, counted in the stats (hint_*)
+        self._deferred_pins: dict[str, KvHintsNote] = {}  # by request, until it finishes (its saves done)
         self._stalled_waits = 0  # load_timeout_s periods the engine thread waited on a copy thread
 
     # ---- set-up -----------------------------------------------------------------------------------------
@@ -218,6 +222,12 @@ class WorkerSide:
         store, ns, transfers = self._ready()
         if meta.notes:
             meta.notes.apply(store, ns, self.checkpoint_keys if is_hybrid(self.groups) else None)
+        for note in meta.kv_hints:  # after the arrivals: a Demote / Retain finds the request's agent
+            applied = apply_kv_hints(note.envelope, store, note.session, ns.keys(note.hashes), request=note.req_id)
+            self.hint_outcomes.record(f"request {note.req_id}", applied)
+            if any(a.action == "Pin" and a.outcome == "deferred" for a in applied):
+                # A first turn: its blocks are not stored yet. Pin them once the request's saves are done.
+                self._deferred_pins[note.req_id] = note
         for lease in meta.releases:
             self.lookup_leases.release(lookup_lease(lease))
         for plan in meta.loads:
@@ -276,17 +286,30 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """(finished requests whose saves are all done, asynchronous loads done since the last call)."""
+        finished_req_ids = set(finished_req_ids)
         with self._lock:
             self._awaiting_free.update(r for r in finished_req_ids if r in self._save_jobs)
             sending = {r for r in self._awaiting_free if not self._save_jobs[r]}
             for r in sending:
                 self._awaiting_free.discard(r)
                 del self._save_jobs[r]
+            unsaved = {r for r in finished_req_ids if r not in self._save_jobs}  # saves done, or none made
             done, self._loads_done = self._loads_done, []
             for job in done:
                 self._load_errors.update(job.failed)
         recving = {job.req_id for job in done}
+        self._retry_pins(sending | unsaved)
         return sending or None, recving or None
+
+    def _retry_pins(self, finished: Iterable[str]) -> None:
+        """Apply again the Pins that were deferred at the arrival of these finished requests (their outcome is
+        counted again): whatever of the arrival's blocks the store holds now is leased."""
+        for req_id in finished:
+            note = self._deferred_pins.pop(req_id, None)
+            if note is not None and self.store is not None and self.namespace is not None:
+                self.hint_outcomes.record(f"request {req_id}", apply_kv_hints(
+                    note.envelope, self.store, note.session, self.namespace.keys(note.hashes), request=req_id,
+                    only="Pin"))
 
     def take_load_errors(self) -> set[int]:
         """Engine blocks that failed to load: this step's layer-wise loads (they end here, after the forward)
@@ -307,6 +330,7 @@ class WorkerSide:
         counters = self._transfers.take_counters() if self._transfers is not None else {}
         counters["lookups_served"], self._lookups_served = self._lookups_served, 0
         counters["stalled_waits"], self._stalled_waits = self._stalled_waits, 0
+        counters.update(self.hint_outcomes.take())
         return counters
 
     def take_events(self) -> list[Any]:
