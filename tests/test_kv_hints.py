@@ -11,6 +11,7 @@ from conftest import blocks_for
 from kvtier.connectors.kv_hints import MAX_PIN_S, HintOutcomes, apply_kv_hints
 from kvtier.policies import Arrival, Completion
 from kvtier.prefetch import Prefetcher
+from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 
 BB = 4096
@@ -31,22 +32,14 @@ class Envelope:
     actions: list[Action]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def chain(agent: int, n: int) -> list[bytes]:
     return [(agent * 100_000 + d).to_bytes(16, "little") for d in range(n)]
 
 
-def run(tmp_path, hints: dict[int, Envelope | dict]) -> tuple[TieredStore, list, Clock]:
+def run(tmp_path, hints: dict[int, Envelope | dict]) -> tuple[TieredStore, list, VirtualClock]:
     """Agents 1 and 2 (same stop reason, 4 blocks each) then agents 3..6 fill an 12-block DRAM; ``hints``
     (agent -> envelope) are applied right after that agent's turn. Returns the store (open), the outcomes."""
-    clock = Clock()
+    clock = VirtualClock()
     store = TieredStore.from_config({"dram_capacity": 12 * BB, "ssd_path": str(tmp_path), "ssd_capacity": 256 * BB,
                                      "ssd_direct_io": "false", "ssd_staging_bytes": 0}, BB, clock=clock)
     outcomes = []
@@ -54,20 +47,20 @@ def run(tmp_path, hints: dict[int, Envelope | dict]) -> tuple[TieredStore, list,
     for _ in range(4):  # the policy learns: tool_use is back in 5 s
         for a in (7, 8):
             n += 1
-            store.observe(arrivals=[Arrival(f"r{n}", chain(a, 1), clock.t, f"a{a}")])
+            store.observe(arrivals=[Arrival(f"r{n}", chain(a, 1), clock.now, f"a{a}")])
             store.put(chain(a, 1), blocks_for(chain(a, 1), BB))
-            clock.t += 1
-            store.observe(completions=[Completion(f"r{n}", clock.t, "tool_use")])
-        clock.t += 5
+            clock.now += 1
+            store.observe(completions=[Completion(f"r{n}", clock.now, "tool_use")])
+        clock.now += 5
     for a in range(1, 7):
         n += 1
         keys = chain(a, 4)
-        store.observe(arrivals=[Arrival(f"r{n}", keys, clock.t, f"a{a}")])
+        store.observe(arrivals=[Arrival(f"r{n}", keys, clock.now, f"a{a}")])
         store.put(keys[::-1], blocks_for(keys[::-1], BB))
-        clock.t += 0.5
-        store.observe(completions=[Completion(f"r{n}", clock.t, "tool_use")])
+        clock.now += 0.5
+        store.observe(completions=[Completion(f"r{n}", clock.now, "tool_use")])
         if a in hints:
-            outcomes += apply_kv_hints(hints[a], store, f"a{a}", keys, now=clock.t)
+            outcomes += apply_kv_hints(hints[a], store, f"a{a}", keys, now=clock.now)
     return store, outcomes, clock
 
 

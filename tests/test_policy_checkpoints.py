@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.policies.checkpoints import LIVE, MAX_AGENTS, SUPERSEDED, UNSEEN, CheckpointRule
+from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 
 
 def key(i: int) -> bytes:
@@ -95,15 +96,7 @@ def skey(i: int) -> bytes:
     return i.to_bytes(16, "little")  # a store's keys are 16 bytes
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _store(clock: Clock):
+def _store(clock: VirtualClock):
     import torch
 
     from kvtier.pins import PinTable
@@ -125,11 +118,11 @@ def _turn(store, put, clock, rid, session, keys, checkpoints, declare, stop="too
     (write-through, tail first), its completion a second later."""
     from kvtier.policies import Arrival, Completion
 
-    store.observe(arrivals=[Arrival(rid, keys, clock.t, session, checkpoints if declare else ())])
+    store.observe(arrivals=[Arrival(rid, keys, clock.now, session, checkpoints if declare else ())])
     new = [x for x in keys + [o for _, objs in checkpoints for o in objs] if not store.contains([x])[0]]
     put(new[::-1])
-    clock.t += 1.0
-    store.observe(completions=[Completion(rid, clock.t, stop)])
+    clock.now += 1.0
+    store.observe(completions=[Completion(rid, clock.now, stop)])
 
 
 def _scenario(declare: bool):
@@ -137,12 +130,12 @@ def _scenario(declare: bool):
     parent P's subagents S1 and S2 fork at a junction J (S1 makes it, S2 restores from it), then S2 finishes."""
     from kvtier.policies import Hint
 
-    clock = Clock()
+    clock = VirtualClock()
     store, put = _store(clock)
     for t in range(4):  # 4 teachers x 3 turns, back in 5 s after tool_use
         for i in range(3):
             _turn(store, put, clock, f"t{t}.{i}", f"T{t}", [skey(1000 + 10 * t + j) for j in range(2)], [], declare)
-            clock.t += 5.0
+            clock.now += 5.0
         store.observe(hints=[Hint(session=f"T{t}", finished=True)])
     a = [skey(2000 + i) for i in range(16)]
     sa1, sa2 = [skey(2100 + i) for i in range(3)], [skey(2200 + i) for i in range(3)]
@@ -220,14 +213,14 @@ def test_pnu_with_checkpoints_keeps_its_invariants(ops, teach, protected):
     agent, or a superseded checkpoint's); at the end every key is evictable."""
     from kvtier.policies import Arrival, Completion, Hint, Observations, make_policy
 
-    clock = Clock()
+    clock = VirtualClock()
     p = make_policy("default", 64, clock=clock)
     if teach:  # make it predictive: tool_use is followed by a return every time
         for i in range(4):
-            p.observe(Observations(arrivals=[Arrival(f"t{i}", [skey(999_000)], clock.t, "T")]))
-            clock.t += 1
-            p.observe(Observations(completions=[Completion(f"t{i}", clock.t, "tool_use")]))
-            clock.t += 2
+            p.observe(Observations(arrivals=[Arrival(f"t{i}", [skey(999_000)], clock.now, "T")]))
+            clock.now += 1
+            p.observe(Observations(completions=[Completion(f"t{i}", clock.now, "tool_use")]))
+            clock.now += 2
     tracked: set = set()
     prot = {skey(1000 + i) for i in protected}
     req: dict[int, str] = {}
@@ -236,7 +229,7 @@ def test_pnu_with_checkpoints_keeps_its_invariants(ops, teach, protected):
         cps = [(n, _objects(keys[n - 1]))] + ([(kind, _objects(keys[kind - 1]))] if 0 < kind < n else [])
         if op == "arrive":
             req[agent] = f"{agent}.{n_op}"
-            p.observe(Observations(arrivals=[Arrival(req[agent], keys, clock.t, f"s{agent}", cps)]))
+            p.observe(Observations(arrivals=[Arrival(req[agent], keys, clock.now, f"s{agent}", cps)]))
         elif op == "insert":
             new = [x for x in keys + [o for _, objs in cps for o in objs] if x not in tracked]
             p.insert(new)
@@ -253,11 +246,11 @@ def test_pnu_with_checkpoints_keeps_its_invariants(ops, teach, protected):
             p.remove(gone)
             tracked -= set(gone)
         elif op == "complete" and agent in req:
-            p.observe(Observations(completions=[Completion(req[agent], clock.t, "tool_use", session=f"s{agent}")]))
+            p.observe(Observations(completions=[Completion(req[agent], clock.now, "tool_use", session=f"s{agent}")]))
         elif op == "finish":
-            p.observe(Observations(hints=[Hint(session=f"s{agent}", time=clock.t, finished=True)]))
+            p.observe(Observations(hints=[Hint(session=f"s{agent}", time=clock.now, finished=True)]))
         elif op == "clock":
-            clock.t += [0.5, 3.0, 30.0, -5.0, 500.0][kind]
+            clock.now += [0.5, 3.0, 30.0, -5.0, 500.0][kind]
         assert len(p) == len(tracked)
         if p._orphans_map is not None:  # told of an arrival: every key is an agent's, of none, or dead
             owned = sum(a.count for a in p._agents.values() if a.alive)

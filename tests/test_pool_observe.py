@@ -10,20 +10,13 @@ import pytest
 from conftest import blocks_for
 from kvtier.policies import Arrival, Completion
 from kvtier.pool.process import PoolDaemon
+from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 from kvtier.transport import connect
 from kvtier.transport.base import PoolError
 from kvtier.wire import pool as P
 
 BB = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def chain(agent: int, n: int) -> list[bytes]:
@@ -34,7 +27,7 @@ def pool_keeps(policy: str) -> tuple[list[bool], list[bool], int]:
     """Agents B (a tool call: back in ~5 s) then A (an answer to a human: back in ~600 s) fill a 14-block
     pool; agent C's 4 blocks then need room (the session-aware pool may decline some of them: admission). Returns (which of A's blocks the pool holds, which of B's, how many
     observations the pool took)."""
-    clock = Clock()
+    clock = VirtualClock()
     with PoolDaemon(14 * BB, BB, eviction=policy, policy_clock="sender") as pool:
         config = {"mode": "distributed", "pool": pool.endpoint("tcp"), "dram_capacity": 2 * BB,
                   "pool_offload": "write_through", "pool_staging_bytes": 0, "pool_timeout_ms": 10_000,
@@ -45,19 +38,19 @@ def pool_keeps(policy: str) -> tuple[list[bool], list[bool], int]:
             def turn(agent: int, keys: list[bytes], stop: str) -> None:
                 nonlocal n
                 n += 1
-                store.observe(arrivals=[Arrival(f"r{n}", keys, clock.t, f"a{agent}")])
+                store.observe(arrivals=[Arrival(f"r{n}", keys, clock.now, f"a{agent}")])
                 store.put(keys[::-1], blocks_for(keys[::-1], BB))
-                clock.t += 1.0
-                store.observe(completions=[Completion(f"r{n}", clock.t, stop)])
+                clock.now += 1.0
+                store.observe(completions=[Completion(f"r{n}", clock.now, stop)])
 
             # The pool's policy learns: tool_use is back in 5 s (most gaps: an agent in flight is predicted back
             # about as soon), end_turn in 600 s.
             for _ in range(8):
                 turn(1, chain(1, 1), "tool_use")
-                clock.t += 5.0
+                clock.now += 5.0
             for _ in range(3):
                 turn(2, chain(2, 1), "end_turn")
-                clock.t += 600.0
+                clock.now += 600.0
             store.remove(chain(1, 1) + chain(2, 1))
             turn(20, chain(20, 7), "tool_use")  # B
             turn(10, chain(10, 7), "end_turn")  # A

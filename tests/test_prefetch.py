@@ -13,17 +13,10 @@ from hypothesis import strategies as st
 from conftest import blocks_for
 from kvtier.policies import Arrival, Completion, Hint
 from kvtier.prefetch import Prefetcher
+from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 
 BB = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def k(agent: int, depth: int) -> bytes:
@@ -34,7 +27,7 @@ def chain(agent: int, n: int) -> list[bytes]:
     return [k(agent, d) for d in range(n)]
 
 
-def make_store(path: str, clock: Clock, dram_blocks: int, ssd_blocks: int = 512) -> TieredStore:
+def make_store(path: str, clock: VirtualClock, dram_blocks: int, ssd_blocks: int = 512) -> TieredStore:
     return TieredStore.from_config({"dram_capacity": dram_blocks * BB, "ssd_path": path, "ssd_capacity": ssd_blocks * BB,
                                     "ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0}, BB,
                                    clock=clock)
@@ -43,32 +36,32 @@ def make_store(path: str, clock: Clock, dram_blocks: int, ssd_blocks: int = 512)
 class Agents:
     """Drives agents' turns through the store: arrival, the chain's new blocks put, completion."""
 
-    def __init__(self, store: TieredStore, clock: Clock) -> None:
+    def __init__(self, store: TieredStore, clock: VirtualClock) -> None:
         self.store, self.clock, self.n = store, clock, 0
 
     def turn(self, agent: int, keys: list[bytes], stop: str = "tool_use", took: float = 1.0) -> None:
         self.n += 1
         rid = f"r{self.n}"
-        self.store.observe(arrivals=[Arrival(rid, keys, self.clock.t, f"a{agent}")])
+        self.store.observe(arrivals=[Arrival(rid, keys, self.clock.now, f"a{agent}")])
         self.store.put(keys[::-1], blocks_for(keys[::-1], BB))  # tail first, as the replay and connectors do
-        self.clock.t += took
-        self.store.observe(completions=[Completion(rid, self.clock.t, stop)])
+        self.clock.now += took
+        self.store.observe(completions=[Completion(rid, self.clock.now, stop)])
 
     def arrive(self, agent: int, keys: list[bytes]) -> None:
         self.n += 1
-        self.store.observe(arrivals=[Arrival(f"r{self.n}", keys, self.clock.t, f"a{agent}")])
+        self.store.observe(arrivals=[Arrival(f"r{self.n}", keys, self.clock.now, f"a{agent}")])
 
     def teach(self, agent: int, stop: str, gap: float, n: int = 2, loops: int = 4) -> None:
         """The agent comes back ``gap`` s after each ``stop``: the policy learns to predict (ReturnModel)."""
         for _ in range(loops):
             self.turn(agent, chain(agent, n), stop=stop)
-            self.clock.t += gap
+            self.clock.now += gap
 
     def teach_two(self) -> None:
         """tool_use comes back in 5 s, end_turn in 60 s."""
         self.teach(1, "tool_use", 5.0)
         self.teach(2, "end_turn", 60.0)
-        self.store.observe(hints=[Hint(session=f"a{a}", time=self.clock.t, finished=True) for a in (1, 2)])
+        self.store.observe(hints=[Hint(session=f"a{a}", time=self.clock.now, finished=True) for a in (1, 2)])
 
     def push_out(self, agent: int) -> None:
         """``agent`` answered a human (back in ~60 s); four agents calling tools (back in ~5 s) push its
@@ -76,7 +69,7 @@ class Agents:
         self.turn(agent, chain(agent, 8), stop="end_turn")
         for a in range(10, 14):
             self.turn(a, chain(a, 4), stop="tool_use")
-        self.store.observe(hints=[Hint(session=f"a{a}", time=self.clock.t, finished=True) for a in range(10, 14)])
+        self.store.observe(hints=[Hint(session=f"a{a}", time=self.clock.now, finished=True) for a in range(10, 14)])
 
 
 def where(store: TieredStore, keys: list[bytes]) -> list[str]:
@@ -91,7 +84,7 @@ def read_back(store: TieredStore, keys: list[bytes]) -> None:
 
 
 def test_an_idle_agents_prefix_comes_up_from_the_ssd_before_it_returns(tmp_path):
-    clock = Clock()
+    clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
         pf = Prefetcher(store)
         agents = Agents(store, clock)
@@ -111,7 +104,7 @@ def test_an_idle_agents_prefix_comes_up_from_the_ssd_before_it_returns(tmp_path)
 
 def test_without_a_prediction_a_prefetch_only_takes_free_slots(tmp_path):
     """LRU predicts nothing: DRAM full, nothing moves (negative control of the room rule)."""
-    clock = Clock()
+    clock = VirtualClock()
     with TieredStore.from_config({"dram_capacity": 8 * BB, "ssd_path": str(tmp_path), "ssd_capacity": 64 * BB,
                                   "ssd_direct_io": "false", "ssd_staging_bytes": 0, "eviction": "lru"}, BB,
                                  clock=clock) as store:
@@ -124,7 +117,7 @@ def test_without_a_prediction_a_prefetch_only_takes_free_slots(tmp_path):
 
 
 def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
-    clock = Clock()
+    clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
         pf = Prefetcher(store)
         agents = Agents(store, clock)
@@ -142,7 +135,7 @@ def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
 
 
 def test_a_finished_hint_cancels_the_prefetch(tmp_path):
-    clock = Clock()
+    clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
         pf = Prefetcher(store)
         agents = Agents(store, clock)
@@ -150,14 +143,14 @@ def test_a_finished_hint_cancels_the_prefetch(tmp_path):
         agents.push_out(9)  # its 8 blocks on the SSD, a job to bring them up
         assert pf.sessions() == ["a9"]
         cancelled = pf.counts.cancelled
-        store.observe(hints=[Hint(session="a9", time=clock.t, finished=True)])
+        store.observe(hints=[Hint(session="a9", time=clock.now, finished=True)])
         assert pf.pending() == 0 and pf.counts.cancelled - cancelled == 8
 
 
 def test_no_room_when_dram_holds_only_agents_needed_sooner(tmp_path):
     """DRAM is full of agents calling tools (back in ~5 s); the idle agent answered a human (back in ~60 s):
     its prefix stays on the SSD, and theirs in DRAM."""
-    clock = Clock()
+    clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
         agents = Agents(store, clock)
         agents.teach_two()
@@ -177,7 +170,7 @@ def test_no_room_when_dram_holds_only_agents_needed_sooner(tmp_path):
 def test_a_prefetch_never_evicts_a_block_predicted_to_be_needed_sooner(gaps, target, budget):
     """Agents with learned gaps of different lengths fill DRAM; one idle agent's prefix comes up. Every block
     DRAM lost meanwhile belongs to an agent predicted back no sooner than that one (or to none)."""
-    clock = Clock()
+    clock = VirtualClock()
     with tempfile.TemporaryDirectory() as d, make_store(d, clock, dram_blocks=24) as store:
         agents = Agents(store, clock)
         n = len(gaps)
@@ -216,7 +209,7 @@ def test_the_driver_moves_jobs_in_real_time_and_prometheus_counts_bytes(tmp_path
 
     from kvtier.prefetch import PrefetchCollector, PrefetchDriver
 
-    clock = Clock()
+    clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
         pf = Prefetcher(store)
         agents = Agents(store, clock)
