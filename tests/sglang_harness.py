@@ -308,18 +308,7 @@ class RadixServer:
     def load_back(self, tokens: list[int]) -> list[torch.Tensor]:
         """Host -> device for the prefix of ``tokens`` the host holds; returns each device layer's rows of the
         whole matched device prefix."""
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        key = RadixKey(array("q", tokens))
-        match = self.cache.match_prefix(MatchPrefixParams(key=key))
-        if match.host_hit_length:
-            if not self.cache.load_back(match.best_match_node):
-                raise RuntimeError("load_back refused")
-            self.cache.ready_to_load_host_cache()
-            self.pump(lambda: not self.cache.ongoing_load_back)
-        match = self.cache.match_prefix(MatchPrefixParams(key=key))
-        idx = self.cache.path_device_indices(match.last_device_node)
+        idx = self.cache.path_device_indices(load_host_prefix(self.cache, self.pump, tokens))
         return [layer[idx].clone() for layer in self.device_layers()]
 
     def close(self) -> None:
@@ -329,3 +318,19 @@ class RadixServer:
         if isinstance(self.backend, KVTierHiCacheStorage):
             self.backend.close()
         self._parallel.__exit__(None, None, None)
+
+
+def load_host_prefix(cache: Any, pump: Callable[[Callable[[], bool]], Any], tokens: list[int]) -> Any:
+    """Host -> device, in the radix cache ``cache``, for the prefix of ``tokens`` the host holds (``pump`` runs
+    the cache's controller until its condition holds); returns the matched device prefix's last node."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    key = RadixKey(array("q", tokens))
+    match = cache.match_prefix(MatchPrefixParams(key=key))
+    if match.host_hit_length:
+        if not cache.load_back(match.best_match_node):
+            raise RuntimeError("load_back refused")
+        cache.ready_to_load_host_cache()
+        pump(lambda: not cache.ongoing_load_back)
+    return cache.match_prefix(MatchPrefixParams(key=key)).last_device_node

@@ -24,7 +24,7 @@ from array import array
 from typing import Any
 
 import torch
-from sglang_harness import BACKEND_CONFIG, install
+from sglang_harness import BACKEND_CONFIG, install, load_host_prefix
 
 _installed = False
 
@@ -160,17 +160,7 @@ class RadixServer:
 
     def _load_back(self, tokens: list[int]) -> Any:
         """Host -> device for the prefix the host holds; the device prefix's last node."""
-        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-
-        key = RadixKey(array("q", tokens))
-        match = self.cache.match_prefix(MatchPrefixParams(key=key))
-        if match.host_hit_length:
-            if not self.cache.load_back(match.best_match_node):
-                raise RuntimeError("load_back refused")
-            self.cache.ready_to_load_host_cache()
-            self.pump(lambda: not self.cache.ongoing_load_back)
-        return self.cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+        return load_host_prefix(self.cache, self.pump, tokens)
 
     def close(self) -> None:
         self.cache.shutdown()
