@@ -26,21 +26,11 @@ from typing import Any
 import numpy as np
 
 from kvtier.policies import make_policy
-from kvtier.replay.traces import Step, TraceError, TraceRequest, expand_paths, read_trace
+from kvtier.replay.traces import TraceError, expand_paths, inline, read_trace
 
 API_TIME_S = 1.0  # a request's service time in the lane schedule (the parsed trace keeps think times only)
 MAX_THINK_S = 60.0  # longer pauses only reorder lanes; capped as in the first study
 Conversation = list[tuple[np.ndarray, float]]  # (block ids, delay before the request) per request
-
-
-def _inline(steps: Sequence[Step]) -> Iterator[TraceRequest]:
-    """A conversation's requests in order, each subagent's requests where it was spawned."""
-    for step in steps:
-        if isinstance(step, TraceRequest):
-            yield step
-        else:
-            for agent in step.agents:
-                yield from _inline(agent)
 
 
 def load_conversations(paths: Sequence[str], count: int) -> list[Conversation]:
@@ -54,7 +44,7 @@ def load_conversations(paths: Sequence[str], count: int) -> list[Conversation]:
         if trace.timed:
             raise TraceError(f"{f}: a timed (Mooncake) trace; this study replays agentic-cc conversations")
         convs.append([((n << 32) | trace.raw_ids[r.blocks], min(r.delay, MAX_THINK_S))
-                      for r in _inline(trace.steps)])
+                      for r in inline(trace.steps)])
     return convs
 
 

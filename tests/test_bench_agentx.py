@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from kvtier.bench.agentx.client import Endpoint
 from kvtier.bench.agentx.report import modeled, summarize
 from kvtier.bench.agentx.loop import LoopConfig, run_loop
-from kvtier.bench.agentx.workload import (SAMPLE_TRACES, PromptBuilder, Scaled, Scaling, TraceOrder, flatten,
+from kvtier.bench.agentx.workload import (SAMPLE_TRACES, PromptBuilder, Scaled, Scaling, TraceOrder,
                                           load_traces)
-from kvtier.replay.traces import parse_agentic
+from kvtier.replay.traces import inline, parse_agentic
 
 
 def trace(requests: list[list[int]], name: str = "t", think: float = 0.0) -> Scaled:
@@ -34,7 +34,7 @@ def trace(requests: list[list[int]], name: str = "t", think: float = 0.0) -> Sca
 def test_equal_hashes_give_equal_tokens_and_salts_keep_replays_apart():
     s = trace([[1, 2, 3], [1, 2, 4, 5]])
     b = PromptBuilder(Scaling())
-    r0, r1 = list(flatten(s.trace.steps))
+    r0, r1 = list(inline(s.trace.steps))
     a, c = b.prompt(s, r0, salt=7, serial=0), b.prompt(s, r1, salt=7, serial=1)
     assert a.tokens[:64] == c.tokens[:64]  # blocks 1, 2 shared
     assert a.tokens[64:96] != c.tokens[64:96]  # block 3 vs 4
@@ -53,7 +53,7 @@ def test_merged_prompts_share_exactly_the_whole_groups_they_share(lengths, merge
     s = trace([chain[:n] for n in lengths])
     s.merge = merge
     b = PromptBuilder(Scaling(max_model_len=4096))
-    reqs = list(flatten(s.trace.steps))
+    reqs = list(inline(s.trace.steps))
     prompts = [b.prompt(s, r, 1, i) for i, r in enumerate(reqs)]
     for r, p in zip(reqs, prompts):
         assert len(p.keys) == len(r.blocks) // merge
@@ -73,7 +73,7 @@ def test_the_sample_is_fitted_or_skipped_with_a_count():
     b = PromptBuilder(scaling)
     for s in fitted.scaled:
         assert s.merge <= 40
-        for i, r in enumerate(sorted(flatten(s.trace.steps), key=lambda r: -r.input_tokens)[:3]):
+        for i, r in enumerate(sorted(inline(s.trace.steps), key=lambda r: -r.input_tokens)[:3]):
             p = b.prompt(s, r, 1, i)
             assert len(p.tokens) + p.max_tokens <= 2048
     with pytest.raises(ValueError, match="no trace fits"):
@@ -211,7 +211,7 @@ def test_a_server_that_dies_mid_run_is_reported_and_the_run_ends(then):
 def test_prompt_token_ids_are_numpy_free():
     """The request body is JSON: token ids must be plain ints (numpy's are not serialisable)."""
     s = trace([[1, 2]])
-    p = PromptBuilder(Scaling()).prompt(s, next(flatten(s.trace.steps)), 1, 0)
+    p = PromptBuilder(Scaling()).prompt(s, next(inline(s.trace.steps)), 1, 0)
     json.dumps(p.tokens)
     assert not any(isinstance(t, np.integer) for t in p.tokens)
 

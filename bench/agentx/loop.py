@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.bench.agentx.client import Completion, Endpoint, StreamError, complete
-from kvtier.bench.agentx.workload import PromptBuilder, Scaled, Step, Subagents, TraceOrder, flatten
+from kvtier.bench.agentx.workload import PromptBuilder, Scaled, Step, Subagents, TraceOrder
+from kvtier.replay.traces import inline
 from kvtier.replay.traces import TraceRequest
 
 
@@ -126,7 +127,7 @@ class ClosedLoop:
     # ---- lanes ---------------------------------------------------------------------------------------------
 
     async def _warm(self, lane: int, scaled: Scaled, salt: int, start: int, until: float) -> None:
-        for serial, req in enumerate(flatten(scaled.trace.steps[:start])):
+        for serial, req in enumerate(inline(scaled.trace.steps[:start])):
             if time.monotonic() >= until:
                 return
             try:
@@ -136,7 +137,7 @@ class ClosedLoop:
 
     async def _lane(self, lane: int, scaled: Scaled, salt: int, start: int) -> None:
         try:
-            first = sum(1 for _ in flatten(scaled.trace.steps[:start]))
+            first = sum(1 for _ in inline(scaled.trace.steps[:start]))
             await self._agent(lane, scaled, scaled.trace.steps[start:], salt, [first], first_free=True)
             while True:
                 scaled, salt = self.order.next()

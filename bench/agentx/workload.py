@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,16 +156,6 @@ class PromptBuilder:
         return Prompt(np.concatenate(parts).tolist(), out, keys)
 
 
-def flatten(steps: Sequence[Step]) -> Iterator[TraceRequest]:
-    """A run of steps' requests in the order a sequential replay sends them (subagents where they spawn)."""
-    for step in steps:
-        if isinstance(step, TraceRequest):
-            yield step
-        else:
-            for agent in step.agents:
-                yield from flatten(agent)
-
-
 class TraceOrder:
     """The replays lanes take, in a seeded order: traces shuffled, cycled, each replay a new salt."""
 
@@ -188,4 +178,4 @@ class TraceOrder:
 
 
 __all__ = ["SAMPLE_TRACES", "Prompt", "PromptBuilder", "Scaled", "Scaling", "Step", "Subagents", "TraceOrder",
-           "TraceSet", "flatten", "load_traces"]
+           "TraceSet", "load_traces"]

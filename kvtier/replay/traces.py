@@ -19,7 +19,7 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -74,6 +74,17 @@ class Subagents:
 
 
 Step = Union[TraceRequest, Subagents]
+
+
+def inline(steps: Sequence[Step]) -> Iterator[TraceRequest]:
+    """A conversation's requests in the order a sequential replay sends them: each subagent's requests where it
+    was spawned."""
+    for step in steps:
+        if isinstance(step, TraceRequest):
+            yield step
+        else:
+            for agent in step.agents:
+                yield from inline(agent)
 
 
 @dataclass
