@@ -47,6 +47,7 @@ from kvtier.ratelog import RateLimitedLog
 from kvtier.store import TieredStore
 from kvtier.tiers.ssd import DirectoryInUse
 
+from . import hints as kv_hints
 from .identity import StorageIdentity, check_sharing
 from .pages import HostPages, page_keys_ok
 from .pagestore import PageStore
@@ -81,6 +82,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.store: TieredStore | None = None
         self.events: Any = None  # events.L3Events when kv_events_endpoint is set on the publishing rank
         self.pools: PoolStores | None = None  # every pool's store, for the v2 calls (pools.py)
+        self.hints: kv_hints.HintSink | None = None  # the requests' standard kv_hints (hints.py), once attached
         self._extra_pools: dict[str, Any] = {}  # name -> host pool, the pools besides KV
         self._prefetch_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
         self._backup_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
@@ -147,6 +149,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         except BaseException:
             self.close()
             raise
+        self.hints = kv_hints.HintSink(self.store, self.page_store.keys, self.pages.page_size)
+        kv_hints.attach(self.hints)
         log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s", ident.describe(), self.pages.describe(),
                  namespace.digest.hex()[:12], [t.name for t in self.store.tiers],
                  "".join(f", {k} {getattr(self.config, k)}" for k in PER_WORKER_KEYS if getattr(self.config, k)),
@@ -175,6 +179,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         def save(store: PageStore) -> list[bool]:
             ok = store.set_pages(keys, host_indices, self._hints(extra_info))
             self._sample(self._backup_pgs, self._backup_bw, sum(ok), start)
+            self._saved(keys, ok)
             return ok
 
         return self._guarded("set", "batch_set_v1", keys, "none stored", [False] * len(keys), save)
@@ -209,6 +214,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 raise ValueError(f"{len(keys)} page keys need as many page tensors")
             ok = store.set_flat(keys, values)
             self._sample(self._backup_pgs, self._backup_bw, sum(ok), start)
+            self._saved(keys, ok)
             return all(ok)
 
         return self._guarded("set", "batch_set", keys, "none stored", False, save)
@@ -265,15 +271,20 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return metrics
 
     def stats(self) -> dict[str, Any]:
-        """kvtier's own view: the store's stats and the page counters since the last call."""
+        """kvtier's own view: the store's stats, and the page counters and the kv_hints outcomes
+        (``hint_<action>_<outcome>``) since the last call."""
         store = self._ready()
         pools = self._pools()
         counts = pools.take_counts()
         stores = {p.name: p.store.stats() for p in pools.extra}
         return {"store": store.store.stats(), "pages": counts.pop(KV),
-                "pools": {name: {"store": stores.get(name), "pages": c} for name, c in counts.items()}}
+                "pools": {name: {"store": stores.get(name), "pages": c} for name, c in counts.items()},
+                "hints": self.hints.outcomes.take() if self.hints is not None else {}}
 
     def close(self) -> None:
+        if self.hints is not None:
+            kv_hints.detach(self.hints)
+            self.hints = None
         if self.events is not None:
             self.events.close()
             self.events = None
@@ -338,6 +349,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if extra_info is None or not extra_info.extra_info or self.settings.hint_max_fraction <= 0:
             return None
         return parse_hints(extra_info.extra_info, None, "an SGLang storage call")
+
+    def _saved(self, keys: list[str], ok: list[bool]) -> None:
+        """Pages SGLang just stored: the Pins of requests that wait for them lease them (hints.py)."""
+        if self.hints is not None:
+            self.hints.on_saved(keys, ok)
 
     def _sample(self, pages: deque[int], bandwidth: deque[float], n: int, start: float,
                 nbytes: int | None = None) -> None:

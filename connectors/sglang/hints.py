@@ -1,0 +1,270 @@
+"""SGLang's standard agent hints reach kvtier's backend: ``GenerateReqInput.kv_hints`` (the Python API and HTTP
+``/generate``; SGLang 0.5.23, ``srt/managers/kv_hints.py``: ``KvHintsEnvelope``, vLLM's field names) applied to the
+store of the request's prefix by kvtier.connectors.kv_hints (Prefetch, Pin, Retain, Demote, Share).
+
+Why a plugin: SGLang carries the envelope GenerateReqInput -> TokenizedGenerateReqInput -> ``Req.kv_hints`` and
+reads it nowhere; a HiCache backend's calls carry page keys and ``HiCacheStorageExtraInfo(prefix_keys)`` only (no
+request id, no hints), and nothing hands a backend the request. SGLang's declared way in for code that must see a
+scheduler-side object is its plugin framework (``sglang/srt/plugins``: entry-point group ``sglang.srt.plugins``,
+loaded by every scheduler process before its Scheduler is built; ``HookRegistry`` wraps a named function).
+kvtier declares one plugin (pyproject.toml: ``kvtier_hints = "kvtier.connectors.sglang.hints:register"``) with one
+AFTER hook on ``Req.__init__`` (``TARGET``): when the scheduler makes a request (``_create_generation_req``) that
+carries kv_hints, the request goes to this process's kvtier backend(s). A backend registers itself here
+(``attach``), so nothing of SGLang's is reached into to find it. The request's keys are SGLang's page keys of its
+prompt (kvtier.hashers.SglangPageHasher over ``origin_input_ids``, seeded by ``extra_key`` / ``cache_salt``), folded
+into the backend's namespace: the keys it stores.
+
+What it reads of SGLang (``REQUIRED``): the Req constructor's parameters of those names, each kept as the attribute
+of that name. ``check_sglang`` finds a version that lacks one: ``register`` logs one line and every action of a
+request's hints is answered ``ignored``, naming what is missing (counted like any outcome); a version whose Req has
+no ``kv_hints`` at all has no hints to answer (the one line says so; no hook). A backend started without the plugin
+(``SGLANG_PLUGINS`` leaves it out, or kvtier installed without its entry points) logs one line: hints are not seen.
+
+At arrival (the scheduler thread): the request's arrival goes to the store's policy (so a Demote / Retain finds its
+agent: the session is ``Req.session_id``, else inferred from the chains), then its actions are applied and their
+outcomes counted and logged. A Pin covers the pages the store holds by then; a first turn holds none (``deferred``).
+A Pin whose prefix was not all stored is remembered (``HintSink``) and applied again as SGLang's backup thread
+stores the request's pages (``on_saved``): the first lease of a deferred Pin is counted once more (accepted /
+clipped), the later pages of that request join its lease silently. Bounded: ``MAX_PENDING`` requests and
+``MAX_PENDING_KEYS`` keys waiting (the oldest forgotten, logged), each for at most ``MAX_PIN_S``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.connectors.kv_hints import MAX_PIN_S, Applied, HintOutcomes, apply_kv_hints
+from kvtier.hashers import SglangPageHasher
+from kvtier.policies import Arrival
+from kvtier.ratelog import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+TARGET = "sglang.srt.managers.schedule_batch.Req.__init__"
+REQUIRED = ("rid", "origin_input_ids", "kv_hints", "extra_key", "cache_salt", "session_id")
+MAX_PENDING = 1024  # requests whose Pin waits for their pages to be stored
+MAX_PENDING_KEYS = 1 << 20  # their keys, all together
+
+_lock = threading.Lock()
+_sinks: list[HintSink] = []
+_loaded = False  # register() ran in this process (SGLang loaded the plugin)
+_problem: str | None = None  # what this SGLang lacks (check_sglang), once the plugin is loaded
+_rate_log = RateLimitedLog(log, 1.0)
+
+
+def check_sglang() -> list[str]:
+    """The names of ``REQUIRED`` this SGLang's Req constructor lacks (all of them when Req does not import)."""
+    try:
+        from sglang.srt.managers.schedule_batch import Req
+    except ImportError:
+        return list(REQUIRED)
+    params = inspect.signature(Req.__init__).parameters
+    return [name for name in REQUIRED if name not in params]
+
+
+def register() -> None:
+    """SGLang's plugin entry point (group ``sglang.srt.plugins``): hook ``TARGET`` unless this SGLang has no
+    kv_hints; log one line when it lacks something the hook reads (its hints are then answered ``ignored``)."""
+    global _loaded, _problem
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    missing = check_sglang()
+    _problem = (f"SGLang {_sglang_version()}'s Req takes no {', '.join(missing)} (kvtier reads {', '.join(REQUIRED)})"
+                if missing else None)
+    _loaded = True
+    if "kv_hints" in missing:
+        log.warning("kvtier: %s: requests carry no agent hints for kvtier to apply", _problem)
+        return
+    if _problem is not None:
+        log.warning("kvtier: %s: every agent hint (kv_hints) will be answered 'ignored'", _problem)
+    HookRegistry.register(TARGET, on_request_made, HookType.AFTER)
+
+
+def attach(sink: HintSink) -> None:
+    """A backend's hints: the requests this process's scheduler makes with kv_hints go to ``sink`` from now on."""
+    with _lock:
+        _sinks.append(sink)
+        loaded = _loaded
+    if not loaded:
+        log.warning("kvtier: SGLang did not load kvtier's plugin (entry point kvtier_hints, group sglang.srt.plugins; "
+                    "is SGLANG_PLUGINS set without it?): requests' kv_hints are not seen, none is applied")
+
+
+def detach(sink: HintSink) -> None:
+    with _lock:
+        if sink in _sinks:
+            _sinks.remove(sink)
+
+
+@dataclass(frozen=True)
+class RequestHints:
+    """What the hook takes from one SGLang request: its id, hint envelope, prompt token ids, cache namespace
+    (``extra_key``, ``cache_salt``) and session."""
+
+    rid: str
+    envelope: Any
+    token_ids: Sequence[int]
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    session: str | None = None
+
+
+def on_request_made(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """The hook, after ``Req.__init__`` on the scheduler thread: a request with kv_hints goes to every attached sink.
+    Never raises into SGLang (a failure is logged, rate-limited: the request runs as without hints)."""
+    envelope = getattr(req, "kv_hints", None)
+    if envelope is None:
+        return
+    with _lock:
+        sinks = list(_sinks)
+    if not sinks:
+        return
+    rid = str(getattr(req, "rid", "?"))
+    try:
+        if _problem is not None:
+            for sink in sinks:
+                sink.refuse(rid, envelope, _problem)
+            return
+        request = RequestHints(rid, envelope, req.origin_input_ids, req.extra_key, req.cache_salt, req.session_id)
+        for sink in sinks:
+            sink.on_request(request)
+    except Exception:
+        _rate_log("hook", logging.ERROR, "kvtier: applying the kv_hints of request %s failed; it runs without them",
+                  rid, exc_info=True)
+
+
+@dataclass
+class _Pending:
+    """A Pin waiting for its request's pages: ``waiting`` the keys not stored yet."""
+
+    rid: str
+    session: str | None
+    envelope: Any
+    keys: list[bytes]
+    waiting: set[bytes]
+    until: float
+    counted: bool  # a lease of it has been counted (accepted / clipped) already
+
+
+@dataclass
+class HintSink:
+    """One backend's hints: ``store`` (a TieredStore), ``keys_of`` folds SGLang page keys into the backend's namespace,
+    ``page_size`` SGLang's; ``outcomes`` counts them. Thread-safe: ``on_request`` runs on the scheduler thread,
+    ``on_saved`` on SGLang's backup thread."""
+
+    store: Any
+    keys_of: Callable[[Sequence[str]], list[bytes]]
+    page_size: int
+    outcomes: HintOutcomes = field(default_factory=HintOutcomes)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._waiting_keys: dict[bytes, set[str]] = {}
+
+    def keys(self, request: RequestHints) -> list[bytes]:
+        """The store keys of the request's full prompt pages, root first (SGLang's page keys, this namespace)."""
+        hasher = SglangPageHasher(self.page_size, extra_key=request.extra_key, cache_salt=request.cache_salt)
+        return self.keys_of(hasher.hashes(request.token_ids))
+
+    def on_request(self, request: RequestHints) -> list[Applied]:
+        """Tell the policy the request arrived, apply its hints, count them; remember a Pin whose pages are not all
+        stored yet. Returns the outcomes."""
+        keys = self.keys(request)
+        self.store.observe(arrivals=[Arrival(request.rid, keys, session=request.session)])
+        held = self.store.lookup_prefix(keys).length if keys else 0
+        applied = apply_kv_hints(request.envelope, self.store, request.session, keys, request=request.rid)
+        self.outcomes.record(f"request {request.rid}", applied)
+        pins = [a.outcome for a in applied if a.action == "Pin" and a.outcome in ("accepted", "clipped", "deferred")]
+        if pins and held < len(keys):
+            self._remember(_Pending(request.rid, request.session, request.envelope, keys, set(keys[held:]),
+                                    self.clock() + MAX_PIN_S, counted=pins[-1] != "deferred"))
+        return applied
+
+    def refuse(self, rid: str, envelope: Any, why: str) -> list[Applied]:
+        """Answer every action of ``envelope`` ``ignored`` (this SGLang lacks what kvtier reads: ``why``), counted."""
+        actions = envelope.get("actions") if isinstance(envelope, dict) else getattr(envelope, "actions", None)
+        kinds = [str(a.get("action_type") if isinstance(a, dict) else getattr(a, "action_type", None))[:64]
+                 for a in (actions if isinstance(actions, (list, tuple)) else [])] or ["envelope"]
+        applied = [Applied(kind, "ignored", why) for kind in kinds]
+        self.outcomes.record(f"request {rid}", applied)
+        return applied
+
+    def on_saved(self, page_keys: Sequence[str], ok: Sequence[bool]) -> None:
+        """SGLang stored these pages (``ok`` per page): lease them under the Pins that wait for them."""
+        if not self._pending:
+            return
+        stored = [k for k, good in zip(self.keys_of(page_keys), ok) if good]
+        now = self.clock()
+        with self._lock:
+            self._expire(now)
+            touched: dict[str, _Pending] = {}
+            for key in stored:
+                for rid in self._waiting_keys.pop(key, ()):
+                    entry = self._pending[rid]
+                    entry.waiting.discard(key)
+                    touched[rid] = entry
+            for rid, entry in touched.items():
+                if not entry.waiting:
+                    del self._pending[rid]
+        for entry in touched.values():
+            applied = apply_kv_hints(entry.envelope, self.store, entry.session, entry.keys, request=entry.rid,
+                                     only="Pin")
+            with self._lock:
+                first = not entry.counted and any(a.outcome != "deferred" for a in applied)
+                entry.counted = entry.counted or first
+            if first:
+                self.outcomes.record(f"request {entry.rid}", applied)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _remember(self, entry: _Pending) -> None:
+        with self._lock:
+            self._expire(self.clock())
+            self._forget(entry.rid)
+            self._pending[entry.rid] = entry
+            for key in entry.waiting:
+                self._waiting_keys.setdefault(key, set()).add(entry.rid)
+            while len(self._pending) > MAX_PENDING or len(self._waiting_keys) > MAX_PENDING_KEYS:
+                rid = next(iter(self._pending))
+                _rate_log("pending", logging.WARNING, "kvtier: forgetting the Pin of request %s before its pages were "
+                          "stored (more than %d requests or %d keys wait)", rid, MAX_PENDING, MAX_PENDING_KEYS)
+                self._forget(rid)
+
+    def _expire(self, now: float) -> None:
+        """Forget Pins that waited MAX_PIN_S (lock held)."""
+        while self._pending:
+            rid, entry = next(iter(self._pending.items()))
+            if entry.until > now:
+                break
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return
+        for key in entry.waiting:
+            rids = self._waiting_keys.get(key)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._waiting_keys[key]
+
+
+def _sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return "(version unknown)"

@@ -1,0 +1,259 @@
+"""SGLang's standard agent hints (``GenerateReqInput.kv_hints``) reaching kvtier's HiCache backend through kvtier's
+SGLang plugin (connectors/sglang/hints.py), on SGLang 0.5.23's real code: the plugin is loaded by SGLang's own
+``load_plugins`` (the entry point in pyproject.toml), a request goes the way an HTTP ``/generate`` body goes (parsed
+into GenerateReqInput as FastAPI does, normalized, made a TokenizedGenerateReqInput, sent over a real zmq socket with
+SGLang's own wire encoding, made a Req as the scheduler makes it), and its pages are stored by SGLang's own radix
+cache and backup threads (tests/sglang_harness.py). Each action's outcome is counted; the effects: a Pin survives
+pressure that evicts its unpinned twin, a Demote goes first (and without it the same prefix stays).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+
+import pytest
+from sglang_harness import SKIP_REASON, sglang_available
+
+if not sglang_available():
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+import zmq  # noqa: E402
+from sglang_harness import RadixServer, install  # noqa: E402
+
+install()
+
+from sglang.srt.plugins import load_plugins  # noqa: E402
+
+load_plugins()  # what every SGLang scheduler process does first: finds kvtier's entry point, applies its hook
+
+from pydantic import TypeAdapter  # noqa: E402
+from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput, sock_recv, sock_send  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from kvtier.connectors.kv_hints import MAX_PIN_S  # noqa: E402
+from kvtier.connectors.sglang import hints  # noqa: E402
+from kvtier.policies import Arrival, Completion  # noqa: E402
+
+PS = 4
+PAGE_BYTES = 768  # an MHA page_first page of the harness's pool: 4 tokens x 3 layers x 2 heads x 8 dims x bf16, K+V
+DRAM_PAGES = 24
+
+
+def envelope(*actions: tuple[str, dict]) -> dict:
+    """A kv_hints envelope as an HTTP body carries it (SGLang's field names; versions are strings)."""
+    return {"protocol_version": "1", "message_id": "m", "actions": [
+        {"action_id": str(i), "action_type": kind, "action_version": "1", "payload": payload}
+        for i, (kind, payload) in enumerate(actions)]}
+
+
+@pytest.fixture
+def wire():
+    """The tokenizer -> scheduler hop: a real zmq socket pair, SGLang's own sock_send / sock_recv."""
+    ctx = zmq.Context()
+    send, recv = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    recv.bind("inproc://kvtier-hints")
+    send.connect("inproc://kvtier-hints")
+    yield send, recv
+    send.close(0)
+    recv.close(0)
+    ctx.term()
+
+
+def submit(wire, tokens: list[int], kv_hints: dict | None, rid: str, **body) -> Req:
+    """A ``/generate`` body the way SGLang's server takes it, up to the Req the scheduler makes of it."""
+    obj = TypeAdapter(GenerateReqInput).validate_python(  # FastAPI's parse of the JSON body
+        {"input_ids": tokens, "rid": rid, "sampling_params": {"max_new_tokens": 1}, "kv_hints": kv_hints, **body})
+    obj.normalize_batch_and_arguments()  # TokenizerManager.generate_request: kv_hints -> KvHintsEnvelope
+    tokenized = TokenizedGenerateReqInput(  # TokenizerManager._create_tokenized_object, the fields a Req needs
+        input_text=None, input_ids=array("q", obj.input_ids), input_embeds=None, mm_inputs=None, token_type_ids=None,
+        sampling_params=SamplingParams(**obj.sampling_params), return_logprob=False, logprob_start_len=-1,
+        top_logprobs_num=0, token_ids_logprob=None, stream=False, rid=obj.rid, session_id=obj.session_id,
+        kv_hints=obj.kv_hints, extra_key=obj.extra_key, cache_salt=obj.cache_salt)
+    send, recv = wire
+    sock_send(send, tokenized)
+    got = sock_recv(recv)
+    # Scheduler._create_generation_req: Req(...) with these of the TokenizedGenerateReqInput's fields.
+    return Req(got.rid, got.input_text, got.input_ids, got.sampling_params, kv_hints=got.kv_hints,
+               extra_key=got.extra_key, cache_salt=got.cache_salt, session_id=got.session_id)
+
+
+def prompt(pages: int, start: int) -> list[int]:
+    return list(range(start, start + pages * PS))
+
+
+@pytest.fixture
+def server():
+    made: list[RadixServer] = []
+
+    def make() -> RadixServer:
+        s = RadixServer(kind="mha", layout="page_first", extra={"dram_capacity": DRAM_PAGES * PAGE_BYTES},
+                        tokens=2048)
+        assert s.backend.pages.block_bytes == PAGE_BYTES
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def compute(s: RadixServer, tokens: list[int], seed: int) -> None:
+    """The server computes ``tokens``; SGLang backs the pages up to host memory, then to kvtier."""
+    s.insert(tokens, seed)
+    assert s.pump(s.backed_up)
+
+
+def stored(s: RadixServer, tokens: list[int]) -> int:
+    return s.backend.batch_exists(s.backend_keys(tokens))
+
+
+def test_sglang_loads_the_plugin_from_its_entry_point_and_this_sglang_has_what_it_reads():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("kvtier_hints") == "kvtier.connectors.sglang.hints:register", \
+        "reinstall kvtier (pip install -e .): its sglang.srt.plugins entry point is missing"
+    assert hints.check_sglang() == [] and hints._problem is None
+    fn = Req.__init__  # the hook wraps Req.__init__ (HookRegistry keeps the original as __wrapped__)
+    assert getattr(fn, "__wrapped__", None) is not None
+
+
+def test_a_pin_sent_through_kv_hints_survives_pressure_that_evicts_its_unpinned_twin(server, wire):
+    s = server()
+    pinned, twin = prompt(4, 1000), prompt(4, 2000)
+    submit(wire, pinned, envelope(("Pin", {"ttl_s": 60})), "agent-a")
+    assert s.backend.stats()["hints"] == {"hint_Pin_deferred": 1}  # a first turn: nothing stored yet
+    compute(s, pinned, 1)  # SGLang stores its pages: the Pin waiting for them leases them
+    assert s.backend.stats()["hints"] == {"hint_Pin_accepted": 1}
+    assert s.backend.store.leases.leased_keys == 4  # exactly the request's pages, in the backend's namespace
+    compute(s, twin, 2)  # the same shape, stored later, no hint
+    for i in range(6):  # 24 more pages into a 24-page DRAM
+        compute(s, prompt(4, 10_000 + 100 * i), 3 + i)
+    assert s.backend.store.tiers[0].stats().evictions >= 8
+    assert stored(s, pinned) == 4
+    assert stored(s, twin) == 0  # the negative control: the unpinned twin went
+
+
+def _warm(store) -> None:
+    """Agents that come back after their tool calls, told to the store's policy as a connector that reports
+    completions tells it: the default policy (pnu) ranks agents (and so priorities) once it predicts returns."""
+    for round_ in range(4):
+        for agent in ("w1", "w2"):
+            rid = f"{agent}-{round_}"
+            store.observe(arrivals=[Arrival(rid, [agent.encode().ljust(16, b"\0")], session=agent)])
+            store.observe(completions=[Completion(rid, None, "tool_use")])
+
+
+@pytest.mark.parametrize("demote", [True, False])
+def test_a_demoted_prefix_goes_first(server, wire, demote):
+    """B then A arrive and are stored; then other agents' prompts press on DRAM. With A demoted its pages go
+    first, though A is the more recent; without the Demote (the control) B goes and A stays."""
+    s = server()
+    _warm(s.backend.store)
+    a, b = prompt(4, 1000), prompt(4, 2000)
+    submit(wire, b, envelope(("Share", {})), "agent-b")
+    submit(wire, a, envelope(("Demote" if demote else "Share", {})), "agent-a")
+    compute(s, b, 1)
+    compute(s, a, 2)
+    for i in range(5):  # 20 pages of other agents: 4 pages must go
+        other = prompt(4, 10_000 + 100 * i)
+        submit(wire, other, envelope(("Share", {})), f"agent-{i}")
+        compute(s, other, 3 + i)
+    counts = s.backend.stats()["hints"]
+    assert counts.get("hint_Demote_accepted", 0) == (1 if demote else 0)
+    assert counts["hint_Share_ignored"] == (6 if demote else 7)
+    assert (stored(s, a), stored(s, b)) == ((0, 4) if demote else (4, 0))
+
+
+def test_every_action_has_its_outcome_counted_and_logged(server, wire, caplog):
+    s = server()
+    turn = prompt(4, 1000)
+    compute(s, turn, 1)  # an earlier turn stored the prefix
+    caplog.set_level(logging.INFO, logger="kvtier.connectors.kv_hints")
+    submit(wire, turn + prompt(1, 5000), envelope(
+        ("Prefetch", {}), ("Pin", {"ttl_s": 10 * MAX_PIN_S}), ("Retain", {"priority": 2}), ("Demote", {}),
+        ("Share", {}), ("Teleport", {}), ("Pin", {"ttl_s": "soon"})), "agent-a")
+    assert s.backend.stats()["hints"] == {
+        "hint_Prefetch_ignored": 1,  # no prefetcher: SGLang prefetches each request's prefix from L3 itself
+        "hint_Pin_clipped": 1, "hint_Retain_accepted": 1, "hint_Demote_accepted": 1, "hint_Share_ignored": 1,
+        "hint_other_rejected": 1, "hint_Pin_rejected": 1}
+    events = [r.getMessage() for r in caplog.records if "kvtier hint event" in r.getMessage()]
+    assert len(events) == 7 and all("request agent-a" in e for e in events)
+    assert s.backend.store.leases.leased_keys == 4  # the stored pages; the 5th page is not stored yet
+    compute(s, turn + prompt(1, 5000), 2)
+    assert s.backend.store.leases.leased_keys == 5  # the Pin took the new page as SGLang stored it
+    assert s.backend.stats()["hints"] == {}  # ... silently: its outcome was counted at arrival
+    assert s.backend.hints.pending() == 0
+
+
+def test_a_request_without_kv_hints_costs_nothing_and_a_salted_one_maps_to_sglangs_keys(server, wire):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    s = server()
+    submit(wire, prompt(4, 1000), None, "plain")
+    assert s.backend.stats()["hints"] == {}
+    tokens = prompt(3, 1000)
+    req = submit(wire, tokens, envelope(("Share", {})), "salted", extra_key="tenant-1", cache_salt="s")
+    request = hints.RequestHints(req.rid, req.kv_hints, req.origin_input_ids, req.extra_key, req.cache_salt)
+    sglang_keys = get_storage_hash_str(RadixKey(array("q", tokens), extra_key="tenant-1", cache_salt="s"),
+                                       None, page_size=PS)  # SGLang's own page keys of that request
+    assert s.backend.hints.keys(request) == s.backend.page_store.keys(sglang_keys)
+    assert sglang_keys != s.backend_keys(tokens)  # the namespace seed matters
+
+
+def test_an_sglang_without_what_kvtier_reads_answers_every_action_ignored(server, wire, monkeypatch, caplog):
+    from sglang.srt.managers import schedule_batch
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    class OlderReq:  # a Req without the request namespace and session kvtier reads
+        def __init__(self, rid, origin_input_text, origin_input_ids, sampling_params, kv_hints=None):
+            pass
+
+    registered = []
+    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, *a, **k: registered.append(a)))
+    monkeypatch.setattr(hints, "_problem", None)
+    monkeypatch.setattr(schedule_batch, "Req", OlderReq)
+    caplog.set_level(logging.WARNING, logger="kvtier.connectors.sglang.hints")
+    hints.register()
+    monkeypatch.setattr(schedule_batch, "Req", Req)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"kvtier: {hints._problem}: every agent hint (kv_hints) will be answered 'ignored'"]
+    assert "takes no extra_key, cache_salt, session_id (" in hints._problem and registered[0][0] == hints.TARGET
+    s = server()
+    submit(wire, prompt(4, 1000), envelope(("Pin", {"ttl_s": 60}), ("Demote", {})), "agent-a")
+    assert s.backend.stats()["hints"] == {"hint_Pin_ignored": 1, "hint_Demote_ignored": 1}
+    assert s.backend.store.leases.leased_keys == 0
+
+    class NoHintsReq:  # a Req from before kv_hints: no hook at all
+        def __init__(self, rid, origin_input_ids):
+            pass
+
+    caplog.clear()
+    registered.clear()
+    monkeypatch.setattr(schedule_batch, "Req", NoHintsReq)
+    hints.register()
+    monkeypatch.setattr(schedule_batch, "Req", Req)
+    assert registered == [] and len(caplog.records) == 1
+    assert "requests carry no agent hints" in caplog.records[0].getMessage()
+
+
+def test_a_backend_started_without_the_plugin_says_hints_are_not_seen(server, monkeypatch, caplog):
+    monkeypatch.setattr(hints, "_loaded", False)
+    caplog.set_level(logging.WARNING, logger="kvtier.connectors.sglang.hints")
+    server()
+    assert [r.getMessage() for r in caplog.records if "kv_hints are not seen" in r.getMessage()]
+
+
+def test_pins_waiting_for_their_pages_are_bounded(server, wire, monkeypatch):
+    monkeypatch.setattr(hints, "MAX_PENDING", 3)
+    s = server()
+    for i in range(5):
+        submit(wire, prompt(2, 1000 + 100 * i), envelope(("Pin", {"ttl_s": 60})), f"r{i}")
+    assert s.backend.hints.pending() == 3
+    compute(s, prompt(2, 1000), 1)  # r0 was forgotten: its pages stored, nothing leased
+    assert s.backend.store.leases.leased_keys == 0
+    compute(s, prompt(2, 1400), 2)  # r4 waits: leased
+    assert s.backend.store.leases.leased_keys == 2 and s.backend.hints.pending() == 2
