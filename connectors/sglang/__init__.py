@@ -5,7 +5,7 @@
 Rooms: backend.py (the HiCacheStorage subclass, thin: SGLang's contract, failures as misses, metrics),
 pagestore.py (host pages in and out of the store, the copies), pages.py (a host pool's page geometry and copy
 tables), identity.py (rank, namespace, directories, the MLA sharing rule), settings.py (the extra config),
-events.py (L3 KV events in SGLang's format).
+events.py (L3 KV events in SGLang's format), hints.py (kvtier's SGLang plugin: requests' kv_hints to the backend).
 
 ``KVTierHiCacheStorage`` is imported on first access (SGLang's factory does ``getattr(module, class_name)``),
 so the modules that do not need SGLang (settings.py, identity.py, pages.py, pagestore.py) import without it.

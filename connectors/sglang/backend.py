@@ -8,7 +8,8 @@ SGLang keeps L1 (GPU) and L2 (its host pool) itself and asks this backend for th
 node pool, other nodes' pools and the SSD, behind one TieredStore per rank (settings.py: the extra config is
 the store's config, the same keys as the vLLM connector's ``kv_connector_extra_config``; identity.py: the
 rank, its namespace and directories; pagestore.py: the copies; pools.py and hits.py: a hybrid model's other
-host pools (Mamba, SWA, indexer, draft) and the v2 calls; events.py: L3 KV events for routers).
+host pools (Mamba, SWA, indexer, draft) and the v2 calls; events.py: L3 KV events for routers; hints.py: the
+requests' standard kv_hints, brought by kvtier's SGLang plugin and applied to this backend's store).
 
 Lifecycle (SGLang's attach order): ``__init__(storage_config, kwargs)`` validates the config ->
 ``register_mem_pool_host(pool)`` reads the host pool's page geometry -> ``register_mem_host_pool_v2`` for
