@@ -28,7 +28,12 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 load_plugins()  # what every SGLang scheduler process does first: finds kvtier's entry point, applies its hook
 
 from pydantic import TypeAdapter  # noqa: E402
-from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput, sock_recv, sock_send  # noqa: E402
+from sglang.srt.managers.io_struct import (  # noqa: E402
+    GenerateReqInput,
+    TokenizedGenerateReqInput,
+    sock_recv,
+    sock_send,
+)
 from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
@@ -66,9 +71,11 @@ def submit(wire, tokens: list[int], kv_hints: dict | None, rid: str, **body) -> 
     obj = TypeAdapter(GenerateReqInput).validate_python(  # FastAPI's parse of the JSON body
         {"input_ids": tokens, "rid": rid, "sampling_params": {"max_new_tokens": 1}, "kv_hints": kv_hints, **body})
     obj.normalize_batch_and_arguments()  # TokenizerManager.generate_request: kv_hints -> KvHintsEnvelope
+    sampling = SamplingParams(**obj.sampling_params)
+    sampling.normalize(None)  # as the TokenizerManager does (no tokenizer needed without stop strings)
     tokenized = TokenizedGenerateReqInput(  # TokenizerManager._create_tokenized_object, the fields a Req needs
         input_text=None, input_ids=array("q", obj.input_ids), input_embeds=None, mm_inputs=None, token_type_ids=None,
-        sampling_params=SamplingParams(**obj.sampling_params), return_logprob=False, logprob_start_len=-1,
+        sampling_params=sampling, return_logprob=False, logprob_start_len=-1,
         top_logprobs_num=0, token_ids_logprob=None, stream=False, rid=obj.rid, session_id=obj.session_id,
         kv_hints=obj.kv_hints, extra_key=obj.extra_key, cache_salt=obj.cache_salt)
     send, recv = wire
@@ -136,14 +143,20 @@ def test_a_pin_sent_through_kv_hints_survives_pressure_that_evicts_its_unpinned_
     assert stored(s, twin) == 0  # the negative control: the unpinned twin went
 
 
-def _warm(store) -> None:
-    """Agents that come back after their tool calls, told to the store's policy as a connector that reports
-    completions tells it: the default policy (pnu) ranks agents (and so priorities) once it predicts returns."""
-    for round_ in range(4):
-        for agent in ("w1", "w2"):
-            rid = f"{agent}-{round_}"
-            store.observe(arrivals=[Arrival(rid, [agent.encode().ljust(16, b"\0")], session=agent)])
-            store.observe(completions=[Completion(rid, None, "tool_use")])
+def finish(req: Req, token: int = 7) -> None:
+    """The decode step that ends ``req`` (max_new_tokens 1): one output token, then SGLang's own finish check."""
+    req.output_ids.append(token)
+    req.update_finish_state()
+    assert req.finished()
+
+
+def _warm(wire) -> None:
+    """Two agents come back after each turn, through SGLang: hinted requests that finish and return with their
+    context extended. The default policy (pnu) learns from these completions that agents come back, and only then
+    ranks agents (and so priorities); before, it evicts in LRU order."""
+    for turn in range(4):
+        for agent, start in (("w1", 50_000), ("w2", 60_000)):
+            finish(submit(wire, prompt(1 + turn, start), envelope(("Share", {})), f"{agent}-{turn}"))
 
 
 @pytest.mark.parametrize("demote", [True, False])
@@ -151,7 +164,7 @@ def test_a_demoted_prefix_goes_first(server, wire, demote):
     """B then A arrive and are stored; then other agents' prompts press on DRAM. With A demoted its pages go
     first, though A is the more recent; without the Demote (the control) B goes and A stays."""
     s = server()
-    _warm(s.backend.store)
+    _warm(wire)
     a, b = prompt(4, 1000), prompt(4, 2000)
     submit(wire, b, envelope(("Share", {})), "agent-b")
     submit(wire, a, envelope(("Demote" if demote else "Share", {})), "agent-a")
@@ -163,7 +176,7 @@ def test_a_demoted_prefix_goes_first(server, wire, demote):
         compute(s, other, 3 + i)
     counts = s.backend.stats()["hints"]
     assert counts.get("hint_Demote_accepted", 0) == (1 if demote else 0)
-    assert counts["hint_Share_ignored"] == (6 if demote else 7)
+    assert counts["hint_Share_ignored"] == 8 + (6 if demote else 7)
     assert (stored(s, a), stored(s, b)) == ((0, 4) if demote else (4, 0))
 
 
@@ -221,7 +234,8 @@ def test_an_sglang_without_what_kvtier_reads_answers_every_action_ignored(server
     monkeypatch.setattr(schedule_batch, "Req", Req)
     assert [r.getMessage() for r in caplog.records] == [
         f"kvtier: {hints._problem}: every agent hint (kv_hints) will be answered 'ignored'"]
-    assert "takes no extra_key, cache_salt, session_id (" in hints._problem and registered[0][0] == hints.TARGET
+    assert "lacks extra_key, cache_salt, session_id, Req.update_finish_state, Req.finished (" in hints._problem
+    assert [r[0] for r in registered] == [hints.TARGET]  # no completion hook either
     s = server()
     submit(wire, prompt(4, 1000), envelope(("Pin", {"ttl_s": 60}), ("Demote", {})), "agent-a")
     assert s.backend.stats()["hints"] == {"hint_Pin_ignored": 1, "hint_Demote_ignored": 1}
@@ -238,6 +252,23 @@ def test_an_sglang_without_what_kvtier_reads_answers_every_action_ignored(server
     monkeypatch.setattr(schedule_batch, "Req", Req)
     assert registered == [] and len(caplog.records) == 1
     assert "requests carry no agent hints" in caplog.records[0].getMessage()
+
+
+def test_a_hinted_requests_completion_reaches_the_policy_once_with_sglangs_stop_reason(server, wire):
+    s = server()
+    seen = []
+    s.backend.store.add_watcher(seen.append)
+    req = submit(wire, prompt(2, 1000), envelope(("Share", {})), "agent-a")
+    plain = submit(wire, prompt(2, 3000), None, "plain")
+    finish(req)
+    req.update_finish_state()  # a finished request's later steps: no second completion
+    finish(plain)  # no hints: not observed at all
+    arrivals = [a.request for batch in seen for a in batch.arrivals]
+    completions = [(c.request, c.stop) for batch in seen for c in batch.completions]
+    assert arrivals == ["agent-a"] and completions == [("agent-a", "length")]
+    assert hints.stop_reason({"type": "stop", "matched": 128008}) == "stop:128008"
+    assert hints.stop_reason({"type": "abort", "message": "x"}) == "abort"
+    assert hints.stop_reason(None) is None
 
 
 def test_a_backend_started_without_the_plugin_says_hints_are_not_seen(server, monkeypatch, caplog):

@@ -7,17 +7,21 @@ reads it nowhere; a HiCache backend's calls carry page keys and ``HiCacheStorage
 request id, no hints), and nothing hands a backend the request. SGLang's declared way in for code that must see a
 scheduler-side object is its plugin framework (``sglang/srt/plugins``: entry-point group ``sglang.srt.plugins``,
 loaded by every scheduler process before its Scheduler is built; ``HookRegistry`` wraps a named function).
-kvtier declares one plugin (pyproject.toml: ``kvtier_hints = "kvtier.connectors.sglang.hints:register"``) with one
-AFTER hook on ``Req.__init__`` (``TARGET``): when the scheduler makes a request (``_create_generation_req``) that
-carries kv_hints, the request goes to this process's kvtier backend(s). A backend registers itself here
-(``attach``), so nothing of SGLang's is reached into to find it. The request's keys are SGLang's page keys of its
-prompt (kvtier.hashers.SglangPageHasher over ``origin_input_ids``, seeded by ``extra_key`` / ``cache_salt``), folded
-into the backend's namespace: the keys it stores.
+kvtier declares one plugin (pyproject.toml: ``kvtier_hints = "kvtier.connectors.sglang.hints:register"``) with two
+AFTER hooks: on ``Req.__init__`` (``TARGET``): when the scheduler makes a request (``_create_generation_req``) that
+carries kv_hints, the request goes to this process's kvtier backend(s); on ``Req.update_finish_state``
+(``FINISH_TARGET``, each decode step): when such a request finishes, its completion (the stop reason) goes to the
+store's policy, which learns from completions when agents come back and only then ranks agents (and so a
+Demote or a Retain) in the default policy. A backend registers itself here (``attach``), so nothing of SGLang's is
+reached into to find it. The request's keys are SGLang's page keys of its prompt (kvtier.hashers.SglangPageHasher
+over ``origin_input_ids``, seeded by ``extra_key`` / ``cache_salt``), folded into the backend's namespace: the keys
+it stores.
 
-What it reads of SGLang (``REQUIRED``): the Req constructor's parameters of those names, each kept as the attribute
-of that name. ``check_sglang`` finds a version that lacks one: ``register`` logs one line and every action of a
-request's hints is answered ``ignored``, naming what is missing (counted like any outcome); a version whose Req has
-no ``kv_hints`` at all has no hints to answer (the one line says so; no hook). A backend started without the plugin
+What it reads of SGLang: the Req constructor's parameters named in ``REQUIRED``, each kept as the attribute of that
+name; ``REQUIRED_METHODS`` (``Req.update_finish_state``, ``Req.finished``) and ``Req.finished_reason.to_json()``.
+``check_sglang`` finds a version that lacks one: ``register`` logs one line and every action of a request's hints
+is answered ``ignored``, naming what is missing (counted like any outcome); a version whose Req has no
+``kv_hints`` at all has no hints to answer (the one line says so; no hook). A backend started without the plugin
 (``SGLANG_PLUGINS`` leaves it out, or kvtier installed without its entry points) logs one line: hints are not seen.
 
 At arrival (the scheduler thread): the request's arrival goes to the store's policy (so a Demote / Retain finds its
@@ -42,13 +46,18 @@ from typing import Any
 
 from kvtier.connectors.kv_hints import MAX_PIN_S, Applied, HintOutcomes, apply_kv_hints
 from kvtier.hashers import SglangPageHasher
-from kvtier.policies import Arrival
+from kvtier.policies import Arrival, Completion
 from kvtier.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.managers.schedule_batch.Req.__init__"
+FINISH_TARGET = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 REQUIRED = ("rid", "origin_input_ids", "kv_hints", "extra_key", "cache_salt", "session_id")
+# What the completion hook reads: Req.update_finish_state (each decode step), then Req.finished() and
+# Req.finished_reason.to_json() ({"type": "stop" | "length" | "abort", "matched": ...}).
+REQUIRED_METHODS = ("update_finish_state", "finished")
+MAX_INFLIGHT = 1 << 14  # hinted requests whose completion is awaited (the oldest forgotten)
 MAX_PENDING = 1024  # requests whose Pin waits for their pages to be stored
 MAX_PENDING_KEYS = 1 << 20  # their keys, all together
 
@@ -60,13 +69,15 @@ _rate_log = RateLimitedLog(log, 1.0)
 
 
 def check_sglang() -> list[str]:
-    """The names of ``REQUIRED`` this SGLang's Req constructor lacks (all of them when Req does not import)."""
+    """What of ``REQUIRED`` (constructor parameters) and ``REQUIRED_METHODS`` this SGLang's Req lacks (all of
+    them when Req does not import)."""
     try:
         from sglang.srt.managers.schedule_batch import Req
     except ImportError:
-        return list(REQUIRED)
+        return list(REQUIRED) + [f"Req.{m}" for m in REQUIRED_METHODS]
     params = inspect.signature(Req.__init__).parameters
-    return [name for name in REQUIRED if name not in params]
+    methods = [f"Req.{m}" for m in REQUIRED_METHODS if not callable(inspect.getattr_static(Req, m, None))]
+    return [name for name in REQUIRED if name not in params] + methods
 
 
 def register() -> None:
@@ -76,8 +87,8 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     missing = check_sglang()
-    _problem = (f"SGLang {_sglang_version()}'s Req takes no {', '.join(missing)} (kvtier reads {', '.join(REQUIRED)})"
-                if missing else None)
+    _problem = (f"SGLang {_sglang_version()}'s Req lacks {', '.join(missing)} (kvtier reads {', '.join(REQUIRED)}, "
+                f"{', '.join(REQUIRED_METHODS)})" if missing else None)
     _loaded = True
     if "kv_hints" in missing:
         log.warning("kvtier: %s: requests carry no agent hints for kvtier to apply", _problem)
@@ -85,6 +96,8 @@ def register() -> None:
     if _problem is not None:
         log.warning("kvtier: %s: every agent hint (kv_hints) will be answered 'ignored'", _problem)
     HookRegistry.register(TARGET, on_request_made, HookType.AFTER)
+    if _problem is None:
+        HookRegistry.register(FINISH_TARGET, on_request_stepped, HookType.AFTER)
 
 
 def attach(sink: HintSink) -> None:
@@ -140,6 +153,32 @@ def on_request_made(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
                   rid, exc_info=True)
 
 
+def on_request_stepped(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
+    """The hook after ``Req.update_finish_state`` (every decode step of every request): a hinted request that has
+    just finished is a completion for the policies that learn its agent (a Demote / Retain ranks agents once the
+    default policy predicts returns, which it learns from completions). Cheap for the rest: one attribute read."""
+    if getattr(req, "kv_hints", None) is None or not req.finished():
+        return
+    with _lock:
+        sinks = list(_sinks)
+    try:
+        stop = stop_reason(req.finished_reason.to_json())
+        for sink in sinks:
+            sink.on_finished(str(req.rid), stop)
+    except Exception:
+        _rate_log("finish", logging.ERROR, "kvtier: reporting the completion of request %s failed",
+                  getattr(req, "rid", "?"), exc_info=True)
+
+
+def stop_reason(finish: Any) -> str | None:
+    """SGLang's finish reason (``to_json()``) as a stop reason: ``length``, ``abort``, ``stop``, or ``stop:<it>``
+    for a stop on a given token or string (as the vLLM connector names them: a tool call's end token apart)."""
+    if not isinstance(finish, dict) or not isinstance(finish.get("type"), str):
+        return None
+    kind, matched = finish["type"], finish.get("matched")
+    return f"{kind}:{matched}" if kind == "stop" and matched is not None else kind
+
+
 @dataclass
 class _Pending:
     """A Pin waiting for its request's pages: ``waiting`` the keys not stored yet."""
@@ -169,6 +208,7 @@ class HintSink:
         self._lock = threading.Lock()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._waiting_keys: dict[bytes, set[str]] = {}
+        self._inflight: OrderedDict[str, None] = OrderedDict()  # hinted requests not finished yet
 
     def keys(self, request: RequestHints) -> list[bytes]:
         """The store keys of the request's full prompt pages, root first (SGLang's page keys, this namespace)."""
@@ -180,6 +220,10 @@ class HintSink:
         stored yet. Returns the outcomes."""
         keys = self.keys(request)
         self.store.observe(arrivals=[Arrival(request.rid, keys, session=request.session)])
+        with self._lock:
+            self._inflight[request.rid] = None
+            while len(self._inflight) > MAX_INFLIGHT:
+                self._inflight.popitem(last=False)
         held = self.store.lookup_prefix(keys).length if keys else 0
         applied = apply_kv_hints(request.envelope, self.store, request.session, keys, request=request.rid)
         self.outcomes.record(f"request {request.rid}", applied)
@@ -188,6 +232,14 @@ class HintSink:
             self._remember(_Pending(request.rid, request.session, request.envelope, keys, set(keys[held:]),
                                     self.clock() + MAX_PIN_S, counted=pins[-1] != "deferred"))
         return applied
+
+    def on_finished(self, rid: str, stop: str | None) -> None:
+        """A hinted request finished (with ``stop``): its completion goes to the store's policy, once."""
+        with self._lock:
+            if rid not in self._inflight:
+                return
+            del self._inflight[rid]
+        self.store.observe(completions=[Completion(rid, None, stop)])
 
     def refuse(self, rid: str, envelope: Any, why: str) -> list[Applied]:
         """Answer every action of ``envelope`` ``ignored`` (this SGLang lacks what kvtier reads: ``why``), counted."""
