@@ -25,7 +25,15 @@ install()
 
 from sglang.srt.plugins import load_plugins  # noqa: E402
 
-load_plugins()  # what every SGLang scheduler process does first: finds kvtier's entry point, applies its hook
+load_plugins()  # what every SGLang scheduler process does first: finds kvtier's entry point, applies its hooks
+
+from kvtier.connectors.sglang import hints  # noqa: E402
+
+if not hints._loaded:  # kvtier installed before its entry point existed: the first test fails on that; the rest
+    from sglang.srt.plugins.hook_registry import HookRegistry  # still test the hooks, registered as SGLang would
+
+    hints.register()
+    HookRegistry.apply_hooks()
 
 from pydantic import TypeAdapter  # noqa: E402
 from sglang.srt.managers.io_struct import (  # noqa: E402
@@ -38,7 +46,6 @@ from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from kvtier.connectors.kv_hints import MAX_PIN_S  # noqa: E402
-from kvtier.connectors.sglang import hints  # noqa: E402
 from kvtier.policies import Arrival, Completion  # noqa: E402
 
 PS = 4
