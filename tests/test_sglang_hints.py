@@ -46,7 +46,6 @@ from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from kvtier.connectors.kv_hints import MAX_PIN_S  # noqa: E402
-from kvtier.policies import Arrival, Completion  # noqa: E402
 
 PS = 4
 PAGE_BYTES = 768  # an MHA page_first page of the harness's pool: 4 tokens x 3 layers x 2 heads x 8 dims x bf16, K+V
