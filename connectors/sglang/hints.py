@@ -81,8 +81,9 @@ def check_sglang() -> list[str]:
 
 
 def register() -> None:
-    """SGLang's plugin entry point (group ``sglang.srt.plugins``): hook ``TARGET`` unless this SGLang has no
-    kv_hints; log one line when it lacks something the hook reads (its hints are then answered ``ignored``)."""
+    """SGLang's plugin entry point (group ``sglang.srt.plugins``): hook ``TARGET`` and ``FINISH_TARGET``. This
+    SGLang without kv_hints: no hook; lacking something else kvtier reads: one log line, and ``TARGET``'s hook
+    answers every action ``ignored``."""
     global _loaded, _problem
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -192,7 +193,7 @@ class _Pending:
     counted: bool  # a lease of it has been counted (accepted / clipped) already
 
 
-@dataclass
+@dataclass(eq=False)  # one per backend, found by identity
 class HintSink:
     """One backend's hints: ``store`` (a TieredStore), ``keys_of`` folds SGLang page keys into the backend's namespace,
     ``page_size`` SGLang's; ``outcomes`` counts them. Thread-safe: ``on_request`` runs on the scheduler thread,
