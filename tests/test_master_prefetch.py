@@ -7,6 +7,9 @@ each answered, bounded, by the call's deadline."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -136,6 +139,23 @@ def test_the_router_prefetches_the_prefix_its_plan_loads_on_the_worker_it_picks(
         assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
         off = router.route(A, ["n1"], prefetch=False)
         assert off.prefetch is None
+
+
+def kvtier_prefetch(mp: MasterProcess, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.cli", "prefetch", "--master", mp.endpoint, *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_operators_command_line(cluster):
+    mp, node = cluster
+    node.push_down(A)
+    refused = kvtier_prefetch(mp, "--node", "n1", "--keys", ",".join(k.hex() for k in UNKNOWN))
+    assert refused.returncode == 1 and refused.stdout.startswith("rejected: ") and "unknown keys" in refused.stdout
+    ok = kvtier_prefetch(mp, "--node", "n1", "--keys", ",".join(k.hex() for k in A), "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["outcome"] == "accepted" and json.loads(ok.stdout)["queued"] == 8
+    assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
+    assert kvtier_prefetch(mp, "--node", "n1").returncode == 2  # neither keys nor a session
 
 
 def test_unknown_keys_a_partly_known_prefix_and_one_bigger_than_dram_are_answered(cluster):
