@@ -25,6 +25,7 @@ from kvtier.prefetch import PrefetchDriver, Prefetcher
 from masterproc import MasterProcess
 from poolproc import until
 from promkit import scrape
+from redisproc import RedisProcess, needs_redis
 
 BB = 4096
 NS = Namespace("prefetch-sdk")
@@ -156,6 +157,31 @@ def test_the_operators_command_line(cluster):
     assert json.loads(ok.stdout)["outcome"] == "accepted" and json.loads(ok.stdout)["queued"] == 8
     assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
     assert kvtier_prefetch(mp, "--node", "n1").returncode == 2  # neither keys nor a session
+
+
+@needs_redis
+def test_with_a_shared_directory_the_order_reaches_the_node_through_whichever_master_it_heartbeats(tmp_path):
+    """The router asks master 1; the node heartbeats master 0: the order is a recorded write, in both views."""
+    with RedisProcess(tmp_path) as redis:
+        ms = []
+        try:
+            for i in range(2):
+                (tmp_path / f"m{i}").mkdir()
+                ms.append(MasterProcess(tmp_path / f"m{i}", lease_s=5.0, args=("--directory", redis.url)).start())
+            node = Node(tmp_path, ms[0].endpoint)
+            try:
+                node.push_down(A)
+                with MasterClient(ms[1].endpoint) as m:
+                    assert until(lambda: m.lookup(A, touch=False).for_node("n1") == {"ssd": 8}, timeout=10)
+                    assert m.prefetch("n1", A, session="agent-1").outcome == "accepted"
+                assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
+                node.read_back(A)
+            finally:
+                node.close()
+            assert until(lambda: metric(ms[0], "delivered") == 1 == metric(ms[1], "delivered"), timeout=10)
+        finally:
+            for mp in ms:
+                mp.kill()
 
 
 def test_unknown_keys_a_partly_known_prefix_and_one_bigger_than_dram_are_answered(cluster):
