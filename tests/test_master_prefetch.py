@@ -20,10 +20,10 @@ from kvtier import TieredStore
 from kvtier.client import MasterClient, MasterError, MasterTimeout, NodeAgent, Router, api
 from kvtier.keys import Namespace
 from kvtier.master.prefetch import MAX_ORDERS_PER_NODE
-from kvtier.policies import Arrival
+from kvtier.policies import Arrival, Completion
 from kvtier.prefetch import PrefetchDriver, Prefetcher
 from masterproc import MasterProcess
-from poolproc import until
+from poolproc import PoolProcess, until
 from promkit import scrape
 from redisproc import RedisProcess, needs_redis
 
@@ -117,7 +117,7 @@ def test_the_sdk_call_brings_a_prefix_up_from_the_nodes_ssd(cluster):
 
 def test_a_session_named_alone_brings_up_the_prefix_the_node_saw_last(cluster):
     mp, node = cluster
-    node.store.observe(arrivals=[Arrival("r1", A, time.time(), "agent-7")])  # the node served agent-7's turn
+    node.store.observe(arrivals=[Arrival("r1", A, node.store.clock(), "agent-7")])  # the node served agent-7's turn
     node.push_down(A)
     with MasterClient(mp.endpoint) as m:
         got = m.prefetch("n1", session="agent-7")
@@ -157,6 +157,40 @@ def test_the_operators_command_line(cluster):
     assert json.loads(ok.stdout)["outcome"] == "accepted" and json.loads(ok.stdout)["queued"] == 8
     assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
     assert kvtier_prefetch(mp, "--node", "n1").returncode == 2  # neither keys nor a session
+
+
+def test_a_prefix_held_by_a_remote_pool_comes_up_through_the_nodes_pool_tier(tmp_path):
+    """A real kvtier-pool holds the prefix (another engine wrote it); the serving node's store (the default,
+    session-aware policy) reaches the pool through its pool tier (the master's directory), and the order brings the
+    prefix into its DRAM."""
+    with MasterProcess(tmp_path, lease_s=5.0) as mp:
+        opts = {"capacity": "16MiB", "block_bytes": BB, "master": mp.endpoint, "args": ("--heartbeat-s", "0.2")}
+        with PoolProcess(tmp_path, name="pa", **opts), MasterClient(mp.endpoint) as m:
+            config = {"mode": "distributed", "master": mp.endpoint, "dram_capacity": 64 * BB, "pool_timeout_ms": 500}
+            with TieredStore.from_config({**config, "node_id": "writer"}, BB) as writer:
+                writer.put(A, blocks_for(A, BB))
+                assert writer.flush(10.0)
+            assert until(lambda: all(w >= 0 for w in m.locate(A, {"role": "pool"}, touch=False).where), timeout=10)
+            store = TieredStore.from_config({**config, "node_id": "engine-2"}, BB)
+            prefetcher = Prefetcher(store)
+            driver = PrefetchDriver(prefetcher, tick_s=0.01)
+            agent = NodeAgent.for_store(store, mp.endpoint, "engine-2", heartbeat_s=0.1, prefetcher=prefetcher).start()
+            node = Node.__new__(Node)  # its helpers, over this store
+            node.store = store
+            try:
+                assert agent.wait_synced()
+                assert node.where(A) == ["pool"] * 8
+                # The session-aware default policy grants room to agents it knows: this node served agent-1 before
+                # (a sticky router sends it back here).
+                store.observe(arrivals=[Arrival("r1", A[:4], store.clock(), "agent-1")],
+                              completions=[Completion("r1", store.clock(), "tool_use")])
+                got = m.prefetch("engine-2", A, session="agent-1")
+                assert (got.outcome, got.held, got.in_top) == ("accepted", 8, 0)
+                assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
+                node.read_back(A)
+                assert prefetcher.counts.from_tier == {"pool": 8}
+            finally:
+                agent.close(), driver.close(), store.close()
 
 
 @needs_redis
