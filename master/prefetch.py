@@ -19,8 +19,9 @@ node has not collected by ``expires`` (``ttl_s`` after it was accepted: a node t
 dropped and counted ``expired``. A second order for the same (node, session) replaces the first.
 
 Orders are a recorded write: with a shared directory (master/shared.py) every master applies the op and the
-heartbeat that takes the work from the log, so whichever master a node heartbeats hands it the same orders. They
-are not persisted: a restarted master has none (they are short-lived by design). Bounded: at most
+heartbeat that takes the work from the log, so whichever master a node heartbeats hands it the same orders; the
+shared snapshot carries them (``export`` / ``load``), so a master that loads it gives the same answers. A single
+master does not write them to its lmdb: a restarted one has none (they are short-lived by design). Bounded: at most
 ``MAX_ORDERS_PER_NODE`` per node and ``MAX_QUEUED_KEYS`` keys in all. Every outcome is counted
 (``kvtier_master_prefetches_total{outcome}``); each refusal and expiry leaves a log line (rate-limited) naming
 who asked, for which node, what and why. Master event loop only.
@@ -78,6 +79,16 @@ class PrefetchOrders:
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_node.values())
+
+    def export(self) -> dict[str, list[list[Any]]]:
+        """The orders waiting, per node, in order (a shared snapshot's)."""
+        return {node: [[o.session, o.keys, o.expires, o.who] for o in q.values()] for node, q in self._by_node.items()}
+
+    def load(self, orders: Mapping[str, list[list[Any]]]) -> None:
+        """Replace the orders with an ``export``'s."""
+        self._by_node = {node: OrderedDict((o[0], _Order(o[0], bytes(o[1]), float(o[2]), o[3])) for o in q)
+                         for node, q in orders.items()}
+        self.queued_keys = sum(o.nkeys for q in self._by_node.values() for o in q.values())
 
     def add(self, st: MasterState, node: str, order: _Order) -> str | None:
         """Queue ``order`` for ``node``; None, or why it was refused (a flood)."""
