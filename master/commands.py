@@ -16,7 +16,8 @@ order-free: the master that counts them applies them at once and logs the sums (
 others apply them when they read them, and the origin skips its own.
 
 ``export_state`` / ``import_state``: a state's whole content for a snapshot (nodes with their location
-numbers, hints, prefetch orders waiting for their node, the directory's columns, the heat clock). Pure functions over a MasterState, on its loop.
+numbers, hints, prefetch orders waiting for their node, the directory's columns, the heat clock). Pure functions
+over a MasterState, on its loop.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ each answered, bounded, by the call's deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 
 from conftest import blocks_for
 from kvtier import TieredStore
-from kvtier.client import MasterClient, MasterError, MasterTimeout, NodeAgent, Router, api
+from kvtier.client import AsyncMasterClient, MasterClient, MasterError, MasterTimeout, NodeAgent, Router, api
 from kvtier.keys import Namespace
 from kvtier.master.prefetch import MAX_ORDERS_PER_NODE
 from kvtier.policies import Arrival, Completion
@@ -140,6 +141,12 @@ def test_the_router_prefetches_the_prefix_its_plan_loads_on_the_worker_it_picks(
         assert until(lambda: node.where(A) == ["dram"] * 8, timeout=10), node.where(A)
         off = router.route(A, ["n1"], prefetch=False)
         assert off.prefetch is None
+
+    async def ask_async():
+        async with AsyncMasterClient(mp.endpoint) as am:
+            return await Router(am, NS, block_tokens=16).prefetch_async(A, "ghost", session="agent-3")
+
+    assert asyncio.run(ask_async()).outcome == "rejected"  # the asyncio client's call, answered alike
 
 
 def kvtier_prefetch(mp: MasterProcess, *args: str) -> subprocess.CompletedProcess:

@@ -1,9 +1,9 @@
 """The shared log's invariant (master/commands.py), as a property: any master that applies the same entries
 reaches the same state and gives the same answers, whether it applied them all from the start or loaded a
 snapshot taken at any point and replayed the rest (what a new or restarted master does), and whatever its own
-clock says. Random sequences of registrations, inventories, events, heartbeats, goodbyes, hints, prefetch orders, logged
-expiries, heat and new epochs, applied in-process to MasterStates (no Redis: the log's transport is tested with real
-processes in test_master_redis.py)."""
+clock says. Random sequences of registrations, inventories, events, heartbeats, goodbyes, hints, prefetch orders,
+logged expiries, heat and new epochs, applied in-process to MasterStates (no Redis: the log's transport is tested
+with real processes in test_master_redis.py)."""
 
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def view(state: MasterState) -> dict:
                          [(t.name, t.capacity, t.used, t.bw, t.promised) for t in n.tiers.values()])
              for n in state.registry.nodes.values()}
     return {"placements": {k: v for k, v in placements.items() if v}, "nodes": nodes,
-            "hints": state.hints.to_wire(), "prefetches": state.prefetches.export(), "count": count.tolist(), "heat": np.round(heat, 3).tolist(),
-            "last": last.tolist()}
+            "hints": state.hints.to_wire(), "prefetches": state.prefetches.export(), "count": count.tolist(),
+            "heat": np.round(heat, 3).tolist(), "last": last.tolist()}
 
 
 @settings(max_examples=60, deadline=None)

@@ -324,8 +324,8 @@ def prefetch(node: str, keys: KeysLike | None = None, session: str | None = None
     """Ask ``node`` (the worker that will serve the prompt) to bring the prompt's prefix ``keys`` (root first) up
     into its top tier, or, with ``session`` alone, the last prefix it remembers for that agent. The order waits
     at the master for the node's next heartbeat, at most ``ttl_s`` (master/prefetch.py)."""
-    return Call(wire.PREFETCH, {**_hint_body(keys, session), "node": node, "ttl_s": float(ttl_s)},
-                PrefetchResult.from_wire)
+    body = {**_hint_body(keys, session), "node": node, "ttl_s": float(ttl_s)}
+    return Call(wire.PREFETCH, body, PrefetchResult.from_wire)
 
 
 def forget(node: str) -> Call[bool]:
