@@ -95,19 +95,22 @@ class PrefetchOrders:
         now = st.wall()
         queue = self._by_node.setdefault(node, OrderedDict())
         self._expire(st, node, queue, now)
-        old = queue.pop(order.session, None)
-        if old is not None:
-            self.queued_keys -= old.nkeys
-        if len(queue) >= MAX_ORDERS_PER_NODE:
+        if order.session not in queue and len(queue) >= MAX_ORDERS_PER_NODE:
             return f"node {node!r} has {len(queue)} prefetches waiting for its next heartbeat (at most " \
                    f"{MAX_ORDERS_PER_NODE})"
-        if self.queued_keys + order.nkeys > MAX_QUEUED_KEYS:
+        if self._over(queue, order):
             self.prune(st)
-            if self.queued_keys + order.nkeys > MAX_QUEUED_KEYS:
+            queue = self._by_node.setdefault(node, OrderedDict())  # prune drops emptied queues
+            if self._over(queue, order):
                 return f"the master holds {self.queued_keys} keys of prefetches waiting (at most {MAX_QUEUED_KEYS})"
+        old = queue.pop(order.session, None)  # a repeat replaces its session's order: no growth
+        self.queued_keys += order.nkeys - (old.nkeys if old is not None else 0)
         queue[order.session] = order
-        self.queued_keys += order.nkeys
         return None
+
+    def _over(self, queue: OrderedDict[str, _Order], order: _Order) -> bool:
+        old = queue.get(order.session)
+        return self.queued_keys - (old.nkeys if old is not None else 0) + order.nkeys > MAX_QUEUED_KEYS
 
     def work_for(self, st: MasterState, node: str) -> dict[str, Any]:
         """The orders ``node`` collects (its heartbeat reply carries them), taken."""

@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import blocks_for
 from kvtier import TieredStore
@@ -319,3 +321,46 @@ def test_a_node_without_a_prefetcher_counts_its_orders_ignored(tmp_path):
 def test_keys_as_an_array_and_as_bytes_are_the_same_request():
     arr = np.frombuffer(b"".join(A), "<u8").reshape(-1, 2)
     assert api.prefetch("n", arr).body["keys"] == api.prefetch("n", A).body["keys"] == b"".join(A)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["add", "add", "take", "prune", "wait"]), st.sampled_from("abc"),
+                                st.integers(0, 5), st.integers(0, 30), st.floats(0.1, 3.0)), max_size=80))
+def test_orders_stay_within_their_bounds_and_each_ends_once(steps):
+    """PrefetchOrders in-process (bounds shrunk to 4 orders per node, 40 keys in all): whatever the sequence of
+    orders, heartbeats, prunes and time passing, the count of keys waiting is exact and within the bound, and every
+    order accepted is delivered once, expires, or is replaced by its session's next, never lost or doubled."""
+    from unittest import mock
+
+    import kvtier.master.prefetch as prefetch_mod
+    from kvtier.master import ops_node
+    from kvtier.master.service import MasterSettings, MasterState
+
+    now = [1e6]
+    state = MasterState(MasterSettings(lease_s=1e9), wall=lambda: now[0])
+    for n in "ab":  # c is never registered: prune drops its orders
+        ops_node.register(state, {"node": n, "incarnation": n, "seq": 0, "tiers": [["dram", 1 << 30]]})
+    orders = state.prefetches
+    accepted = ended = 0
+    with mock.patch.object(prefetch_mod, "MAX_ORDERS_PER_NODE", 4), \
+            mock.patch.object(prefetch_mod, "MAX_QUEUED_KEYS", 40):
+        for kind, node, session, nkeys, dt in steps:
+            if kind == "add":
+                waiting = {(n, o[0]) for n, q in orders.export().items() for o in q}
+                order = prefetch_mod._Order(f"s{session}", b"k" * 16 * nkeys, now[0] + dt, "test")
+                if orders.add(state, node, order) is None:
+                    accepted += 1
+                    ended += (node, order.session) in waiting  # replaced
+            elif kind == "take":
+                work = orders.work_for(state, node).get("prefetch", [])
+                assert all(expires > now[0] for _, _, expires in work)
+                ended += len(work)
+            elif kind == "prune":
+                orders.prune(state)
+            else:
+                now[0] += dt
+            queues = orders.export()
+            assert orders.queued_keys == sum(len(o[1]) // 16 for q in queues.values() for o in q) <= 40
+            assert all(len(q) <= 4 for q in queues.values())
+        expired = state.metrics.prefetches.labels("expired")._value.get()
+        assert accepted == ended + expired + len(orders)
