@@ -346,7 +346,7 @@ def test_orders_stay_within_their_bounds_and_each_ends_once(steps):
             mock.patch.object(prefetch_mod, "MAX_QUEUED_KEYS", 40):
         for kind, node, session, nkeys, dt in steps:
             if kind == "add":
-                waiting = {(n, o[0]) for n, q in orders.export().items() for o in q}
+                waiting = {(n, o[0]) for n, q in orders.export().items() for o in q if o[2] > now[0]}
                 order = prefetch_mod._Order(f"s{session}", b"k" * 16 * nkeys, now[0] + dt, "test")
                 if orders.add(state, node, order) is None:
                     accepted += 1
