@@ -176,11 +176,6 @@ class PrefetchResult:
     in_top: int
     expires: float
 
-    @property
-    def queued_ok(self) -> bool:
-        """An order is on its way to the node."""
-        return self.outcome in ("accepted", "clipped")
-
     @classmethod
     def from_wire(cls, b: Mapping[str, Any]) -> PrefetchResult:
         return cls(outcome=b["outcome"], why=b["why"], session=b["session"], asked=b["asked"], queued=b["queued"],

@@ -92,7 +92,11 @@ class Router:
         the state and window blocks restoring there needs), as the connector stored them (api.cost)."""
         if not isinstance(self.client, MasterClient):
             raise TypeError("rank() needs a MasterClient; use rank_async() with an AsyncMasterClient")
-        keys, tokens = self._request(prompt)
+        return self._plans(*self._request(prompt), workers, checkpoints)
+
+    def _plans(self, keys: list[bytes], tokens: int, workers: Sequence[str],
+               checkpoints: Sequence[tuple[int, Sequence[bytes]]] | None) -> list[Plan]:
+        assert isinstance(self.client, MasterClient)
         res = self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s, prompt_tokens=tokens,
                                checkpoints=checkpoints)
         return self._ranked(res.plans)
@@ -122,9 +126,7 @@ class Router:
         if not isinstance(self.client, MasterClient):
             raise TypeError("route() needs a MasterClient")
         keys, tokens = self._request(prompt)
-        res = self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s, prompt_tokens=tokens,
-                               checkpoints=checkpoints)
-        plans = self._ranked(res.plans)
+        plans = self._plans(keys, tokens, workers, checkpoints)
         load = min(len(keys), plans[0].load_tokens // self.block_tokens) if plans else 0
         if not prefetch or load == 0:
             return Routed(plans, None)
