@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "kvtier.replay.cli",
     "kvtier.auth.cli",
     "kvtier.status",
+    "kvtier.client.prefetch_cli",
 ]
 
 

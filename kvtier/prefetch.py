@@ -13,7 +13,8 @@ and one that went before it was read is skipped, so a prefetch that lost the rac
 
 A job ends when its chain is up, when the agent comes back (an arrival: what it had not reached is counted
 cancelled), or when a hint says the agent is finished. ``request`` is the explicit form (an operator or a
-router: the SDK's prefetch call). Counted, in blocks: ``prefetched`` (copied up), ``used`` (the agent came back
+router: the SDK's prefetch call, kvtier/client/store_prefetch.py; ``request_session`` when it names only the agent).
+Counted, in blocks: ``prefetched`` (copied up), ``used`` (the agent came back
 to them while they were on top), ``wasted`` (evicted from the top tier unused), ``cancelled`` (left undone when
 a job ended early: the rest of its prefix still below the top tier then).
 
@@ -140,6 +141,18 @@ class Prefetcher:
             self._cancel(session)
             self._enqueue(_Job(session, list(chain), explicit=True))
         self._settle()
+
+    def request_session(self, session: str) -> bool:
+        """``request`` for the last chain this prefetcher saw for ``session`` (an operator or a router that names
+        the agent, not its keys: kvtier/client/store_prefetch.py); False if it remembers none."""
+        with self._lock:
+            chain = self._chains.get(session)
+            if chain is None:
+                return False
+            self._cancel(session)
+            self._enqueue(_Job(session, list(chain), explicit=True))
+        self._settle()
+        return True
 
     def cancel(self, session: str) -> None:
         with self._lock:

@@ -16,7 +16,8 @@ order-free: the master that counts them applies them at once and logs the sums (
 others apply them when they read them, and the origin skips its own.
 
 ``export_state`` / ``import_state``: a state's whole content for a snapshot (nodes with their location
-numbers, hints, the directory's columns, the heat clock). Pure functions over a MasterState, on its loop.
+numbers, hints, prefetch orders waiting for their node, the directory's columns, the heat clock). Pure functions
+over a MasterState, on its loop.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ INTERNAL: dict[str, Callable[[MasterState, dict[str, Any]], dict[str, Any]]] = {
 def export_state(st: MasterState) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(meta, arrays): everything a master needs to continue from this point of the log."""
     meta = {"t0": st.directory.clock.t0, "nodes": st.registry.export(), "hints_version": st.hints.version,
-            "hints": [_hint_value(c) for c in st.hints.entries()], "saved_at": st.wall()}
+            "hints": [_hint_value(c) for c in st.hints.entries()], "prefetches": st.prefetches.export(),
+            "saved_at": st.wall()}
     return meta, st.directory.export()
 
 
@@ -143,6 +145,7 @@ def import_state(st: MasterState, meta: dict[str, Any], arrays: dict[str, np.nda
     s = st.settings
     st.hints = HintTable.from_entries([_hint_entry(v) for v in meta["hints"]], meta["hints_version"],
                                       s.max_hint_keys, s.max_hint_sessions, s.max_hints_per_client)
+    st.prefetches.load(meta.get("prefetches", {}))  # a snapshot from before prefetch orders: none
     st.directory.clock.t0 = meta["t0"]
     if arrays:
         st.directory.restore(arrays)

@@ -101,6 +101,12 @@ class MasterMetrics:
                                         "its data, or flushed), behind (redis's log counter behind this master), "
                                         "rewritten (the log entry it applied last gone or another)", ["found"],
                                         registry=r)
+        self.prefetches = Counter("kvtier_master_prefetches", "Prefetch orders (master/prefetch.py), by outcome: "
+                                  "accepted, clipped, ignored (already in the node's top tier), rejected, "
+                                  "delivered (in a node's heartbeat reply), expired (not collected in time)",
+                                  ["outcome"], registry=r)
+        for outcome in ("accepted", "clipped", "ignored", "rejected", "delivered", "expired"):
+            self.prefetches.labels(outcome)  # every series from the start: rate() sees the first one
         self._children: dict[tuple[str, str], tuple[object, object, object]] = {}
 
     def refused_connections(self, counter: str) -> None:

@@ -112,6 +112,7 @@ def heartbeat(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[s
         st.metrics.node_tier(node.node_id, t.name, t.capacity, t.used, t.bw)
     st.metrics.node_rpc_latency.labels(node.node_id).set(latency)
     work = st.replication.work_for(node.node_id) if st.replication is not None else {}
+    work.update(st.prefetches.work_for(st, node.node_id))  # prefetch orders (master/prefetch.py)
     return {"lease_s": st.settings.lease_s, "resync": resync, "applied_seq": node.applied_seq,
             "hints_version": st.hints.version, **work}
 

@@ -1,8 +1,9 @@
 """The ops routers and operators call: ping, lookup, cost, route_put, heat, top, nodes, pin, unpin, priority,
-hints, and the operators' forget. Each takes the MasterState, a request body (already msgpack-decoded) and the
-Caller (access.py), and returns the reply body, or raises WireError naming the bad field. Field layouts are
-documented in kvtier/client/api.py, which builds these requests; every field is bounded (limits.py), and
-``PERMISSIONS`` says which permission each op needs when the master requires keys (kvtier/auth/roles.py).
+hints, prefetch (master/prefetch.py), and the operators' forget. Each takes the MasterState, a request body
+(already msgpack-decoded) and the Caller (access.py), and returns the reply body, or raises WireError naming the
+bad field. Field layouts are documented in kvtier/client/api.py, which builds these requests; every field is
+bounded (limits.py), and ``PERMISSIONS`` says which permission each op needs when the master requires keys
+(kvtier/auth/roles.py).
 
 Run on the master's event loop, one at a time.
 """
@@ -22,6 +23,7 @@ from kvtier.master.access import ANONYMOUS, Caller
 from kvtier.master.cost import CostRequest, RestorePoints
 from kvtier.master.directory import location_words
 from kvtier.master.placement import PlacementError, PlacementRequest, known_placements
+from kvtier.master.prefetch import prefetch
 from kvtier.master.replication import choose_holders
 from kvtier.master.nodes import DEAD
 from kvtier.master.service import MasterState
@@ -257,10 +259,10 @@ def forget(st: MasterState, body: Body, caller: Caller = ANONYMOUS) -> dict[str,
 OPS: dict[str, Callable[[MasterState, Body, Caller], dict[str, Any]]] = {
     wire.PING: ping, wire.LOOKUP: lookup, wire.COST: cost, wire.ROUTE_PUT: route_put, wire.HEAT: heat,
     wire.TOP: top, wire.NODES: nodes, wire.PIN: pin, wire.UNPIN: unpin, wire.PRIORITY: priority,
-    wire.HINTS: hints, wire.LOCATE: locate, wire.FORGET: forget,
+    wire.HINTS: hints, wire.LOCATE: locate, wire.FORGET: forget, wire.PREFETCH: prefetch,
 }
 PERMISSIONS = {
     wire.PING: READ, wire.LOOKUP: READ, wire.COST: READ, wire.LOCATE: READ, wire.HEAT: READ, wire.TOP: READ,
     wire.NODES: READ, wire.HINTS: READ, wire.ROUTE_PUT: DATA, wire.PIN: HINTS, wire.UNPIN: HINTS,
-    wire.PRIORITY: HINTS, wire.FORGET: ADMIN,
+    wire.PRIORITY: HINTS, wire.PREFETCH: HINTS, wire.FORGET: ADMIN,
 }

@@ -54,7 +54,7 @@ OPS = {**ops_router.OPS, **ops_node.OPS}
 PERMISSIONS = {**ops_router.PERMISSIONS, **ops_node.PERMISSIONS}
 # Ops that change the state: with a shared directory they are recorded in its log and applied from there.
 WRITE_OPS = frozenset({wire.REGISTER, wire.HEARTBEAT, wire.EVENTS, wire.INVENTORY, wire.GOODBYE, wire.FORGET,
-                       wire.PIN, wire.UNPIN, wire.PRIORITY})
+                       wire.PIN, wire.UNPIN, wire.PRIORITY, wire.PREFETCH})
 DRAIN_LIMIT = 256  # requests answered per wakeup before the timer gets a turn
 TICK_S = 0.1
 RCVHWM = 32  # requests queued per connection before zmq stops reading it (backpressure: nothing is lost)

@@ -27,6 +27,7 @@ from kvtier.master.metrics import MasterMetrics
 from kvtier.master.nodes import LIVE, Node, NodeRegistry
 from kvtier.master.persist import MasterDisk
 from kvtier.master.placement import PlacementPolicy, make_placement
+from kvtier.master.prefetch import PrefetchOrders
 from kvtier.master.replication import Replicator
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class MasterState:
         # Hot-block replication between pools, when --replicate-heat is set (master/replication.py).
         self.replication = (Replicator(settings.replicate_heat, settings.replicate_interval_s)
                             if settings.replicate_heat > 0 else None)
+        self.prefetches = PrefetchOrders()  # orders waiting for their node's heartbeat (master/prefetch.py)
         self.activity = Activity()  # for kvtier status (ping's "activity")
         self.backend_status: Callable[[], dict[str, Any]] = lambda: {"kind": "memory", "state": "ok"}
         self._next_forget = 0.0
@@ -188,6 +190,7 @@ class MasterState:
         if not self.shared and self.mono() >= self._next_forget:
             self._next_forget = self.mono() + 1.0
             self.registry.forget_dead()
+            self.prefetches.prune(self)  # shared: pruned as orders are added and taken, at their entries' time
         if self.replication is not None:
             self.replication.tick(self, self.mono())
         freed = self.directory.sweep(self.settings.sweep_slots_per_tick)

@@ -26,7 +26,7 @@ FIELDS = ["keys", "touch", "candidates", "model", "sizes", "requester", "policy"
           "events", "part", "last", "block_bytes", "address", "block_tokens", "prefill_tokens_per_s"]
 OPS = sorted({wire.PING, wire.LOOKUP, wire.COST, wire.ROUTE_PUT, wire.HEAT, wire.TOP, wire.NODES, wire.PIN,
               wire.UNPIN, wire.PRIORITY, wire.HINTS, wire.LOCATE, wire.REGISTER, wire.HEARTBEAT, wire.EVENTS,
-              wire.INVENTORY, wire.GOODBYE})
+              wire.INVENTORY, wire.GOODBYE, wire.PREFETCH})
 
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True)
            | st.text(max_size=12) | st.binary(max_size=48))

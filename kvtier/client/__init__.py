@@ -2,9 +2,11 @@
 
 * ``MasterClient`` / ``AsyncMasterClient``: every master op (lookup, cost, route_put, heat, top, nodes,
   pin/unpin/priority, hints) with timeouts and reconnects;
-* ``Router``: ``rank(token_ids or keys, workers)`` -> cost-ranked plans;
+* ``Router``: ``rank(token_ids or keys, workers)`` -> cost-ranked plans; ``prefetch(prompt, worker)`` and
+  ``route(prompt, workers)`` ask the worker that will serve a prompt to bring its prefix up into DRAM first;
 * ``NodeAgent``: the node side: publishes a TieredStore's events, heartbeats, inventories, hints;
-* ``StoreHints``: the master's pins and priorities applied to a node's store as leases.
+* ``StoreHints``: the master's pins and priorities applied to a node's store as leases;
+* ``StorePrefetch``: the master's prefetch orders made jobs of a node store's Prefetcher.
 
 Results: ``MasterLookup`` (``lookup``; its ``hits`` are ``NodeTierHit``s), ``MasterHints`` (``hints``), ``Plan``,
 ``CostResult``, ``HeatResult``, ``LocateResult``, ``TopResult``. The old names ``LookupResult``, ``PrefixHit`` and
@@ -19,15 +21,16 @@ from typing import Any
 
 from kvtier.client.agent import NodeAgent
 from kvtier.client.api import (CostResult, HeatResult, LocateResult, MasterHints, MasterLookup, NodeTierHit, Plan,
-                               TopResult)
+                               PrefetchResult, TopResult)
 from kvtier.client.master import AsyncMasterClient, MasterClient, MasterError, MasterTimeout, MasterUnknownNode
-from kvtier.client.router import Router
+from kvtier.client.router import Routed, Router
 from kvtier.client.store_hints import StoreHints
+from kvtier.client.store_prefetch import StorePrefetch
 
 __all__ = [
     "AsyncMasterClient", "CostResult", "HeatResult", "LocateResult", "MasterClient", "MasterError", "MasterHints",
-    "MasterLookup", "MasterTimeout", "MasterUnknownNode", "NodeAgent", "NodeTierHit", "Plan", "Router", "StoreHints",
-    "TopResult",
+    "MasterLookup", "MasterTimeout", "MasterUnknownNode", "NodeAgent", "NodeTierHit", "Plan", "PrefetchResult",
+    "Routed", "Router", "StoreHints", "StorePrefetch", "TopResult",
 ]
 
 # The SDK's old result names (deprecated; not in __all__): each is the same class as its new name.

@@ -19,7 +19,10 @@ What it does, all on its own thread with its own socket (the store's threads onl
 * re-registers when the master says it does not know the node (a restart that lost the registry, a lease
   that expired while the node was partitioned);
 * fetches hints when their version changes and passes them to ``on_hints`` (for a store: ``StoreHints``
-  turns the master's pins and priorities into leases of the store, kvtier/client/store_hints.py).
+  turns the master's pins and priorities into leases of the store, kvtier/client/store_hints.py);
+* passes the prefetch orders a heartbeat reply carries to ``on_prefetch`` (for a store: ``StorePrefetch`` makes
+  them jobs of the store's Prefetcher, kvtier/client/store_prefetch.py; master/prefetch.py). An order reaches
+  the node within one heartbeat interval (lease/3) of the request.
 
 Inventories come from ``list_keys`` (tier name -> the keys it holds now) where the node can list its tiers
 (kvtier-pool does: its DRAM tier has ``keys()``). Otherwise the agent keeps a set of the keys each tier holds
@@ -48,9 +51,10 @@ from typing import Any
 from kvtier import wire
 from kvtier.auth import ClientKeys
 from kvtier.client import api
-from kvtier.client.api import MasterHints, NodeReply
+from kvtier.client.api import MasterHints, NodeReply, PrefetchOrder
 from kvtier.client.master import MasterClient, MasterError, MasterUnknownNode
 from kvtier.client.store_hints import StoreHints
+from kvtier.client.store_prefetch import StorePrefetch
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,8 @@ class NodeAgent:
                  heartbeat_s: float | None = None, batch_interval_s: float = 0.01, max_batch_keys: int = 65536,
                  inventory_part_keys: int = 262144, timeout_s: float = 2.0, ewma_alpha: float = 0.2,
                  auth: ClientKeys | None = None,
-                 on_replicate: Callable[[NodeReply], None] | None = None) -> None:
+                 on_replicate: Callable[[NodeReply], None] | None = None,
+                 on_prefetch: Callable[[list[PrefetchOrder]], None] | None = None) -> None:
         if not tiers:
             raise ValueError("a node needs at least one tier")
         self.master = master
@@ -85,6 +90,7 @@ class NodeAgent:
         # A pool with hot-block replication: the heartbeat reply's copies and drops (kvtier.pool does them off
         # this thread; the callback must return at once).
         self._on_replicate = on_replicate
+        self._on_prefetch = on_prefetch
         self._goodbye_on_close = goodbye
         self._heartbeat_s = heartbeat_s
         self.batch_interval_s = batch_interval_s
@@ -115,14 +121,17 @@ class NodeAgent:
         self._path_bw: dict[str, float] = {}
         self._rtt = 0.0
         self.counters = {"registrations": 0, "inventories": 0, "event_messages": 0, "heartbeats": 0,
-                         "errors": 0, "dropped_events": 0}
+                         "errors": 0, "dropped_events": 0, "prefetch_orders": 0}
         self.last_error: str | None = None
+        self.store_prefetch: StorePrefetch | None = None  # for_store's: its prefetch orders' outcomes
 
     @classmethod
     def for_store(cls, store: Any, master: str, node_id: str, **kw: Any) -> NodeAgent:
         """An agent for a TieredStore: its tiers, their used bytes, inventory checks against the tiers, and
         the master's hints applied as leases of the store (``StoreHints``; ``hint_max_fraction`` is the lease
-        budget the store gets if it has none yet). Attaches to the store's events; call ``start()`` next.
+        budget the store gets if it has none yet), and the master's prefetch orders made jobs of ``prefetcher``
+        (the store's kvtier.prefetch.Prefetcher; None: they are counted ignored; ``StorePrefetch``, kept as the
+        agent's ``store_prefetch``). Attaches to the store's events; call ``start()`` next.
         Remote tiers (a PoolTier: blocks in kvtier-pool daemons, which report them themselves) are not the
         node's own."""
         from kvtier.tiers.base import RemoteTier  # here: a router importing kvtier.client needs no tier code
@@ -132,10 +141,13 @@ class NodeAgent:
         on_hints = kw.pop("on_hints", None)
         if on_hints is None:
             on_hints = StoreHints(store, hint_max_fraction=kw.pop("hint_max_fraction", 0.5)).apply
+        orders = StorePrefetch(kw.pop("prefetcher", None), node_id)
+        kw.setdefault("on_prefetch", orders.apply)
         agent = cls(master, node_id, [(t.name, t.stats().capacity_bytes) for t in local],
                     block_bytes=store.block_bytes,
                     used=lambda: {t.name: t.stats().used_bytes for t in local},
                     verify=lambda tier, keys: by_name[tier].contains(keys), on_hints=on_hints, **kw)
+        agent.store_prefetch = orders
         store.add_listener(agent.on_event)
         return agent
 
@@ -342,6 +354,16 @@ class NodeAgent:
                 self._on_replicate(reply)
             except Exception:
                 log.exception("node %s: on_replicate callback failed", self.node_id)
+        if reply.prefetch:
+            self.counters["prefetch_orders"] += len(reply.prefetch)
+            if self._on_prefetch is None:
+                log.warning("node %s: %d prefetch orders ignored (this node takes none)", self.node_id,
+                            len(reply.prefetch))
+            else:
+                try:
+                    self._on_prefetch(reply.prefetch)
+                except Exception:
+                    log.exception("node %s: on_prefetch callback failed", self.node_id)
         if reply.hints_version is not None and (self.hints is None or reply.hints_version != self.hints.version):
             hints = client.call(api.hints(-1))
             self.hints = hints

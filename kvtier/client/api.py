@@ -160,6 +160,39 @@ class LocateResult:
 
 
 @dataclass
+class PrefetchResult:
+    """The master's answer to ``prefetch`` (master/prefetch.py). ``outcome``: accepted, clipped (accepted, the
+    prefix cut to what live nodes hold and the node's top tier fits), ignored (the node's top tier holds it
+    already), rejected (nothing queued); ``why`` says why. ``asked``: keys sent; ``queued``: keys the node is
+    sent (0 for a session the node resolves); ``held``: leading keys some live node holds; ``in_top``: of those,
+    in the node's top tier now; ``expires``: unix s by which the node must collect the order (0: none queued)."""
+
+    outcome: str
+    why: str
+    session: str
+    asked: int
+    queued: int
+    held: int
+    in_top: int
+    expires: float
+
+    @classmethod
+    def from_wire(cls, b: Mapping[str, Any]) -> PrefetchResult:
+        return cls(outcome=b["outcome"], why=b["why"], session=b["session"], asked=b["asked"], queued=b["queued"],
+                   held=b["held"], in_top=b["in_top"], expires=float(b["expires"]))
+
+
+@dataclass
+class PrefetchOrder:
+    """One prefetch order a node collects in its heartbeat reply: bring ``keys`` (root first; empty: the last
+    prefix the node remembers for ``session``) up into its top tier, if collected before ``expires`` (unix s)."""
+
+    session: str
+    keys: list[bytes]
+    expires: float
+
+
+@dataclass
 class NodeReply:
     """The master's answer to register / heartbeat / events / inventory."""
 
@@ -173,6 +206,7 @@ class NodeReply:
     # [(source node, source address, keys)], and remove these replicas
     replicate: list[tuple[str, str, list[bytes]]] = field(default_factory=list)
     drop: list[bytes] = field(default_factory=list)
+    prefetch: list[PrefetchOrder] = field(default_factory=list)  # heartbeat: orders for this node's store
 
     @classmethod
     def from_wire(cls, b: Mapping[str, Any]) -> NodeReply:
@@ -180,7 +214,8 @@ class NodeReply:
                    lease_s=b.get("lease_s"), hints_version=b.get("hints_version"), next_part=b.get("next_part"),
                    max_batch_keys=b.get("max_batch_keys"),
                    replicate=[(src, addr, wire.unpack_keys(keys)) for src, addr, keys in b.get("replicate", [])],
-                   drop=wire.unpack_keys(b["drop"]) if b.get("drop") else [])
+                   drop=wire.unpack_keys(b["drop"]) if b.get("drop") else [],
+                   prefetch=[PrefetchOrder(s, wire.unpack_keys(k), float(e)) for s, k, e in b.get("prefetch", [])])
 
 
 # ---- calls -----------------------------------------------------------------------------------------------
@@ -277,6 +312,15 @@ def priority(level: int, keys: KeysLike | None = None, session: str | None = Non
 
 def hints(since: int = -1) -> Call[MasterHints]:
     return Call(wire.HINTS, {"since": since}, MasterHints.from_wire)
+
+
+def prefetch(node: str, keys: KeysLike | None = None, session: str | None = None,
+             ttl_s: float = 30.0) -> Call[PrefetchResult]:
+    """Ask ``node`` (the worker that will serve the prompt) to bring the prompt's prefix ``keys`` (root first) up
+    into its top tier, or, with ``session`` alone, the last prefix it remembers for that agent. The order waits
+    at the master for the node's next heartbeat, at most ``ttl_s`` (master/prefetch.py)."""
+    body = {**_hint_body(keys, session), "node": node, "ttl_s": float(ttl_s)}
+    return Call(wire.PREFETCH, body, PrefetchResult.from_wire)
 
 
 def forget(node: str) -> Call[bool]:

@@ -42,7 +42,7 @@ from kvtier import wire
 from kvtier.auth import ClientKeys, secure_client, silence_hint
 from kvtier.client import api
 from kvtier.client.api import (Call, CostResult, HeatResult, KeysLike, LocateResult, MasterHints, MasterLookup,
-                               TopResult)
+                               PrefetchResult, TopResult)
 from kvtier.client.failover import (Failover, FailoverCall, MasterError, MasterTimeout, MasterUnknownNode, Reply,
                                     parse_endpoints)
 
@@ -195,6 +195,10 @@ class MasterClient(_Masters):
     def hints(self, since: int = -1) -> MasterHints:
         return self.call(api.hints(since))
 
+    def prefetch(self, node: str, keys: KeysLike | None = None, session: str | None = None,
+                 ttl_s: float = 30.0) -> PrefetchResult:
+        return self.call(api.prefetch(node, keys, session, ttl_s))
+
     def forget(self, node: str) -> bool:
         return self.call(api.forget(node))
 
@@ -316,6 +320,10 @@ class AsyncMasterClient(_Masters):
 
     async def hints(self, since: int = -1) -> MasterHints:
         return await self.call(api.hints(since))
+
+    async def prefetch(self, node: str, keys: KeysLike | None = None, session: str | None = None,
+                       ttl_s: float = 30.0) -> PrefetchResult:
+        return await self.call(api.prefetch(node, keys, session, ttl_s))
 
     async def forget(self, node: str) -> bool:
         return await self.call(api.forget(node))

@@ -3,10 +3,17 @@
     ns = vllm_namespace("meta-llama/Llama-3.1-8B", layout_fingerprint)  # what KVTierConnector stores under
     router = Router(MasterClient("tcp://master:7300"), ns, hasher=VllmBlockHasher(16), prefill_tokens_per_s=20_000)
     best = router.rank(token_ids, ["w1", "w2", "w3"])[0]      # Plan: worker, total_s, load/recompute split
+    routed = router.route(token_ids, ["w1", "w2"], session="agent-7")  # the best plan, and its prefix prefetched
+    router.prefetch(token_ids, "w2")                          # PrefetchResult: accepted/clipped/ignored/rejected
 
 Keys are computed the way the engine computed them (an engine hasher from kvtier.hashers, folded into the
 namespace exactly as the connectors fold engine hashes), or by kvtier's own chained hash when no hasher is
 given; a caller holding keys already passes them instead of token ids.
+
+``prefetch`` asks the worker that will serve a prompt to bring its prefix up into DRAM before the request arrives
+(from its SSD, or a pool its store reads: master/prefetch.py); ``route`` ranks and, when the best plan loads a
+prefix, asks its worker for that prefix at once (a sticky router that picked the worker already calls
+``prefetch``). The master answers at once; the worker collects the order at its next heartbeat.
 
 Thread-safety and blocking follow the client: ``rank`` blocks on a MasterClient, ``rank_async`` awaits an
 AsyncMasterClient.
@@ -15,13 +22,27 @@ AsyncMasterClient.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.client.api import Plan
+from kvtier.client.api import Plan, PrefetchResult
 from kvtier.client.master import AsyncMasterClient, MasterClient
 from kvtier.hashers import BlockHasher
 from kvtier.keys import KEY_BYTES, Namespace
+
+
+@dataclass
+class Routed:
+    """``route``'s answer: the plans cheapest first (``best`` is the first), and the prefetch asked of the best
+    plan's worker (None: not asked: ``prefetch`` off, or the plan loads nothing)."""
+
+    plans: list[Plan]
+    prefetch: PrefetchResult | None
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
 
 
 class Router:
@@ -71,10 +92,45 @@ class Router:
         the state and window blocks restoring there needs), as the connector stored them (api.cost)."""
         if not isinstance(self.client, MasterClient):
             raise TypeError("rank() needs a MasterClient; use rank_async() with an AsyncMasterClient")
-        keys, tokens = self._request(prompt)
+        return self._plans(*self._request(prompt), workers, checkpoints)
+
+    def _plans(self, keys: list[bytes], tokens: int, workers: Sequence[str],
+               checkpoints: Sequence[tuple[int, Sequence[bytes]]] | None) -> list[Plan]:
+        assert isinstance(self.client, MasterClient)
         res = self.client.cost(keys, workers, self.block_tokens, self.prefill_tokens_per_s, prompt_tokens=tokens,
                                checkpoints=checkpoints)
         return self._ranked(res.plans)
+
+    def prefetch(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, worker: str, *,
+                 session: str | None = None, ttl_s: float = 30.0) -> PrefetchResult:
+        """Ask ``worker`` to bring the prompt's prefix up into its DRAM (token ids or keys, as ``rank``);
+        ``session`` names the agent (its job replaces the agent's earlier one). ``ttl_s``: how long the order
+        waits for the worker to collect it."""
+        if not isinstance(self.client, MasterClient):
+            raise TypeError("prefetch() needs a MasterClient; use prefetch_async() with an AsyncMasterClient")
+        keys, _ = self._request(prompt)
+        return self.client.prefetch(worker, keys, session, ttl_s)
+
+    async def prefetch_async(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, worker: str, *,
+                             session: str | None = None, ttl_s: float = 30.0) -> PrefetchResult:
+        if not isinstance(self.client, AsyncMasterClient):
+            raise TypeError("prefetch_async() needs an AsyncMasterClient; use prefetch() with a MasterClient")
+        keys, _ = self._request(prompt)
+        return await self.client.prefetch(worker, keys, session, ttl_s)
+
+    def route(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, workers: Sequence[str], *,
+              session: str | None = None, prefetch: bool = True, ttl_s: float = 30.0,
+              checkpoints: Sequence[tuple[int, Sequence[bytes]]] | None = None) -> Routed:
+        """``rank``, then (``prefetch``) ask the best plan's worker for the prefix that plan loads: the blocks it
+        would read from below its DRAM or from another node are brought up while the request is on its way."""
+        if not isinstance(self.client, MasterClient):
+            raise TypeError("route() needs a MasterClient")
+        keys, tokens = self._request(prompt)
+        plans = self._plans(keys, tokens, workers, checkpoints)
+        load = min(len(keys), plans[0].load_tokens // self.block_tokens) if plans else 0
+        if not prefetch or load == 0:
+            return Routed(plans, None)
+        return Routed(plans, self.client.prefetch(plans[0].worker, keys[:load], session, ttl_s))
 
     async def rank_async(self, prompt: Sequence[int] | Sequence[bytes] | np.ndarray, workers: Sequence[str],
                          checkpoints: Sequence[tuple[int, Sequence[bytes]]] | None = None) -> list[Plan]:

@@ -56,6 +56,7 @@ PIN = "pin"
 UNPIN = "unpin"
 PRIORITY = "priority"
 HINTS = "hints"
+PREFETCH = "prefetch"
 LOCATE = "locate"
 # Operators (an operator key when the master requires keys).
 FORGET = "forget"
