@@ -185,6 +185,29 @@ def test_put_never_evicts_keys_of_its_own_batch(make_keys):
     assert list(t.contains([keys[0], keys[2], k3])) == [True, True, False]
 
 
+def test_store_from_default_config_picks_copy_threads_by_measured_rate(make_keys):
+    """The DRAM tier a default Config builds times its copies (copy_threads 0): a batch of 1 MiB or more records its
+    rate for the thread count it used, put and get apart, and the bytes are exact. A fixed count records nothing."""
+    from kvtier.config import Config
+    from kvtier.store import TieredStore
+
+    bb, n = 64 << 10, 32  # a 2 MiB batch: timed (hostcopy.PARALLEL_MIN_BYTES)
+    assert Config().copy_threads == 0
+    keys = make_keys(n)
+    data = blocks_for(keys, bb)
+    with TieredStore.from_config({"dram_capacity": 2 * n * bb}, bb) as store:
+        dram = store.tiers[0]
+        assert store.put(keys, data).stored == n
+        out = torch.zeros_like(data)
+        assert_all_hits_exact(store.get(keys, out), out, data)
+        for copies in (dram.put_copies, dram.get_copies):
+            assert copies.configured == 0
+            assert sum(copies.rate(c, n * bb) > 0 for c in copies.choices) == 1
+    with TieredStore.from_config({"dram_capacity": 2 * n * bb, "copy_threads": 1}, bb) as store:
+        store.put(keys, data)
+        assert all(store.tiers[0].put_copies.rate(c, n * bb) == 0 for c in store.tiers[0].put_copies.choices)
+
+
 def test_copy_threads_0_measures_each_tiers_puts_and_gets_apart(make_keys):
     """copy_threads 0: a tier's puts and its gets are timed by CopyThreads of their own, not by one process-wide
     measurement another tier's (or direction's) copies move."""
