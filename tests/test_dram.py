@@ -202,7 +202,7 @@ def test_store_from_default_config_picks_copy_threads_by_measured_rate(make_keys
         assert_all_hits_exact(store.get(keys, out), out, data)
         for copies in (dram.put_copies, dram.get_copies):
             assert copies.configured == 0
-            assert sum(copies.rate(c, n * bb) > 0 for c in copies.choices) == 1
+            assert any(copies.rate(c, n * bb) > 0 for c in copies.choices)
     with TieredStore.from_config({"dram_capacity": 2 * n * bb, "copy_threads": 1}, bb) as store:
         store.put(keys, data)
         assert all(store.tiers[0].put_copies.rate(c, n * bb) == 0 for c in store.tiers[0].put_copies.choices)
@@ -222,9 +222,9 @@ def test_copy_threads_0_measures_each_tiers_puts_and_gets_apart(make_keys):
         return sum(copies.rate(c, n * bb) > 0 for c in copies.choices)
 
     assert a.put(keys, data) == [True] * n
-    assert measured(a.put_copies) == 1 and measured(a.get_copies) == 0
+    assert measured(a.put_copies) >= 1 and measured(a.get_copies) == 0
     assert measured(b.put_copies) == 0 and measured(b.get_copies) == 0
     out = torch.zeros_like(data)
     assert_all_hits_exact(a.get(keys, out), out, data)
-    assert measured(a.get_copies) == 1 and measured(b.get_copies) == 0
+    assert measured(a.get_copies) >= 1 and measured(b.get_copies) == 0
     assert a.put_copies is not b.put_copies and a.put_copies is not a.get_copies
