@@ -92,6 +92,26 @@ def test_duplicate_keys_in_one_batch(make_keys):
     assert t.stats().blocks == 1 and t.stats().used_bytes == BB
 
 
+def test_a_read_of_a_repeated_key_holds_its_slot_once_per_occurrence(make_keys):
+    """A get or acquire holds each slot once per occurrence in the batch (a repeated key: twice), and gives every
+    count back: a removed block's slot is freed only when the last reader is done, and never twice."""
+    t = tier(4)
+    k, other = make_keys(2)
+    t.put([k, other], blocks_for([k, other], BB))
+    busy = t._table.busy
+    with t.acquire([k, other, k]) as addresses:
+        slot = (addresses[0] - int(t.buffer.ptr)) // BB
+        assert busy[slot] == 2 and busy.sum() == 3
+        with t.acquire([k]):
+            assert busy[slot] == 3
+        assert t.remove([k]) == 1  # still read: doomed, not freed
+        assert t._table.alloc.free_count == 2
+    assert not busy.any() and t._table.alloc.free_count == 3
+    out = torch.zeros(3, BB, dtype=torch.uint8)
+    assert t.get([other, other, other], out) == [True] * 3 and not busy.any()
+    assert all(torch.equal(out[i], blocks_for([other], BB)[0]) for i in range(3))
+
+
 def test_remove_while_reading_defers_the_free(make_keys):
     t = tier(2)
     keys = make_keys(3)
