@@ -178,7 +178,7 @@ class DramTier(AddressableSlots, PrefetchTarget):
             return res
         if victims:  # evicted by this reserve (now in ``res``'s slots): handed down with the lock released
             self._hand_down(victims, vslots, res)
-        res.addresses = self._base + np.asarray(res.slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        res.addresses = self._base + np.fromiter(res.slots, np.uint64, len(res.slots)) * np.uint64(self.block_bytes)
         return res
 
     def commit(self, res: Reservation, success: bool = True) -> None:

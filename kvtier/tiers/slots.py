@@ -180,9 +180,11 @@ class SlotTable:
         # Keys of this batch (and ``protect``) already held must not be evicted to make room for its new ones.
         keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
                 if (len(new) < n or protect) and free < len(new) else [])
-        np.add.at(self.busy, keep, 1)
+        if keep:  # held while victims are chosen (busy: never evicted)
+            np.add.at(self.busy, keep, 1)
         slots = self._take(len(new), victims, vslots)
-        np.subtract.at(self.busy, keep, 1)
+        if keep:
+            np.subtract.at(self.busy, keep, 1)
         # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool map
         # slots to the batch positions they were given, ascending.
         res.index = sorted(new[: len(slots)])
@@ -192,7 +194,7 @@ class SlotTable:
         res.keys = list(keys) if len(res.index) == n else [keys[i] for i in res.index]  # index is ascending
         res.slots = slots
         pending.update(zip(res.keys, slots))
-        self.busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
+        self.busy[_slot_array(slots)] += 1  # slots are distinct: plain fancy-index add is safe
         return Taken(res, victims, vslots)
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int], success: bool = True
@@ -202,7 +204,7 @@ class SlotTable:
         published: list[bytes] = []
         lost: list[bytes] = []
         slots = list(slots)
-        self.busy[slots] -= 1
+        self.busy[_slot_array(slots)] -= 1  # a reservation's slots are distinct
         pending, slot_of = self.pending, self.slot_of
         if success and list(map(pending.get, keys)) == slots:
             # Every key still pending in its slot (nothing removed it meanwhile: the common case): the maps
