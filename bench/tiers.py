@@ -67,8 +67,11 @@ def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int | No
         print(f"dram bench {bb >> 10} KiB blocks: baseline {best_name} ({base:.2f} GB/s), the fastest copy of the "
               f"same bytes in the same rounds; the tier's buffer is on {pages} pages"
               + (f"; copy threads by measured rate (medians of the last batches): {threads}" if threads else ""))
-        rows.append(row({"tier": "dram", "op": "put", "block_bytes": bb}, gbps(nbytes, median(put_t)), base))
-        rows.append(row({"tier": "dram", "op": "get", "block_bytes": bb}, gbps(nbytes, median(get_t)), base))
+        rows += copies.rows({"tier": "dram", "block_bytes": bb})  # each candidate (1 and 2 threads) beside the best
+        rows.append(row({"tier": "dram", "path": "store", "op": "put", "block_bytes": bb},
+                        gbps(nbytes, median(put_t)), base))
+        rows.append(row({"tier": "dram", "path": "store", "op": "get", "block_bytes": bb},
+                        gbps(nbytes, median(get_t)), base))
     return rows
 
 
