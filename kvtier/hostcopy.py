@@ -71,6 +71,11 @@ AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate 
 # losing choice is timed again now and then: one batch every REPROBE_S costs little (a 16 MiB request copies in
 # ~2 ms), a stale choice a lot.
 REPROBE_S = 0.25
+# ... and only after REPROBE_BATCHES batches of its size class went to the best since: a caller of a few big batches
+# a second (an engine saving a prompt now and then, a benchmark's rounds) otherwise finds REPROBE_S passed at every
+# batch and re-probes them all, copying half of each at the slower count's rate (0.8 of the best where one thread
+# copies at 2/3 of two); with it, at most one batch in REPROBE_BATCHES + 1 is split for a re-probe.
+REPROBE_BATCHES = 8
 RATE_WINDOW = 5  # a choice's rate is the median of its last RATE_WINDOW batches: one preempted copy moves nothing
 # Batches each choice gets before the best is chosen: the very first copies into a pool's fresh file fault its
 # pages in (0.5 GB/s where a warm copy runs 8-15), and one such sample must not decide.
@@ -102,7 +107,8 @@ class CopyThreads:
     one gets the choice among 1..min(AUTO_MAX_THREADS, usable cores) threads with the best median rate measured
     for its size class, after every choice has been measured PROBE_BATCHES times (the first batches take the
     choices in turn; ``copy`` splits a big enough one between two choices), and a choice not measured for
-    REPROBE_S is measured again (one batch, or half of one; concurrent callers do not all probe).
+    REPROBE_S, while REPROBE_BATCHES batches went to the best, is measured again (one batch, or half of one;
+    concurrent callers do not all probe).
     ``record`` takes the measurements, so a test feeds rates without timing anything. Thread-safe.
     """
 
@@ -116,6 +122,7 @@ class CopyThreads:
         self._clock = clock
         self._rates: dict[tuple[int, int], deque[float]] = {}  # (size class, threads) -> recent rates, B/s
         self._tried: dict[tuple[int, int], float] = {}  # (size class, threads) -> when last picked or measured
+        self._on_best: dict[int, int] = {}  # size class -> batches given the best count since its last re-probe
         self._window = window
         self._lock = threading.Lock()
 
@@ -141,10 +148,13 @@ class CopyThreads:
                 return first, partner
             rates = {c: self.rate(c, total_bytes) for c in self.choices}
             best = max(self.choices, key=lambda c: rates[c])
-            for c in self.choices:  # then one not measured for a while
-                if c != best and now - tried[c] >= self._reprobe_s:
-                    self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
-                    return c, best
+            if self._on_best.get(cls, 0) >= REPROBE_BATCHES:
+                for c in self.choices:  # then one not measured for a while
+                    if c != best and now - tried[c] >= self._reprobe_s:
+                        self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
+                        self._on_best[cls] = 0
+                        return c, best
+            self._on_best[cls] = self._on_best.get(cls, 0) + 1
             return best, 0
 
     def record(self, threads: int, total_bytes: int, seconds: float) -> None:

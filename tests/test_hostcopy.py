@@ -114,8 +114,13 @@ def test_the_losing_choice_is_measured_again_after_the_reprobe_interval():
     _measured(c, 2, 11e9)
     assert c.pick(64 * MIB) == 2
     clock.now += hostcopy.REPROBE_S
+    # Not measured for a while, but only one batch went to the best since: a caller of few big batches is not
+    # re-probed at every one of them.
+    assert [c.pick(64 * MIB) for _ in range(hostcopy.REPROBE_BATCHES - 1)] == [2] * (hostcopy.REPROBE_BATCHES - 1)
     assert c.pick(64 * MIB) == 1  # one thread not measured for a while: one batch measures it again
     assert c.pick(64 * MIB) == 2  # ... and meanwhile the other batches take the best
+    clock.now += hostcopy.REPROBE_S
+    assert c.pick(64 * MIB) == 2  # the time has passed again, the batches not yet
     for _ in range(hostcopy.RATE_WINDOW):  # the host got busier: one thread is now the faster
         c.record(1, 64 * MIB, 64 * MIB / 12e9)
     for _ in range(hostcopy.RATE_WINDOW):
@@ -143,6 +148,7 @@ def test_concurrent_batches_do_not_all_probe():
     assert c.pick(64 * MIB) == 1  # nothing measured yet, both claimed: the one claimed longest ago
     _measured(c, 1, 9e9)
     _measured(c, 2, 5e9)
+    assert [c.pick(64 * MIB) for _ in range(hostcopy.REPROBE_BATCHES)] == [1] * hostcopy.REPROBE_BATCHES
     clock.now += hostcopy.REPROBE_S
     assert [c.pick(64 * MIB) for _ in range(3)] == [2, 1, 1]  # one batch re-probes two threads, not all three
 
