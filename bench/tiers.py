@@ -31,7 +31,8 @@ from kvtier.units import parse_bytes
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 
 
-def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1, **_: Any) -> list[dict[str, Any]]:
+def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int | None = None, **_: Any
+               ) -> list[dict[str, Any]]:
     rows = []
     ns = Namespace("bench-dram")
     for bb in sizes:
@@ -40,7 +41,8 @@ def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1,
         src = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8).view(n, bb)  # not constant: catches mixups
         out = torch.empty_like(src)
         src_np, out_np = src.numpy(), out.numpy()
-        store = TieredStore.from_config({"dram_capacity": nbytes, "copy_threads": copy_threads}, bb)
+        setting = {} if copy_threads is None else {"copy_threads": copy_threads}  # None: the setting's default
+        store = TieredStore.from_config({"dram_capacity": nbytes, **setting}, bb)
         copies = HostCopies(src_np, out_np)
         put_t, get_t = [], []
         for r in range(rounds + 1):  # round 0 warms up: page faults in the tier, src and out
@@ -54,14 +56,22 @@ def bench_dram(sizes: list[int], total: int, rounds: int, copy_threads: int = 1,
             store.remove(keys)
             if r:
                 put_t.append(p), get_t.append(g)
-        pages = store.tiers[0].buffer.pages()
+        dram = store.tiers[0]
+        pages = dram.buffer.pages()
+        threads = "; ".join(f"{op} copies on {c} thread{'s' * (c > 1)} {copies_of.rate(c, nbytes) / 1e9:.2f} GB/s"
+                            for op, copies_of in (("put", dram.put_copies), ("get", dram.get_copies))
+                            for c in copies_of.choices if copies_of.rate(c, nbytes))
         store.close()
         copies.close()
         best_name, base = copies.best()
         print(f"dram bench {bb >> 10} KiB blocks: baseline {best_name} ({base:.2f} GB/s), the fastest copy of the "
-              f"same bytes in the same rounds; the tier's buffer is on {pages} pages")
-        rows.append(row({"tier": "dram", "op": "put", "block_bytes": bb}, gbps(nbytes, median(put_t)), base))
-        rows.append(row({"tier": "dram", "op": "get", "block_bytes": bb}, gbps(nbytes, median(get_t)), base))
+              f"same bytes in the same rounds; the tier's buffer is on {pages} pages"
+              + (f"; copy threads by measured rate (medians of the last batches): {threads}" if threads else ""))
+        rows += copies.rows({"tier": "dram", "block_bytes": bb})  # each candidate (1 and 2 threads) beside the best
+        rows.append(row({"tier": "dram", "path": "store", "op": "put", "block_bytes": bb},
+                        gbps(nbytes, median(put_t)), base))
+        rows.append(row({"tier": "dram", "path": "store", "op": "get", "block_bytes": bb},
+                        gbps(nbytes, median(get_t)), base))
     return rows
 
 
@@ -82,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", help=f"block sizes, comma-separated (default {DEFAULT_SIZES}; ssd: {SSD_SIZES})")
     p.add_argument("--total", default="1GiB", help="bytes moved per size and round (default 1GiB)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per size; medians are reported")
-    p.add_argument("--copy-threads", type=int, default=1, help="threads per batched host copy")
+    p.add_argument("--copy-threads", type=int, help="dram: threads per batched host copy (default: the copy_threads setting's, 0 = by measured rate)")
     p.add_argument("--path", help="ssd: a directory on the disk to measure (default /var/tmp)")
     p.add_argument("--connections", type=int, default=4, help="pool: parallel TCP connections per batch")
     p.add_argument("--no-mooncake", dest="mooncake", action="store_false",

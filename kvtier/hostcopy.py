@@ -71,6 +71,11 @@ AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate 
 # losing choice is timed again now and then: one batch every REPROBE_S costs little (a 16 MiB request copies in
 # ~2 ms), a stale choice a lot.
 REPROBE_S = 0.25
+# ... and only after REPROBE_BATCHES batches of its size class went to the best since: a caller of a few big batches
+# a second (an engine saving a prompt now and then, a benchmark's rounds) otherwise finds REPROBE_S passed at every
+# batch and re-probes them all, copying half of each at the slower count's rate (0.8 of the best where one thread
+# copies at 2/3 of two); with it, at most one batch in REPROBE_BATCHES + 1 is split for a re-probe.
+REPROBE_BATCHES = 8
 RATE_WINDOW = 5  # a choice's rate is the median of its last RATE_WINDOW batches: one preempted copy moves nothing
 # Batches each choice gets before the best is chosen: the very first copies into a pool's fresh file fault its
 # pages in (0.5 GB/s where a warm copy runs 8-15), and one such sample must not decide.
@@ -101,8 +106,9 @@ class CopyThreads:
     ``configured`` >= 1 fixes the count. 0 (auto): a batch under PARALLEL_MIN_BYTES gets one thread; a larger
     one gets the choice among 1..min(AUTO_MAX_THREADS, usable cores) threads with the best median rate measured
     for its size class, after every choice has been measured PROBE_BATCHES times (the first batches take the
-    choices in turn), and a choice not measured for REPROBE_S is measured again (one batch; concurrent callers
-    do not all probe).
+    choices in turn; ``copy`` splits a big enough one between two choices), and a choice not measured for
+    REPROBE_S, while REPROBE_BATCHES batches went to the best, is measured again (one batch, or half of one;
+    concurrent callers do not all probe).
     ``record`` takes the measurements, so a test feeds rates without timing anything. Thread-safe.
     """
 
@@ -116,30 +122,40 @@ class CopyThreads:
         self._clock = clock
         self._rates: dict[tuple[int, int], deque[float]] = {}  # (size class, threads) -> recent rates, B/s
         self._tried: dict[tuple[int, int], float] = {}  # (size class, threads) -> when last picked or measured
+        self._on_best: dict[int, int] = {}  # size class -> batches given the best count since its last re-probe
         self._window = window
         self._lock = threading.Lock()
 
     def pick(self, total_bytes: int) -> int:
         """The threads for a batch of ``total_bytes``."""
+        return self._choose(total_bytes)[0]
+
+    def _choose(self, total_bytes: int) -> tuple[int, int]:
+        """(threads, partner): ``partner`` is 0 unless the batch is to measure ``threads`` (a probe, or the re-probe
+        of a choice not measured for a while); then it is the count that copies the rest where ``copy`` splits
+        the batch (while probing: the next least measured choice; after: the best)."""
         if self.configured:
-            return self.configured
+            return self.configured, 0
         if total_bytes < PARALLEL_MIN_BYTES or len(self.choices) == 1:
-            return 1
+            return 1, 0
         cls, now = size_class(total_bytes), self._clock()
         with self._lock:
             tried = {c: self._tried.get((cls, c), -float("inf")) for c in self.choices}
             counts = {c: len(self._rates.get((cls, c), ())) for c in self.choices}
             if min(counts.values()) < PROBE_BATCHES:  # probing: the least measured, the least recently tried first
-                c = min(self.choices, key=lambda c: (counts[c], tried[c]))
-                self._tried[(cls, c)] = now
-                return c
+                first, partner = sorted(self.choices, key=lambda c: (counts[c], tried[c]))[:2]
+                self._tried[(cls, first)] = now
+                return first, partner
             rates = {c: self.rate(c, total_bytes) for c in self.choices}
             best = max(self.choices, key=lambda c: rates[c])
-            for c in self.choices:  # then one not measured for a while
-                if c != best and now - tried[c] >= self._reprobe_s:
-                    self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
-                    return c
-            return best
+            if self._on_best.get(cls, 0) >= REPROBE_BATCHES:
+                for c in self.choices:  # then one not measured for a while
+                    if c != best and now - tried[c] >= self._reprobe_s:
+                        self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
+                        self._on_best[cls] = 0
+                        return c, best
+            self._on_best[cls] = self._on_best.get(cls, 0) + 1
+            return best, 0
 
     def record(self, threads: int, total_bytes: int, seconds: float) -> None:
         """One batch of ``total_bytes`` copied on ``threads`` threads in ``seconds``."""
@@ -156,12 +172,28 @@ class CopyThreads:
         return statistics.median(got) if got else 0.0
 
     def copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray | int) -> int:
-        """copy_rows on the picked threads, timed and recorded; returns the threads it used."""
-        total = len(dst) * int(nbytes) if np.isscalar(nbytes) else int(np.sum(nbytes, dtype=np.uint64))
-        threads = self.pick(total)
-        t0 = time.perf_counter()
-        copy_rows(dst, src, nbytes, threads)
-        self.record(threads, total, time.perf_counter() - t0)
+        """copy_rows on the picked threads, timed and recorded; returns the threads it picked.
+
+        A batch that measures a choice (a probe or a re-probe) and whose two halves are each a batch of its size
+        class is split: the first half on the choice measured, the second on the partner (the other choice
+        while probing, the best after), each half timed and recorded. So a batch measures two choices, the
+        probing is over in PROBE_BATCHES batches, not PROBE_BATCHES per choice (a caller copying a few big
+        batches, an engine saving a prompt now and then, gets the best count from its fourth batch on), and a
+        re-probe of the slower count costs half a batch at its rate, not a whole one."""
+        n = len(dst)
+        sizes = None if np.isscalar(nbytes) else np.ascontiguousarray(nbytes, np.uint64)
+        total = n * int(nbytes) if sizes is None else int(np.sum(sizes, dtype=np.uint64))
+        threads, partner = self._choose(total)
+        half = n // 2
+        first = half * int(nbytes) if sizes is None else int(np.sum(sizes[:half], dtype=np.uint64))
+        parts = [(0, n, threads, total)]
+        if partner and min(first, total - first) >= PARALLEL_MIN_BYTES and \
+                size_class(first) == size_class(total - first) == size_class(total):
+            parts = [(0, half, threads, first), (half, n, partner, total - first)]
+        for a, b, count, part_bytes in parts:
+            t0 = time.perf_counter()
+            copy_rows(dst[a:b], src[a:b], nbytes if sizes is None else sizes[a:b], count)
+            self.record(count, part_bytes, time.perf_counter() - t0)
         return threads
 
 

@@ -50,14 +50,21 @@ def test_bench_tiers_dram_writes_rows(tmp_path):
     assert {(x["path"], x["op"]) for x in lookups} == {("in-process", "contains"), ("in-process", "lookup_prefix")}
     assert all(x["p50_us"] > 0 and abs(x["ratio"] - x["baseline_us"] / x["p50_us"]) < 0.01 for x in lookups)
     rows = [x for x in rows if x["tier"] != "lookup"]
-    assert {(x["op"], x["block_bytes"]) for x in rows} == {("put", 65536), ("get", 65536), ("put", 2**20),
-                                                          ("get", 2**20)}
+    # The store's put and get, and each copy the baseline is the best of (one thread and two), per size.
+    copies = {f"copy: {c}" for c in ("np.copyto", "np.copyto 2 threads", "copy_rows 1 thread", "copy_rows 2 threads")}
+    assert {(x["path"], x["op"], x["block_bytes"]) for x in rows} == {
+        *(("store", op, bb) for op in ("put", "get") for bb in (65536, 2**20)),
+        *((c, "copy", bb) for c in copies for bb in (65536, 2**20))}
+    for bb in (65536, 2**20):  # the baseline is the fastest candidate's figure (ratios are of unrounded figures)
+        assert max(x["ratio"] for x in rows if x["op"] == "copy" and x["block_bytes"] == bb) == 1.0
     for x in rows:
-        assert set(x) == {"tier", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"} and x["tier"] == "dram"
+        assert set(x) == {"tier", "path", "op", "block_bytes", "gbps", "baseline_gbps", "ratio"} and x["tier"] == "dram"
         assert x["gbps"] > 0 and x["baseline_gbps"] > 0
-        # The ratio is of the unrounded figures; the row's gbps are rounded to 3 decimals, which on a loaded
-        # machine (a baseline of 0.119 GB/s) moves their quotient by up to ~0.5 %: compare relatively.
-        assert x["ratio"] == pytest.approx(x["gbps"] / x["baseline_gbps"], rel=0.01)
+        # The ratio is of the unrounded figures; the row's gbps are rounded to 3 decimals (+-0.0005), which on a
+        # loaded machine (figures of 0.017 GB/s were seen) moves their quotient by several %, and the ratio is rounded
+        # to 3 decimals too (a 2-thread copy waiting for a core ran at 0.013 of the best): allow for both.
+        rounding = 0.0005 / x["gbps"] + 0.0005 / x["baseline_gbps"]
+        assert x["ratio"] == pytest.approx(x["gbps"] / x["baseline_gbps"], rel=0.01 + rounding, abs=0.0005)
     assert "ratio" in r.stdout and "lookup of 2000 present keys" in r.stdout
 
 

@@ -92,6 +92,26 @@ def test_duplicate_keys_in_one_batch(make_keys):
     assert t.stats().blocks == 1 and t.stats().used_bytes == BB
 
 
+def test_a_read_of_a_repeated_key_holds_its_slot_once_per_occurrence(make_keys):
+    """A get or acquire holds each slot once per occurrence in the batch (a repeated key: twice), and gives every
+    count back: a removed block's slot is freed only when the last reader is done, and never twice."""
+    t = tier(4)
+    k, other = make_keys(2)
+    t.put([k, other], blocks_for([k, other], BB))
+    busy = t._table.busy
+    with t.acquire([k, other, k]) as addresses:
+        slot = (addresses[0] - int(t.buffer.ptr)) // BB
+        assert busy[slot] == 2 and busy.sum() == 3
+        with t.acquire([k]):
+            assert busy[slot] == 3
+        assert t.remove([k]) == 1  # still read: doomed, not freed
+        assert t._table.alloc.free_count == 2
+    assert not busy.any() and t._table.alloc.free_count == 3
+    out = torch.zeros(3, BB, dtype=torch.uint8)
+    assert t.get([other, other, other], out) == [True] * 3 and not busy.any()
+    assert all(torch.equal(out[i], blocks_for([other], BB)[0]) for i in range(3))
+
+
 def test_remove_while_reading_defers_the_free(make_keys):
     t = tier(2)
     keys = make_keys(3)
@@ -185,6 +205,29 @@ def test_put_never_evicts_keys_of_its_own_batch(make_keys):
     assert list(t.contains([keys[0], keys[2], k3])) == [True, True, False]
 
 
+def test_store_from_default_config_picks_copy_threads_by_measured_rate(make_keys):
+    """The DRAM tier a default Config builds times its copies (copy_threads 0): a batch of 1 MiB or more records its
+    rate for the thread count it used, put and get apart, and the bytes are exact. A fixed count records nothing."""
+    from kvtier.config import Config
+    from kvtier.store import TieredStore
+
+    bb, n = 64 << 10, 32  # a 2 MiB batch: timed (hostcopy.PARALLEL_MIN_BYTES)
+    assert Config().copy_threads == 0
+    keys = make_keys(n)
+    data = blocks_for(keys, bb)
+    with TieredStore.from_config({"dram_capacity": 2 * n * bb}, bb) as store:
+        dram = store.tiers[0]
+        assert store.put(keys, data).stored == n
+        out = torch.zeros_like(data)
+        assert_all_hits_exact(store.get(keys, out), out, data)
+        for copies in (dram.put_copies, dram.get_copies):
+            assert copies.configured == 0
+            assert any(copies.rate(c, n * bb) > 0 for c in copies.choices)
+    with TieredStore.from_config({"dram_capacity": 2 * n * bb, "copy_threads": 1}, bb) as store:
+        store.put(keys, data)
+        assert all(store.tiers[0].put_copies.rate(c, n * bb) == 0 for c in store.tiers[0].put_copies.choices)
+
+
 def test_copy_threads_0_measures_each_tiers_puts_and_gets_apart(make_keys):
     """copy_threads 0: a tier's puts and its gets are timed by CopyThreads of their own, not by one process-wide
     measurement another tier's (or direction's) copies move."""
@@ -199,9 +242,9 @@ def test_copy_threads_0_measures_each_tiers_puts_and_gets_apart(make_keys):
         return sum(copies.rate(c, n * bb) > 0 for c in copies.choices)
 
     assert a.put(keys, data) == [True] * n
-    assert measured(a.put_copies) == 1 and measured(a.get_copies) == 0
+    assert measured(a.put_copies) >= 1 and measured(a.get_copies) == 0
     assert measured(b.put_copies) == 0 and measured(b.get_copies) == 0
     out = torch.zeros_like(data)
     assert_all_hits_exact(a.get(keys, out), out, data)
-    assert measured(a.get_copies) == 1 and measured(b.get_copies) == 0
+    assert measured(a.get_copies) >= 1 and measured(b.get_copies) == 0
     assert a.put_copies is not b.put_copies and a.put_copies is not a.get_copies

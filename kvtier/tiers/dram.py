@@ -48,7 +48,7 @@ class DramTier(AddressableSlots, PrefetchTarget):
 
     def __init__(
         self, capacity_bytes: int, block_bytes: int, *, policy: str = "default", shm_path: str | None = None,
-        pin_memory: str | bool = "auto", prefault: bool = False, copy_threads: int = 1,
+        pin_memory: str | bool = "auto", prefault: bool = False, copy_threads: int = 0,
         dtypes: Sequence[str] = (), clock: Clock | None = None, admission: bool = True,
     ) -> None:
         if block_bytes <= 0:
@@ -104,15 +104,14 @@ class DramTier(AddressableSlots, PrefetchTarget):
 
     def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
-        with self._held_slots(keys) as slots:
-            if None not in slots:  # all hits (the common get): no Python work per key
-                hit, dst, held = [True] * len(slots), rows.ptrs, slots
+        with self._held_slots(keys) as (slots, held):
+            if len(held) == len(slots):  # all hits (the common get): no Python work per key
+                hit, dst = [True] * len(slots), rows.ptrs
             else:
                 hit = [s is not None for s in slots]
-                index = [i for i, h in enumerate(hit) if h]
-                dst, held = rows.ptrs[index], [slots[i] for i in index]
-            if held:
-                src = self._base + np.asarray(held, dtype=np.uint64) * np.uint64(self.block_bytes)
+                dst = rows.ptrs[[i for i, h in enumerate(hit) if h]]
+            if len(held):
+                src = self._base + held.astype(np.uint64) * np.uint64(self.block_bytes)
                 self.get_copies.copy(dst, src, self.block_bytes)
         return hit
 
@@ -179,7 +178,7 @@ class DramTier(AddressableSlots, PrefetchTarget):
             return res
         if victims:  # evicted by this reserve (now in ``res``'s slots): handed down with the lock released
             self._hand_down(victims, vslots, res)
-        res.addresses = self._base + np.asarray(res.slots, dtype=np.uint64) * np.uint64(self.block_bytes)
+        res.addresses = self._base + np.fromiter(res.slots, np.uint64, len(res.slots)) * np.uint64(self.block_bytes)
         return res
 
     def commit(self, res: Reservation, success: bool = True) -> None:
@@ -195,13 +194,14 @@ class DramTier(AddressableSlots, PrefetchTarget):
 
         The blocks cannot be evicted or reused meanwhile; counts as a hit for the eviction policy and stats.
         """
-        with self._held_slots(keys) as slots:
+        with self._held_slots(keys) as (slots, _):
             bb, base = self.block_bytes, int(self._base)
             yield [None if s is None else base + s * bb for s in slots]
 
     @contextmanager
-    def _held_slots(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:
-        """``acquire``'s slots (None for misses), held until the context exits."""
+    def _held_slots(self, keys: Sequence[bytes]) -> Iterator[tuple[list[int | None], np.ndarray]]:
+        """``acquire``'s slots (None for misses), and the hits' slots as an int64 array (in batch order), held
+        until the context exits."""
         with self._lock:
             slots = list(map(self._slot_of.get, keys))
             all_hit = None not in slots
@@ -212,17 +212,16 @@ class DramTier(AddressableSlots, PrefetchTarget):
                 slots = [leaving(k) if s is None else s for k, s in zip(keys, slots)]
                 if len(slots) - slots.count(None) > were:
                     self._read_leaving.update(s for k, s in zip(keys, slots) if k in self._leaving)
-            hit_slots = slots if all_hit else [s for s in slots if s is not None]
-            self._table.hold(hit_slots)
+            held = self._table.hold(slots if None not in slots else [s for s in slots if s is not None])
             st = self._stats
-            st.hits += len(hit_slots)
-            st.misses += len(slots) - len(hit_slots)
-            st.get_bytes += len(hit_slots) * self.block_bytes
+            st.hits += len(held)
+            st.misses += len(slots) - len(held)
+            st.get_bytes += len(held) * self.block_bytes
         try:
-            yield slots
+            yield slots, held
         finally:
             with self._lock:
-                self._table.release(hit_slots)
+                self._table.release(held)
 
     @contextmanager
     def read_views(self, keys: Sequence[bytes]) -> Iterator[list[torch.Tensor | None]]:

@@ -180,9 +180,11 @@ class SlotTable:
         # Keys of this batch (and ``protect``) already held must not be evicted to make room for its new ones.
         keep = ([slot_of[k] for k in (*keys, *protect) if k in slot_of]
                 if (len(new) < n or protect) and free < len(new) else [])
-        np.add.at(self.busy, keep, 1)
+        if keep:  # held while victims are chosen (busy: never evicted)
+            np.add.at(self.busy, keep, 1)
         slots = self._take(len(new), victims, vslots)
-        np.subtract.at(self.busy, keep, 1)
+        if keep:
+            np.subtract.at(self.busy, keep, 1)
         # The first len(slots) of ``new`` (root-most first) are stored, in batch order: clients of the pool map
         # slots to the batch positions they were given, ascending.
         res.index = sorted(new[: len(slots)])
@@ -192,7 +194,7 @@ class SlotTable:
         res.keys = list(keys) if len(res.index) == n else [keys[i] for i in res.index]  # index is ascending
         res.slots = slots
         pending.update(zip(res.keys, slots))
-        self.busy[slots] += 1  # slots are distinct: plain fancy-index add is safe
+        self.busy[_slot_array(slots)] += 1  # slots are distinct: plain fancy-index add is safe
         return Taken(res, victims, vslots)
 
     def publish(self, keys: Sequence[bytes], slots: Sequence[int], success: bool = True
@@ -202,7 +204,7 @@ class SlotTable:
         published: list[bytes] = []
         lost: list[bytes] = []
         slots = list(slots)
-        self.busy[slots] -= 1
+        self.busy[_slot_array(slots)] -= 1  # a reservation's slots are distinct
         pending, slot_of = self.pending, self.slot_of
         if success and list(map(pending.get, keys)) == slots:
             # Every key still pending in its slot (nothing removed it meanwhile: the common case): the maps
@@ -295,13 +297,16 @@ class SlotTable:
         if keys:
             self.index.delete(self.index.find(key_array(keys)))
 
-    def hold(self, slots: Sequence[int]) -> None:
-        """Mark slots busy (a read or copy starts: not evicted, not reused); one count per occurrence."""
-        np.add.at(self.busy, list(slots), 1)
+    def hold(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Mark slots busy (a read or copy starts: not evicted, not reused); one count per occurrence. Returns the
+        slots as an int64 array (for the caller's addresses, and to hand back to ``release``)."""
+        held = _slot_array(slots)
+        _add_per_occurrence(self.busy, held, 1)
+        return held
 
-    def release(self, slots: Sequence[int]) -> None:
+    def release(self, slots: Sequence[int] | np.ndarray) -> None:
         """End what ``hold`` (or ``drop(hold=True)``) started; doomed slots now idle go back to the allocator."""
-        np.subtract.at(self.busy, list(slots), 1)
+        _add_per_occurrence(self.busy, _slot_array(slots), -1)
         self.free_idle_doomed()
 
     def free_idle_doomed(self) -> None:
@@ -354,6 +359,24 @@ class SlotTable:
 
 
 _NOTHING: frozenset[bytes] = frozenset()
+
+
+def _slot_array(slots: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(slots, np.ndarray):
+        return slots.astype(np.int64, copy=False)
+    return np.fromiter(slots, np.int64, len(slots))
+
+
+def _add_per_occurrence(counts: np.ndarray, slots: np.ndarray, delta: int) -> None:
+    """counts[s] += delta once per occurrence of s in ``slots``. A fancy-index add counts a repeated slot once, so
+    it is used where no slot repeats (a batch without repeated keys: every get but a caller's odd one), checked on
+    the sorted slots; ufunc.at, which counts repeats but costs ~10x as much per slot, only where one does."""
+    if len(slots) > 1:
+        ordered = np.sort(slots)
+        if (ordered[1:] == ordered[:-1]).any():
+            np.add.at(counts, slots, delta)
+            return
+    counts[slots] += delta
 
 
 def _positions(new: list[int], order: Sequence[int]) -> list[int] | None:
