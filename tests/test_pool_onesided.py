@@ -570,10 +570,10 @@ def test_request_spans_cover_the_batch_in_order_growing_from_the_first(n, first,
         want = min(most, want * onesided.RAMP)
 
 
-def test_a_batch_starts_with_a_small_request_and_ramps_up(tmp_path, monkeypatch):
-    """Nothing is copied before a batch's first reply, so its first reserve and acquire ask for
-    FIRST_REQUEST_BYTES, the next ones RAMP times more up to the largest request; every block moves exactly once
-    and every lease ends with the call."""
+def test_a_put_starts_with_a_small_request_and_ramps_up(tmp_path, monkeypatch):
+    """Nothing is copied before a put's first reply, so its first reserve asks for FIRST_REQUEST_BYTES, the next
+    ones RAMP times more up to the largest request (a get's acquires are all full-size); every block moves
+    exactly once and every lease ends with the call."""
     monkeypatch.setattr(onesided, "FIRST_REQUEST_BYTES", BB)
     monkeypatch.setattr(onesided, "REQUEST_BYTES", 16 * BB)
     keys = ns.keys(range(500, 564))
@@ -589,9 +589,9 @@ def test_a_batch_starts_with_a_small_request_and_ramps_up(tmp_path, monkeypatch)
             src, out = filled(64, 6), filled(64, 0)
             assert c.put(keys, rows(src)) == [True] * 64
             assert_all_hits_exact(c.get(keys, rows(out)), out, 6)
-            for op in (P.RESERVE, P.ACQUIRE):
-                sizes = [len(r.body["keys"]) // wire.KEY_BYTES for r in sent if r.op == op]
-                assert sizes == [1, 4, 16, 16, 16, 11], (op, sizes)
+            sizes = {op: [len(r.body["keys"]) // wire.KEY_BYTES for r in sent if r.op == op]
+                     for op in (P.RESERVE, P.ACQUIRE)}
+            assert sizes == {P.RESERVE: [1, 4, 16, 16, 16, 11], P.ACQUIRE: [16, 16, 16, 16]}, sizes
             assert until(lambda: c.stats()["leases"] == 0, timeout=5.0)
         finally:
             c.close()
