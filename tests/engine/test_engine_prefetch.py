@@ -29,7 +29,7 @@ from .enginekit import BLOCK, PREFIX_TOKENS, connector, prompt_tokens
 
 pytestmark = pytest.mark.slow
 
-GAP_S, THINK_S = 0.6, 1.5
+GAP_S, THINK_S = 1.0, 1.5
 
 SCRIPT = r'''
 import json, sys, time
@@ -84,8 +84,8 @@ for k in range(5):
     run(f"a{k}")
     idle(gap)
 long_prompt = pa + [20]
-add("a5", long_prompt, 64, "a")
-for _ in range(8):
+add("a5", long_prompt, 96, "a")
+for _ in range(20):  # a's turn has run longer than any of its short ones when b and c arrive
     step(0.05)
 add("b0", pb + [1], 1, "b")
 add("c0", pc + [1], 1, "c")
