@@ -7,7 +7,8 @@
 Neither engine defines action names in code; kvtier takes SGLang RFC #27574's (``SUPPORTED``, version "1" each;
 both engines type the versions as strings, an integer 1 is read as "1"):
 
-  Prefetch  bring the request's prefix up into DRAM now (Prefetcher.request), if the store has a prefetcher
+  Prefetch  bring the request's prefix up into DRAM now (Prefetcher.request, for the request's agent), if the
+            store has a prefetcher (a tier below DRAM); a prefix longer than DRAM is clipped to what it holds
   Pin       keep the request's blocks pinned for ``payload["ttl_s"]`` seconds (a lease bounded by ``MAX_PIN_S``:
             longer is clipped)
   Retain    rank the agent's blocks by ``payload["priority"]`` (higher: evicted later); only a priority
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.leases import session_lease
-from kvtier.policies import Hint
+from kvtier.policies import Hint, Observations
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +139,7 @@ def _apply(kind: str, action: Any, store: Any, session: str | None, keys: Sequen
     if kind == "Share":
         return Applied(kind, "ignored", "blocks are shared by key already")
     if kind == "Prefetch":
-        if prefetcher is None:
-            return Applied(kind, "ignored", "no prefetcher on this store")
-        prefetcher.request(session or request or "", list(keys))
-        return Applied(kind, "accepted")
+        return _prefetch(store, session, keys, prefetcher, request)
     if kind == "Pin":
         ttl = _number(payload.get("ttl_s"))
         if ttl is None or ttl <= 0:
@@ -160,6 +158,22 @@ def _apply(kind: str, action: Any, store: Any, session: str | None, keys: Sequen
         priority = min(-1.0, priority) if priority is not None else -1.0
     store.observe(hints=[Hint(request=request, session=session, time=now, priority=priority)])
     return Applied(kind, "accepted")
+
+
+def _prefetch(store: Any, session: str | None, keys: Sequence[bytes], prefetcher: Any, request: str | None) -> Applied:
+    """A Prefetch: the request's chain (at most what DRAM holds, root first: clipped past it) handed to the
+    prefetcher under the agent the store's policy knows the request by (the client's session, its current branch,
+    or the agent inferred from the chains), which the room a prefetch gets is reckoned for."""
+    if prefetcher is None:
+        return Applied("Prefetch", "ignored", "no tier below DRAM to prefetch from (or the prefetch setting is off)")
+    agent = store.sessions.resolve(Observations((), (), [Hint(request=request, session=session)])).hints[0].session
+    if agent is None or not keys:
+        return Applied("Prefetch", "deferred", "the request's agent or blocks are not known to the store yet")
+    room = store.tiers[0].stats().capacity_bytes // store.block_bytes
+    prefetcher.request(agent, list(keys[:room]))
+    if len(keys) > room:
+        return Applied("Prefetch", "clipped", f"{len(keys)} blocks cut to the {room} DRAM holds")
+    return Applied("Prefetch", "accepted")
 
 
 def _number(v: Any) -> float | None:

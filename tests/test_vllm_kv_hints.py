@@ -7,6 +7,8 @@ the request is served all the same (its KV checked bit-exact by the harness)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (tests/run.sh installs it from tests/requirements-vllm.txt)")
@@ -135,3 +137,71 @@ def test_a_first_turns_pin_is_deferred_then_leases_its_blocks_once_they_are_save
     for k in [bytes([8, i]) * 8 for i in range(2 * (96 << 10) // bb)]:
         side.store.put([k], blocks_for([k], bb))
     assert side.store.contains(a_keys) == [True] * 5
+
+
+def _in(tier, keys) -> int:
+    return sum(tier.contains(keys))
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_prefetch_brings_the_agents_prefix_up_from_the_ssd(engine, tmp_path, hinted):
+    """With an SSD under DRAM the worker's store runs a Prefetcher: B's Prefetch (B's prefix is in vLLM's own
+    cache, so no load of B's brings it) copies A's prefix from the SSD back into DRAM. Negative control
+    (``hinted=False``: a Share instead): it stays on the SSD."""
+    eng = engine(dram_capacity="96KiB", ssd_path=str(tmp_path / "ssd"), ssd_capacity="4MiB")
+    a = make_request("A", PREFIX + [5, 6, 7])
+    eng.add(a)
+    eng.run([a])
+    eng.wait_idle_transfers()
+    side = worker_side(eng)
+    store, prefetch = side.store, side.prefetch
+    assert prefetch is not None
+    dram, ssd = store.tiers
+    a_keys = side.namespace.keys(make_request("x", PREFIX).block_hashes)
+    bb = store.block_bytes
+    other = [bytes([7, i]) * 8 for i in range(2 * (96 << 10) // bb)]  # twice the DRAM: A's prefix goes down
+    for k in other:
+        store.put([k], blocks_for([k], bb))
+    assert store.flush(10)
+    store.remove(other)  # DRAM has room again; A's prefix is on the SSD alone
+    assert (_in(dram, a_keys), _in(ssd, a_keys)) == (0, 5)
+    b = make_request("B", PREFIX + [9] * 20, kvtier={"session": "agent-7"})
+    b.kv_hints = envelope(("Prefetch", {}) if hinted else ("Share", {}))
+    eng.add(b)
+    while not b.is_finished():
+        eng.step()
+        # B's completion would replace the asked-for job with an idle agent's (predicted nothing yet: dropped),
+        # so the driver thread gets the time to move it first.
+        deadline = time.monotonic() + 10
+        while prefetch.prefetcher.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    eng.wait_idle_transfers()
+    data = eng.stats.data
+    if hinted:
+        assert data["hint_Prefetch_accepted"] == 1
+        assert _in(dram, a_keys) == 5, "A's prefix was brought up into DRAM"
+        assert data["prefetch_blocks"] == 5 and data["prefetch_from_ssd_blocks"] == 5
+    else:
+        assert data["hint_Share_ignored"] == 1 and "hint_Prefetch_accepted" not in data
+        assert _in(dram, a_keys) == 0 and not data.get("prefetch_blocks")
+
+
+@pytest.mark.parametrize("extra", [{}, {"prefetch": False}])
+def test_no_prefetcher_without_a_tier_below_dram_or_with_prefetch_off(engine, tmp_path, extra):
+    """DRAM alone has nothing below to bring up, and ``prefetch: false`` turns it off: a Prefetch is ignored."""
+    ssd = {"ssd_path": str(tmp_path / "ssd"), "ssd_capacity": "4MiB"} if extra else {}
+    eng = engine(**ssd, **extra)
+    save_a_then_drop_hbm(eng)
+    assert worker_side(eng).prefetch is None
+    turn(eng, "B", envelope(("Prefetch", {})))
+    assert eng.stats.data["hint_Prefetch_ignored"] == 1
+
+
+def test_a_prefetch_of_a_prefix_longer_than_dram_is_clipped(engine, tmp_path):
+    eng = engine(dram_capacity="96KiB", ssd_path=str(tmp_path / "ssd"), ssd_capacity="4MiB")
+    dram_blocks = (96 << 10) // worker_side(eng).store.block_bytes
+    c = make_request("C", list(range(300, 300 + (dram_blocks + 2) * 16)) + [1])
+    c.kv_hints = envelope(("Prefetch", {}))
+    eng.add(c)
+    eng.run([c])
+    assert eng.stats.data["hint_Prefetch_clipped"] == 1 and "hint_Prefetch_accepted" not in eng.stats.data

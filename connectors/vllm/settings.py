@@ -51,6 +51,9 @@ class ConnectorSettings:
     # The checkpoint's fingerprint in the key namespace (weights.py): auto (read from the model's files), off,
     # or the fingerprint itself (an id of the checkpoint, e.g. a git commit).
     weights_fingerprint: str = "auto"
+    # Between turns, bring idle agents' prefixes up into DRAM from the tier below (SSD, pool) before they are
+    # predicted back (prefetching.py); only where a tier sits below DRAM.
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.load_mode not in LOAD_MODES:

@@ -41,6 +41,7 @@ from .hints import KvHintsNote
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
 from .paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
+from .prefetching import WorkerPrefetch
 from .settings import ConnectorSettings
 from .shutdown import close_timeout
 from .transfer import LoadJob, SaveJob, Transfers, lookup_lease
@@ -91,6 +92,7 @@ class WorkerSide:
         self.namespace: Namespace | None = None  # group 0's
         self.namespaces: list[Namespace] = []  # by group: model, the group's layout, rank, group index
         self.recorder: EventRecorder | None = None
+        self.prefetch: WorkerPrefetch | None = None  # where a tier sits below DRAM (prefetching.py)
         self._transfers: Transfers | None = None
         self._server: LookupServer | None = None
         self.lookup_leases: LeaseTable | None = None
@@ -151,6 +153,7 @@ class WorkerSide:
         self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
         self.lookup_leases = LeaseTable(self.store)
+        self.prefetch = WorkerPrefetch.for_store(self.store, self.settings.prefetch)
         if self._events_enabled:
             # Asked from eviction callbacks: local tiers only (in distributed mode, no master RPC per eviction).
             self.recorder = EventRecorder(ident.block_size, holds=partial(self.store.contains, local_only=True),
@@ -223,7 +226,8 @@ class WorkerSide:
         if meta.notes:
             meta.notes.apply(store, ns, self.checkpoint_keys if is_hybrid(self.groups) else None)
         for note in meta.kv_hints:  # after the arrivals: a Demote / Retain finds the request's agent
-            applied = apply_kv_hints(note.envelope, store, note.session, ns.keys(note.hashes), request=note.req_id)
+            applied = apply_kv_hints(note.envelope, store, note.session, ns.keys(note.hashes), request=note.req_id,
+                                     prefetcher=self.prefetch.prefetcher if self.prefetch is not None else None)
             self.hint_outcomes.record(f"request {note.req_id}", applied)
             if any(a.action == "Pin" and a.outcome == "deferred" for a in applied):
                 # A first turn: its blocks are not stored yet. Pin them once the request's saves are done.
@@ -331,6 +335,8 @@ class WorkerSide:
         counters["lookups_served"], self._lookups_served = self._lookups_served, 0
         counters["stalled_waits"], self._stalled_waits = self._stalled_waits, 0
         counters.update(self.hint_outcomes.take())
+        if self.prefetch is not None:
+            counters.update(self.prefetch.take_counters())
         return counters
 
     def take_events(self) -> list[Any]:
@@ -341,6 +347,8 @@ class WorkerSide:
             self._server.close()
         if self._transfers is not None:
             self._transfers.close()
+        if self.prefetch is not None:  # its last copies end before the store closes
+            self.prefetch.close()
         if self.store is not None:
             # DRAM's blocks go down to the SSD before vLLM's executor would kill this process (shutdown.py).
             self.store.close(timeout_s=close_timeout(self.store.close_timeout_s))
