@@ -96,8 +96,8 @@ class TopWrites:
             if index or down:
                 addresses = [r.addresses for r, _ in reservations]
                 fill(index + [positions[todo[j]] for j in down],
-                     BlockRows(np.concatenate([*addresses, down_rows.ptrs]).astype(np.uint64), (top, scratch)))
-                slots = BlockRows(np.concatenate(addresses).astype(np.uint64), (top,))
+                     BlockRows(np.concatenate([*addresses, down_rows.ptrs]), (top, scratch)))
+                slots = BlockRows(np.concatenate(addresses), (top,))
                 # Offloaded before the commit, while the slots are reserved: once published, a concurrent
                 # remove or eviction could give a slot to another block while write-through reads it.
                 if self._sightings is not None:
@@ -111,7 +111,6 @@ class TopWrites:
         for res, _ in reservations:
             top.commit(res)
         return self._stored(keys, new_keys)
-
 
     def _handed_down(self, keys: list[bytes]) -> list[int]:
         """Positions of ``keys`` (the top tier did not take them) that some offload would write down, at most
