@@ -141,3 +141,18 @@ def test_a_block_dram_declines_is_admitted_by_the_pool_under_it(in_place):
         assert held(dram, soon) == [True] * len(soon)
         assert held(pool, declined) == [True] * len(declined), "a block DRAM declined was lost"
         assert_bytes(store, declined)
+
+
+def test_the_replays_store_follows_the_same_rule(tmp_path):
+    """kvtier replay measures the store it builds (sweep.build_store: the real TieredStore from a Config): what
+    DRAM declines reaches its SSD there too, so the replay's rows are what a live store does."""
+    from kvtier.replay.sweep import build_store
+
+    clock = VirtualClock()
+    with build_store("default", {"dram_capacity": DRAM, "ssd_capacity": 64}, {"ssd_path": str(tmp_path)},
+                     sim_block_bytes=BB, clock=clock) as store:
+        result, soon, declined = declined_scenario(store, clock, in_place=False)
+        assert len(result.rejected) == len(declined)
+        assert held(store.tiers[0], soon) == [True] * len(soon)
+        assert held(store.tiers[1], declined) == [True] * len(declined)
+        assert_bytes(store, declined)
