@@ -11,8 +11,9 @@ One policy, by name:
   second_hit     like on_evict, but only blocks seen at least twice (a put and a hit, or put again after it was
                  dropped): one-shot blocks, such as a subagent's private suffix, never cost a disk write
 Every policy also writes, on eviction, a block that should be on the disk but is not (its write-through copy
-was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM could not
-take (full of pinned blocks, or a batch larger than DRAM) goes down as if DRAM had evicted it at once: with
+was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM did not
+take (its policy declined it: admission; full of pinned blocks; a batch larger than DRAM) goes down as if DRAM
+had evicted it at once (an in-place put fills it into scratch rows for that: store_writes.TopWrites.fill): with
 write_through the whole batch reaches the disk, as far as the disk has room.
 On close (``write_down``) DRAM is about to vanish as if evicted whole: every block the policy would write on
 eviction and the lower tier lacks is written, until a deadline; what is left when it passes is lost with the
@@ -106,20 +107,21 @@ class Offloader:
     def _refused_by_top(self, keys: Sequence[bytes], rows: BlockRows) -> None:
         """Blocks the top tier could not take go down as its evictions would (write_through: all of them, waiting
         for staging memory as its puts do; the other policies: what they write on eviction, never waiting)."""
-        wanted = self._due_on_eviction(keys)
+        wanted = self.due_on_eviction(keys)
         if wanted:
             sub = rows if len(wanted) == len(keys) else BlockRows(rows.ptrs[wanted], rows.owners)
             self._offload([keys[i] for i in wanted], sub, wait=self.policy == "write_through")
 
     def on_top_evict(self, keys: Sequence[bytes], views: Sequence[Any]) -> None:
         """The top tier evicts ``keys``; ``views`` of their bytes are valid during this call only."""
-        wanted = self._due_on_eviction(keys)
+        wanted = self.due_on_eviction(keys)
         if wanted:
             self._offload([keys[i] for i in wanted], [views[i] for i in wanted], wait=False)
 
-    def _due_on_eviction(self, keys: Sequence[bytes]) -> list[int]:
-        """Positions of ``keys`` the policy writes down when they leave the top tier: those the lower tier lacks
-        (second_hit: and seen at least twice)."""
+    def due_on_eviction(self, keys: Sequence[bytes], *, count: bool = True) -> list[int]:
+        """Positions of ``keys`` the policy writes down when they leave the top tier (or the top tier does not
+        take them): those the lower tier lacks (second_hit: and seen at least twice). ``count`` False: a question
+        only (an in-place put asks which of its refused blocks to fill into scratch rows), nothing counted."""
         # This runs on every eviction, inside the put that evicted: a remote tier's contains is a network round
         # trip, so it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool
         # skips the rest if held.
@@ -128,8 +130,9 @@ class Offloader:
             return [i for i, h in enumerate(held) if not h]
         seen = self._sightings.counts(keys)
         wanted = [i for i in range(len(keys)) if not held[i] and seen[i] >= 2]
-        with self._lock:
-            self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
+        if count:
+            with self._lock:
+                self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
         return wanted
 
     def promoted(self, n: int) -> None:
@@ -146,7 +149,7 @@ class Offloader:
         if top is None:
             return 0, 0  # no slots to read in place (a node pool on top has no offloads anyway)
         keys = top.keys()
-        want = [keys[i] for i in self._due_on_eviction(keys)] if keys else []
+        want = [keys[i] for i in self.due_on_eviction(keys)] if keys else []
         with self._lock:
             self._counts["close_wanted"] += len(want)
         futures: list[Future[list[bytes]]] = []

@@ -41,10 +41,10 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
     if dram_capacity:
         from kvtier.tiers.dram import DramTier
 
-        # Admission (a full DRAM declining a put's blocks) only where DRAM is the last tier: a block it
-        # declined would reach no tier below it (offloads take what DRAM stored or evicts).
-        last = cfg.mode == "embedded" and not cfg.ssd_path
-        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock, admission=last)))
+        # Admission at every level: a block a full DRAM's policy declines goes down as its eviction would (each
+        # lower tier's offload policy, then that tier's own policy, decide: store_writes.TopWrites), so a
+        # one-off block lands below without evicting what DRAM's policy predicts is needed sooner.
+        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock)))
     if cfg.mode != "embedded":
         from kvtier.tiers.pool import PoolTier
 

@@ -18,6 +18,10 @@ from kvtier.offload import Offloader, Sightings
 from kvtier.store_types import Fill, PutResult
 from kvtier.tiers.base import AddressableSlots, Tier
 
+# One in-place write's scratch rows for the blocks the top tier did not take but a lower tier may (freed when the
+# write returns: a lower tier with write-behind has copied them into its staging memory by then).
+MAX_SCRATCH_BYTES = 256 << 20
+
 # What the store does with one write's outcome (counts, logs, announces it): (keys written, keys stored).
 Stored = Callable[[Sequence[bytes], list[bytes]], PutResult]
 
@@ -62,7 +66,9 @@ class TopWrites:
 
     def fill(self, keys: list[bytes], positions: list[int], fill: Fill, protect: Sequence[bytes]) -> PutResult:
         """Reserve top-tier slots for ``keys`` (at ``positions`` of their plan), let ``fill(positions, slots)``
-        write the reserved ones, publish them. Never evicts a block of ``protect`` for them. If ``fill`` or a
+        write the reserved ones, publish them. Never evicts a block of ``protect`` for them. Keys the top tier
+        did not take that an offload would write down (``_handed_down``) are filled into scratch rows in the
+        same call and handed to the offloads, as ``copy`` hands down its refused rows. If ``fill`` or a
         write-through offload raises, nothing is published, every slot is freed and the exception propagates."""
         top = self.slots
         if top is None:
@@ -80,15 +86,24 @@ class TopWrites:
                     break
             index = [i for _, reserved in reservations for i in reserved]
             new_keys = [k for r, _ in reservations for k in r.keys]  # the reserved keys, in index's order
-            if index:
-                slots = BlockRows(np.concatenate([r.addresses for r, _ in reservations]), (top,))
-                fill(index, slots)
+            # What the top tier did not take (its policy declined it, or nothing was evictable) goes down as the
+            # copy path sends it (its offloads' own rules), so the fill writes it into scratch rows instead.
+            down = self._handed_down([keys[i] for i in todo])
+            down_keys = [keys[todo[j]] for j in down]
+            scratch = np.empty((len(down), self.block_bytes), np.uint8)
+            down_rows = BlockRows(scratch.ctypes.data + np.arange(len(down), dtype=np.uint64)
+                                  * np.uint64(self.block_bytes), (scratch,))
+            if index or down:
+                addresses = [r.addresses for r, _ in reservations]
+                fill(index + [positions[todo[j]] for j in down],
+                     BlockRows(np.concatenate([*addresses, down_rows.ptrs]), (top, scratch)))
+                slots = BlockRows(np.concatenate(addresses), (top,))
                 # Offloaded before the commit, while the slots are reserved: once published, a concurrent
                 # remove or eviction could give a slot to another block while write-through reads it.
                 if self._sightings is not None:
-                    self._sightings.see(new_keys)
+                    self._sightings.see(new_keys + [keys[i] for i in todo])  # stored or not: a sighting
                 for offload in self._offloads:
-                    offload.after_put(new_keys, slots)
+                    offload.after_put(new_keys, slots, down_keys, down_rows)
         except BaseException:
             for res, _ in reservations:
                 top.commit(res, success=False)
@@ -96,6 +111,14 @@ class TopWrites:
         for res, _ in reservations:
             top.commit(res)
         return self._stored(keys, new_keys)
+
+    def _handed_down(self, keys: list[bytes]) -> list[int]:
+        """Positions of ``keys`` (the top tier did not take them) that some offload would write down, at most
+        MAX_SCRATCH_BYTES of them (the rest are lost, as when no lower tier has room: counted as rejected)."""
+        if not keys or not self._offloads:
+            return []
+        due = sorted(set().union(*(offload.due_on_eviction(keys, count=False) for offload in self._offloads)))
+        return due[: max(1, MAX_SCRATCH_BYTES // self.block_bytes)]
 
 
 class PutPlan:

@@ -82,17 +82,6 @@ def test_store_observe_reaches_the_policy_with_sessions_and_times_filled_in():
     assert lru_store._observers == []
 
 
-def test_admission_off_where_dram_has_a_tier_under_it(tmp_path):
-    only = TieredStore.from_config({"dram_capacity": 64 * BB}, BB)
-    with_ssd = TieredStore.from_config({"dram_capacity": 64 * BB, "ssd_path": str(tmp_path),
-                                        "ssd_capacity": 4096 * 64, "ssd_direct_io": "false"}, BB)
-    try:
-        assert only.tiers[0]._table._admission == "enforce" and with_ssd.tiers[0]._table._admission == "advice"
-    finally:
-        only.close()
-        with_ssd.close()
-
-
 class Broken(LRUPolicy):
     name = "broken"
     observes = True

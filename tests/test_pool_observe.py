@@ -5,9 +5,12 @@ counted, and the pool goes on serving."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import blocks_for
+from kvtier.client import MasterClient
 from kvtier.policies import Arrival, Completion
 from kvtier.pool.process import PoolDaemon
 from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
@@ -15,8 +18,19 @@ from kvtier.store import TieredStore
 from kvtier.transport import connect
 from kvtier.transport.base import PoolError
 from kvtier.wire import pool as P
+from masterproc import MasterProcess
+from poolproc import PoolProcess
 
 BB = 4096
+
+
+def until(fn, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
 
 
 def chain(agent: int, n: int) -> list[bytes]:
@@ -98,3 +112,33 @@ def test_a_bad_observe_is_refused_clearly_and_the_pool_serves_on():
             assert conn.stats()["counters"]["observations"] == 1
         finally:
             conn.close()
+
+
+@pytest.mark.slow  # a master and two pool processes: ~5 s
+@pytest.mark.parametrize("staging", [0, 1 << 20], ids=["in-order", "write-behind"])
+def test_every_remote_pool_the_master_knows_learns_before_this_store_used_it(tmp_path, staging):
+    """Distributed: the pools registered with kvtier-master get the store's observations from its first arrival,
+    before the store has put to or read from any of them (the route learned pools only from placements and
+    lookups: the first arrivals reached none), in bounded batches (write-behind: at most MAX_OBSERVING in flight)."""
+    bb = 16 << 10
+    with MasterProcess(tmp_path, lease_s=5.0) as mp:
+        opts = {"capacity": "8MiB", "block_bytes": bb, "master": mp.endpoint, "args": ("--heartbeat-s", "0.2")}
+        with PoolProcess(tmp_path, name="pa", **opts) as a, PoolProcess(tmp_path, name="pb", **opts) as b:
+            with MasterClient(mp.endpoint) as m:
+                assert until(lambda: sum(n["labels"].get("role") == "pool" for n in m.nodes()) == 2)
+            config = {"mode": "distributed", "master": mp.endpoint, "node_id": "engine-1", "dram_capacity": 16 * bb,
+                      "pool_timeout_ms": 2000, "pool_staging_bytes": staging}
+            with TieredStore.from_config(config, bb) as store:
+                keys = chain(1, 3)
+                store.observe(arrivals=[Arrival("r1", keys, None, "s1")])
+                store.observe(completions=[Completion("r1", None, "tool_use")])
+
+                def observed(pool: PoolProcess) -> int:
+                    conn = connect(pool.tcp, bb, timeout_s=5.0)
+                    try:
+                        return conn.stats()["counters"].get("observations", 0)
+                    finally:
+                        conn.close()
+
+                assert until(lambda: observed(a) == 2 and observed(b) == 2), (observed(a), observed(b))
+                assert store.tiers[1].stats().extra["observations_dropped"] == 0

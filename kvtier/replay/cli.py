@@ -97,7 +97,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool", help="a second node's DRAM under this one's (a fresh kvtier-pool process per run, "
                                   "evicting by the run's policy, over loopback TCP): bytes or %% of unique blocks, "
                                   "a comma list sweeps; --set pool_offload=on_evict makes it a victim cache "
-                                  "(default write_through)")
+                                  "(default write_through, the store's default)")
     g.add_argument("--ssd", help="SSD tier under DRAM: bytes or %% of unique blocks, a comma list sweeps; its files "
                                  "go to a fresh directory under --set ssd_path=DIR (default: the temp dir)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

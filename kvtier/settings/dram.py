@@ -42,10 +42,10 @@ class DramKeys:
         """The DRAM sizes that must hold a block of ``block_bytes`` (while dram_capacity sizes the DRAM tier)."""
         return [("dram_capacity", self.dram_capacity, block_bytes)]
 
-    def dram_args(self, capacity: int, block_bytes: int, dtypes: Sequence[str], clock: Clock | None,
-                  admission: bool) -> dict[str, Any]:
+    def dram_args(self, capacity: int, block_bytes: int, dtypes: Sequence[str], clock: Clock | None
+                  ) -> dict[str, Any]:
         """DramTier's arguments for a tier of ``capacity`` bytes (the mode says which key sizes it)."""
         return dict(capacity_bytes=capacity, block_bytes=block_bytes, policy=self.eviction,
                     shm_path=self.dram_shm_path or None, pin_memory=self.dram_pin_memory,
                     prefault=self.dram_prefault, copy_threads=self.copy_threads, dtypes=tuple(dtypes),
-                    clock=clock, admission=admission)
+                    clock=clock)

@@ -37,9 +37,13 @@ class PoolKeys:
     pool_copy_threads: int = key_field(0, "threads per shared-memory copy to/from a pool on this host (shm "
                                           "transport): 0 = auto (for a batch of 1 MiB or more the count, 1 or 2, "
                                           "that copied fastest in this process lately; 1 for a smaller one)")
+    # The default by measurement (kvtier replay, DRAM 5% + pool 20%, README "the pool's offload by
+    # measurement"): write_through serves more even to one engine, because on_evict cannot see what a pool
+    # evicted (RemoteTier.held_locally: a block sent or fetched once is not sent again, though the pool may have
+    # dropped it since).
     pool_offload: str = key_field("write_through", "when blocks go from private DRAM to the pool: write_through "
-                                                   "(every put: other nodes see them at once), on_evict, second_hit",
-                                  OFFLOADS)
+                                                   "(every put: other nodes see them at once; measured best for "
+                                                   "one engine too), on_evict, second_hit", OFFLOADS)
     pool_promote: str = switch_field("auto", "copy a block served from a pool into private DRAM too: true, "
                                              "false, or auto (as ssd_promote, which also switched this before "
                                              "pool_promote existed)")

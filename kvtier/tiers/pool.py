@@ -209,8 +209,9 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         return True
 
     def observe(self, batch: Observations) -> None:
-        """Send a resolved batch to every pool the route knows, cut to the pools' key limit (each engine sharing
-        a pool tells it about its own agents; the pool scopes them by ``scope``). With write-behind (staging
+        """Send a resolved batch to every pool there is (with kvtier-master: every pool registered, as of at most
+        pool_route.REFRESH_S ago, not only those this process has used), cut to the pools' key limit (each engine
+        sharing a pool tells it about its own agents; the pool scopes them by ``scope``). With write-behind (staging
         memory) on a background thread, at most MAX_OBSERVING batches at once, the rest dropped and counted (a
         policy missing an observation ranks an agent a little worse; nothing else depends on it); without, on
         the caller's thread (a replay's order)."""
@@ -234,7 +235,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
             self._observing -= 1
 
     def _send_observations(self, batch: Observations, now: float) -> None:
-        for endpoint in self.route.endpoints():
+        for endpoint in self.route.endpoints(fresh=True):  # every pool: each evicts by what its engines tell it
             if not self._up(endpoint):
                 continue
             try:

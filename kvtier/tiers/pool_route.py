@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MASTER_BACKOFF_S = (0.5, 30.0)  # first and longest back-off after kvtier-master fails to answer
+REFRESH_S = 10.0  # endpoints(fresh=True): how stale the master's list of pools may be (one nodes call per this)
 Up = Callable[[str], bool]  # is this pool usable now (not in its back-off after a failure)?
 
 
@@ -46,8 +47,9 @@ class PoolRoute(Protocol):
     def locate(self, keys: Sequence[bytes], up: Up) -> list[str | None]:
         """The pool to ask for each key (None: no pool holds it)."""
 
-    def endpoints(self) -> list[str]:
-        """Every pool this route knows now."""
+    def endpoints(self, *, fresh: bool = False) -> list[str]:
+        """Every pool this route knows now; ``fresh``: every pool there is, as of at most REFRESH_S ago (the
+        pools observations go to: a pool this process has not used yet evicts by what its engines tell it)."""
 
     def stats(self) -> dict[str, Any]:
         """Counters of the route itself (the master's health and back-off); empty for a static route."""
@@ -81,7 +83,7 @@ class PeerRoute:
         first = rendezvous_order(np.frombuffer(wire.pack_keys(keys), "<u8").reshape(-1, 2), live)[:, 0]
         return [live[i] for i in first.tolist()]
 
-    def endpoints(self) -> list[str]:
+    def endpoints(self, *, fresh: bool = False) -> list[str]:
         return list(self._endpoints)
 
     def stats(self) -> dict[str, Any]:
@@ -223,6 +225,8 @@ class MasterRoute:
         self._client = MasterClient(master, timeout_s, auth=auth)
         self._backoff = MasterBackoff(master, *backoff_s, probe=self._client.ping)
         self._address: dict[str, str] = {}  # node id -> endpoint
+        self._refreshed = -REFRESH_S  # when endpoints(fresh=True) last asked the master for every pool (never)
+        self._refreshing = threading.Lock()
         self._lock = threading.Lock()
 
     def place(self, keys: Sequence[bytes], block_bytes: int, up: Up) -> list[str | None]:
@@ -243,7 +247,16 @@ class MasterRoute:
                 self._address[node] = address
         return [found.holders[w][2] if w >= 0 else None for w in found.where]
 
-    def endpoints(self) -> list[str]:
+    def endpoints(self, *, fresh: bool = False) -> list[str]:
+        if fresh and time.monotonic() - self._refreshed >= REFRESH_S:
+            with self._refreshing:  # a second caller waits for the list the first is asking for
+                if time.monotonic() - self._refreshed >= REFRESH_S:
+                    try:
+                        self._refresh()
+                    except PoolUnavailable:
+                        pass  # the master is down (its back-off logged it): the pools known so far
+                    finally:
+                        self._refreshed = time.monotonic()  # answered or not: the next ask is REFRESH_S away
         with self._lock:
             return sorted(set(self._address.values()))
 

@@ -121,7 +121,7 @@ class SlotTable:
     key of the batch (or of ``protect``) the tier holds; when slots run short the root-most keys get them (the
     policy's ``admit`` order where it has one and ``admission`` is not "off", else batch order) and the
     tail-most are refused. ``admission`` "enforce" stores none of what ``admit`` declines, "advice" stores it
-    after the rest, "off" never asks (the SSD).
+    after the rest, "off" never asks.
     """
 
     def __init__(self, num_slots: int, policy: str, clock: Clock | None, *, stats: TierStats, block_bytes: int,

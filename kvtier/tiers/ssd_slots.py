@@ -45,7 +45,7 @@ class SlotDevice:
 
 class DiskSlots(SlotTable):
     """Which key holds which slot, and the state around it, for one DiskTier (in the engine process): the
-    SlotTable both tiers share (slots.py: reserve, publish, drop, eviction rules; no admission, no leaving
+    SlotTable both tiers share (slots.py: reserve, publish, drop, eviction and admission rules; no leaving
     state, the SSD has nothing below it), plus what only the SSD has: ``staged``, checksums, the index's write
     sequence, the stop flag and its counters.
 
@@ -64,8 +64,10 @@ class DiskSlots(SlotTable):
 
     def __init__(self, name: str, num_slots: int, capacity_bytes: int, block_bytes: int, policy: str,
                  clock: Clock | None, where: Path) -> None:
+        # Admission as DRAM's: a full SSD's policy declines blocks not worth evicting what it predicts is
+        # needed sooner (a block DRAM declined reaches here by the offload's rule, then this one decides).
         super().__init__(num_slots, policy, clock, stats=TierStats(name, capacity_bytes, 0, 0),
-                         block_bytes=block_bytes, where="SSD tier")
+                         block_bytes=block_bytes, where="SSD tier", admission="enforce")
         self.lock = threading.Lock()
         self.staged: dict[bytes, int] = {}  # key -> staging address: queued for write-behind, readable
         self.checksum = np.zeros(num_slots, dtype=np.uint64)
