@@ -9,6 +9,12 @@ is handled, the time each channel was free since the last event becomes a budget
 channel it leaves idle (no job, or no room in DRAM) loses that time, it is not banked. Blocks brought up are in
 DRAM from that event on, so a request sees what finished before it arrived, and what is still on its way is
 loaded as usual.
+
+Each channel also keeps its account (``seconds``): the seconds demand loads held it and the seconds the
+prefetches' blocks took at its bandwidth. The two never add up to more than the replay's span (a prefetch only
+spends time demand left free), and their sum over the span says how close the tier's bandwidth is to its limit:
+near 1, prefetch has no time left to move anything, and only fewer bytes read from the tier (more kept in
+DRAM, less prefetched in vain) shortens the turns.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ class _Channel:
     """One lower tier's read bandwidth on the virtual clock: the demand loads' intervals on it, and the credit
     (in blocks) its free time has earned the prefetches and they have not spent yet."""
 
-    __slots__ = ("bandwidth", "t", "busy", "credit")
+    __slots__ = ("bandwidth", "t", "busy", "credit", "demand_s", "prefetch_s")
 
     def __init__(self, bandwidth: float) -> None:
         self.bandwidth = bandwidth
         self.t = 0.0  # free time is counted up to here
         self.busy: deque[tuple[float, float]] = deque()  # demand loads' (start, end), in start order
         self.credit = 0.0
+        self.demand_s = 0.0  # seconds demand loads held the channel
+        self.prefetch_s = 0.0  # seconds the prefetches' blocks took
 
     def free(self, now: float) -> float:
         """Seconds in [t, now] no demand load held the channel (t moves to now)."""
@@ -64,6 +72,7 @@ class ReplayPrefetch:
         ch = self.channels.get(tier)
         if ch is not None and seconds > 0:
             ch.busy.append((start, start + seconds))
+            ch.demand_s += seconds
 
     def advance(self, now: float) -> None:
         """Spend the channels' free time up to ``now`` on the prefetcher's jobs: what a channel's credit does
@@ -76,3 +85,8 @@ class ReplayPrefetch:
         for name, ch in self.channels.items():
             n = moved.get(name, 0)
             ch.credit = ch.credit - n if n >= budget[name] else 0.0
+            ch.prefetch_s += n * self.block_bytes / ch.bandwidth
+
+    def seconds(self) -> dict[str, dict[str, float]]:
+        """Per lower tier: the seconds demand loads held its channel and the seconds the prefetches took."""
+        return {name: {"demand": ch.demand_s, "prefetch": ch.prefetch_s} for name, ch in self.channels.items()}

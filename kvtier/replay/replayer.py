@@ -112,6 +112,8 @@ class ReplayResult:
     capacity_blocks: dict[str, int] = field(default_factory=dict)  # per tier, HBM included
     ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0))
     prefetch: dict[str, int] = field(default_factory=dict)  # blocks prefetched, used, wasted, cancelled
+    # per lower tier, with prefetch on: seconds its read channel was held by demand loads and by prefetches
+    channel_s: dict[str, dict[str, float]] = field(default_factory=dict)
     virtual_s: float = 0.0
     prefill_busy_s: float = 0.0
     cpu_s: float = 0.0
@@ -411,6 +413,7 @@ class Replayer:
             c = self.prefetch.prefetcher.counts
             res.prefetch = {"prefetched": c.prefetched, "used": c.used, "wasted": c.wasted, "cancelled": c.cancelled,
                             **{f"from_{t}": n for t, n in c.from_tier.items()}}
+            res.channel_s = self.prefetch.seconds()
         if self.store is not None:
             sim_bytes = self.store.block_bytes
             for tier in self.store.tiers:

@@ -75,6 +75,10 @@ def policy_json(run: PolicyRun, block_bytes: int) -> dict[str, Any]:
         "dram_share_of_store_hits": r.dram_share,
         "prefetch_blocks": dict(r.prefetch),
         "prefetch_bytes": {k: v * block_bytes for k, v in r.prefetch.items()},
+        # per lower tier: seconds of its read channel held by demand loads and by prefetches, and their share
+        # of the replay's span (near 1: the tier's bandwidth, not the prefetch, bounds the turns)
+        "channel_s": {t: {**c, "busy_share": (c["demand"] + c["prefetch"]) / r.virtual_s if r.virtual_s else 0.0}
+                      for t, c in r.channel_s.items()},
         "requests": r.requests,
         "lost_blocks": r.lost_blocks,
         "virtual_s": r.virtual_s,
