@@ -36,9 +36,11 @@ def chain(agent: int, n: int) -> list[bytes]:
     return [(agent * 100_000 + d).to_bytes(16, "little") for d in range(n)]
 
 
-def run(tmp_path, hints: dict[int, Envelope | dict]) -> tuple[TieredStore, list, VirtualClock]:
+def run(tmp_path, hints: dict[int, Envelope | dict], gap_after: int = 0) -> tuple[TieredStore, list, VirtualClock]:
     """Agents 1 and 2 (same stop reason, 4 blocks each) then agents 3..6 fill an 12-block DRAM; ``hints``
-    (agent -> envelope) are applied right after that agent's turn. Returns the store (open), the outcomes."""
+    (agent -> envelope) are applied right after that agent's turn. ``gap_after``: 120 s pass after that agent's
+    turn, so DRAM's admission takes the agents after it in place of the overdue ones (without the gap it declines
+    the newcomers, predicted back later). Returns the store (open), the outcomes."""
     clock = VirtualClock()
     store = TieredStore.from_config({"dram_capacity": 12 * BB, "ssd_path": str(tmp_path), "ssd_capacity": 256 * BB,
                                      "ssd_direct_io": "false", "ssd_staging_bytes": 0}, BB, clock=clock)
@@ -61,6 +63,8 @@ def run(tmp_path, hints: dict[int, Envelope | dict]) -> tuple[TieredStore, list,
         store.observe(completions=[Completion(f"r{n}", clock.now, "tool_use")])
         if a in hints:
             outcomes += apply_kv_hints(hints[a], store, f"a{a}", keys, now=clock.now)
+        if a == gap_after:
+            clock.now += 120  # the agents so far long overdue: the policy expects the newcomers back sooner
     return store, outcomes, clock
 
 
@@ -71,13 +75,13 @@ def in_dram(store: TieredStore, keys: list[bytes]) -> int:
 
 def test_a_pin_survives_pressure_and_without_it_the_same_blocks_go(tmp_path):
     pin = Envelope(1, "m1", [Action("p", "Pin", payload={"ttl_s": 60})])
-    store, outcomes, _ = run(tmp_path / "a", {3: pin})
+    store, outcomes, _ = run(tmp_path / "a", {3: pin}, gap_after=3)
     try:
         assert [o.outcome for o in outcomes] == ["accepted"]
         assert in_dram(store, chain(3, 4)) == 4
     finally:
         store.close()
-    store, _, _ = run(tmp_path / "b", {})
+    store, _, _ = run(tmp_path / "b", {}, gap_after=3)
     try:
         assert in_dram(store, chain(3, 4)) < 4  # the negative control: unpinned, agent 3 lost DRAM blocks
     finally:
