@@ -41,10 +41,11 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
     if dram_capacity:
         from kvtier.tiers.dram import DramTier
 
-        # Admission at every level: a block a full DRAM's policy declines goes down as its eviction would (each
-        # lower tier's offload policy, then that tier's own policy, decide: store_writes.TopWrites), so a
-        # one-off block lands below without evicting what DRAM's policy predicts is needed sooner.
-        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock)))
+        # Admission (a full DRAM declining a put's blocks): where DRAM is the last tier, or everywhere with
+        # dram_admission "every": then a declined block goes down as its eviction would (each lower tier's
+        # offload policy, then that tier's own policy, decide: store_writes.TopWrites).
+        admission = cfg.dram_admission == "every" or (cfg.mode == "embedded" and not cfg.ssd_path)
+        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock, admission)))
     if cfg.mode != "embedded":
         from kvtier.tiers.pool import PoolTier
 

@@ -92,7 +92,8 @@ def assert_bytes(store: TieredStore, keys: list[bytes]) -> None:
 def ssd_store(tmp_path, policy: str) -> Iterator[tuple[TieredStore, VirtualClock]]:
     clock = VirtualClock()
     config = {"dram_capacity": DRAM * BB, "ssd_path": str(tmp_path / "ssd"), "ssd_capacity": 64 * BB,
-              "ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0, "eviction": policy}
+              "ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0, "eviction": policy,
+              "dram_admission": "every"}
     with TieredStore.from_config(config, BB, clock=clock) as store:
         yield store, clock
 
@@ -103,7 +104,7 @@ def pool_store(policy: str) -> Iterator[tuple[TieredStore, VirtualClock]]:
     with PoolDaemon(64 * BB, BB, eviction=policy, policy_clock="sender") as pool:
         config = {"mode": "distributed", "pool": pool.endpoint("tcp"), "dram_capacity": DRAM * BB,
                   "pool_offload": "on_evict", "pool_staging_bytes": 0, "pool_timeout_ms": 10_000,
-                  "pool_connections": 1, "eviction": policy}
+                  "pool_connections": 1, "eviction": policy, "dram_admission": "every"}
         with TieredStore.from_config(config, BB, clock=clock) as store:
             yield store, clock
 
@@ -149,10 +150,25 @@ def test_the_replays_store_follows_the_same_rule(tmp_path):
     from kvtier.replay.sweep import build_store
 
     clock = VirtualClock()
-    with build_store("default", {"dram_capacity": DRAM, "ssd_capacity": 64}, {"ssd_path": str(tmp_path)},
+    with build_store("default", {"dram_capacity": DRAM, "ssd_capacity": 64}, {"ssd_path": str(tmp_path), "dram_admission": "every"},
                      sim_block_bytes=BB, clock=clock) as store:
         result, soon, declined = declined_scenario(store, clock, in_place=False)
         assert len(result.rejected) == len(declined)
         assert held(store.tiers[0], soon) == [True] * len(soon)
         assert held(store.tiers[1], declined) == [True] * len(declined)
         assert_bytes(store, declined)
+
+
+def test_admission_above_a_lower_tier_is_every_only_when_asked(tmp_path):
+    """dram_admission "last" (the default): DRAM declines only where no tier is below it; "every": above an SSD
+    too (the tests above)."""
+    ssd = {"ssd_path": str(tmp_path / "last"), "ssd_capacity": 64 * BB, "ssd_direct_io": "false"}
+    stores = [TieredStore.from_config({"dram_capacity": DRAM * BB}, BB),
+              TieredStore.from_config({"dram_capacity": DRAM * BB, **ssd}, BB),
+              TieredStore.from_config({"dram_capacity": DRAM * BB, "dram_admission": "every", **ssd,
+                                       "ssd_path": str(tmp_path / "every")}, BB)]
+    try:
+        assert [s.tiers[0]._table._admission for s in stores] == ["enforce", "advice", "enforce"]
+    finally:
+        for s in stores:
+            s.close()

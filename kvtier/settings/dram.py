@@ -32,6 +32,14 @@ class DramKeys:
                                       "the copy's milliseconds); 1 where the engine's own threads need every "
                                       "core; N fixes it. Threads copy in place: more never raise memory use")
 
+    dram_admission: str = key_field(
+        "last", "where DRAM's policy may decline a put's new blocks when it is full: last (only where no tier is "
+                "below DRAM; above an SSD or a pool a put evicts to make room, the policy choosing the order), "
+                "every (above lower tiers too: a declined block goes down as an eviction would, "
+                "store_writes.TopWrites). 'every' measured better above an SSD and worse above a pool in the replay "
+                "(README 'Admission at every level'), and it declines a running agent's blocks where the policy "
+                "predicts it back later than an idle one: not yet the default", ("last", "every"))
+
     def check_dram_keys(self) -> None:
         """ConfigError naming the first DRAM key a DramTier would refuse (an unknown policy among them)."""
         check_positive("dram_capacity", self.dram_capacity)
@@ -42,10 +50,10 @@ class DramKeys:
         """The DRAM sizes that must hold a block of ``block_bytes`` (while dram_capacity sizes the DRAM tier)."""
         return [("dram_capacity", self.dram_capacity, block_bytes)]
 
-    def dram_args(self, capacity: int, block_bytes: int, dtypes: Sequence[str], clock: Clock | None
-                  ) -> dict[str, Any]:
+    def dram_args(self, capacity: int, block_bytes: int, dtypes: Sequence[str], clock: Clock | None,
+                  admission: bool) -> dict[str, Any]:
         """DramTier's arguments for a tier of ``capacity`` bytes (the mode says which key sizes it)."""
         return dict(capacity_bytes=capacity, block_bytes=block_bytes, policy=self.eviction,
                     shm_path=self.dram_shm_path or None, pin_memory=self.dram_pin_memory,
                     prefault=self.dram_prefault, copy_threads=self.copy_threads, dtypes=tuple(dtypes),
-                    clock=clock)
+                    clock=clock, admission=admission)
