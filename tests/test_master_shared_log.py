@@ -119,13 +119,19 @@ def test_a_master_loaded_from_any_snapshot_reaches_the_same_state_as_one_that_ap
     answers = apply_all(whole, entries)
     other = fresh(5000.0)  # another master, another clock: same answers
     assert apply_all(other, entries) == answers
+    loaded = from_snapshot_at(entries, cut)
+    assert apply_all(loaded, entries[cut:]) == answers[cut:]
+    assert view(loaded) == view(whole) == view(other)
+
+
+def from_snapshot_at(entries: list, cut: int):
+    """A master's state that applied ``entries[:cut]`` on one clock, exported, and imported by another master."""
     first = fresh(10.0)
     apply_all(first, entries[:cut])
     meta, arrays = commands.export_state(first)
     loaded = fresh(9000.0)
     commands.import_state(loaded, meta, {k: v.copy() for k, v in arrays.items()})
-    assert apply_all(loaded, entries[cut:]) == answers[cut:]
-    assert view(loaded) == view(whole) == view(other)
+    return loaded
 
 
 PRELUDE = [("register", "a", 0, 0, 0), ("inventory", "a", 0, 0, 5), ("register", "b", 0, 0, 0),
@@ -148,11 +154,7 @@ def test_prefetch_orders_waiting_for_their_node_are_the_same_on_every_master(seq
     cut = min(cut, len(entries))
     whole = fresh(0.0)
     answers = apply_all(whole, entries)
-    first = fresh(10.0)
-    apply_all(first, entries[:cut])
-    meta, arrays = commands.export_state(first)
-    loaded = fresh(9000.0)
-    commands.import_state(loaded, meta, {k: v.copy() for k, v in arrays.items()})
+    loaded = from_snapshot_at(entries, cut)
     assert apply_all(loaded, entries[cut:]) == answers[cut:]
     assert view(loaded) == view(whole)
 

@@ -16,18 +16,9 @@ from kvtier.client import MasterClient, api
 from kvtier.store import TieredStore
 from kvtier.transport import connect
 from masterproc import MasterProcess
-from poolproc import PoolProcess
+from poolproc import PoolProcess, until
 
 BB = 16 << 10
-
-
-def until(fn, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ counted, and the pool goes on serving."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -19,18 +18,9 @@ from kvtier.transport import connect
 from kvtier.transport.base import PoolError
 from kvtier.wire import pool as P
 from masterproc import MasterProcess
-from poolproc import PoolProcess
+from poolproc import PoolProcess, until
 
 BB = 4096
-
-
-def until(fn, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
 
 
 def chain(agent: int, n: int) -> list[bytes]:

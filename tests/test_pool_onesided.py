@@ -1,7 +1,9 @@
 """The one-sided path (shared memory here; RDMA shares the code) against a real kvtier-pool subprocess: a lease
 that runs out mid-call never yields another key's bytes or overwrites another key's block, lease numbers
 from the pool's previous life act on nothing, batch deadlines scale with bytes, concurrent calls never starve
-each other of connections, a restarted pool is re-mapped and re-sized, and a pool is sized by a hello only."""
+each other of connections, a restarted pool is re-mapped and re-sized, and a pool is sized by a hello only.
+Kept whole past ~450 lines: every test drives the same subprocess pool and the same spying helpers, one subject
+(the one-sided protocol's guarantees and its batching: requests pipelined, commits in the batch, ramped puts)."""
 
 from __future__ import annotations
 
