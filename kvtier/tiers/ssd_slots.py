@@ -1,4 +1,5 @@
-"""The SSD tier's shared state: the slot bookkeeping (``DiskSlots``) and what moves a block (``SlotDevice``).
+"""The SSD tier's shared state: the slot bookkeeping (``DiskSlots``) and what moves a block (``SlotDevice``, with
+its I/O threads, ``IoThreads``).
 
 DiskTier owns one of each and hands them to the parts it composes: ``DiskWriter`` (ssd_write.py) writes
 batches and updates the index, ``WriteBehind`` (writebehind.py) stages blocks, ``read_slots`` (ssd_read.py)
