@@ -12,11 +12,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes
 from conftest import blocks_for
+from kvtier.iothreads import IoThreads
 from kvtier.keys import Namespace
 from kvtier.pins import PinTable
 from kvtier.tiers.ssd import DirectoryInUse, DiskTier
 from kvtier.tiers.ssd_io import ALIGN, aligned_blocks, probe_direct_io
-from kvtier.tiers.ssd_slots import IoThreads
 from ssd_helpers import mounted, open_tier
 
 BB = 16384
@@ -411,7 +411,7 @@ def test_damaged_index_costs_the_cache_not_the_store(tmp_path, make_keys, caplog
 def test_io_threads_run_in_order_and_refuse_work_once_the_tier_closed_them():
     """IoThreads falls back to the caller's thread only while the interpreter exits (test_store_shutdown.py has
     that case); after the tier's own close a run is refused, as the pool's."""
-    io = IoThreads(2, "kvtier-test-io")
+    io = IoThreads(2, "kvtier-test-io", "test tier")
     assert [f.result() for f in io.run_each(pow, [(2, 3), (3, 2), (5, 1)])] == [8, 9, 5]
     failed = io.run_each(int, [("x",)])[0]
     with pytest.raises(ValueError):

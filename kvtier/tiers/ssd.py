@@ -44,6 +44,7 @@ import xxhash
 
 from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
+from kvtier.iothreads import IoThreads
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
 from kvtier.policies.guard import GuardedPolicy
@@ -54,7 +55,7 @@ from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPoo
                                  probe_direct_io, round_up)
 from kvtier.tiers.ssd_read import ReadFailure, read_slots
 from kvtier.tiers.ssd_restore import restore_index
-from kvtier.tiers.ssd_slots import DiskSlots, IoThreads, SlotDevice
+from kvtier.tiers.ssd_slots import DiskSlots, SlotDevice
 from kvtier.tiers.ssd_write import DiskWriter
 from kvtier.tiers.writebehind import Event, WriteBehind
 
@@ -108,7 +109,7 @@ class DiskTier(WriteBehindStaging):
             self._files.close()
             os.close(self._dir_lock)
             raise
-        self._io = IoThreads(io_threads, "kvtier-ssd-io")
+        self._io = IoThreads(io_threads, "kvtier-ssd-io", "SSD tier")
         self._dev = SlotDevice(self._files, self._io, block_bytes, self.slot_bytes, self.direct)
         # Bounce buffers for unaligned callers always exist; write-behind copies only when staging_bytes > 0.
         self._staging = StagingPool(self.slot_bytes, max(2, staging_bytes // self.slot_bytes))

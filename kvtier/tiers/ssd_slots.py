@@ -1,5 +1,4 @@
-"""The SSD tier's shared state: the slot bookkeeping (``DiskSlots``) and what moves a block (``SlotDevice``, with
-its I/O threads, ``IoThreads``).
+"""The SSD tier's shared state: the slot bookkeeping (``DiskSlots``) and what moves a block (``SlotDevice``).
 
 DiskTier owns one of each and hands them to the parts it composes: ``DiskWriter`` (ssd_write.py) writes
 batches and updates the index, ``WriteBehind`` (writebehind.py) stages blocks, ``read_slots`` (ssd_read.py)
@@ -13,72 +12,18 @@ import errno
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
 from pathlib import Path
 
 import numpy as np
 
+from kvtier.iothreads import IoThreads
 from kvtier.policies import Clock
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import SlotTable
 from kvtier.tiers.ssd_io import ALIGN, SegmentFiles
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-class IoThreads:
-    """The SSD tier's I/O threads, and the caller's own thread once the interpreter is exiting.
-
-    concurrent.futures stops every pool when the main thread ends, before atexit handlers and weakref
-    finalizers run, and refuses new work from then on ("cannot schedule new futures after interpreter
-    shutdown"). A store closed then (an atexit handler, a finalizer such as vLLM's in-process engine's, a thread
-    that outlives the main one) must still write DRAM's blocks down (TieredStore.close), so the runs it hands
-    over then are done on the caller's thread, one after another: slower, never lost. After ``close`` (the
-    tier's) a refusal stays an error."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
-        self._closed = False
-        self._inline_said = False
-
-    def run_each(self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[Future[T]]:
-        """``fn(*args)`` for each ``args`` of ``calls`` on the I/O threads; their futures, in order."""
-        futures: list[Future[T]] = []
-        for i, args in enumerate(calls):
-            try:
-                futures.append(self._pool.submit(fn, *args))
-            except RuntimeError:
-                if self._closed:
-                    raise
-                self._say_inline()
-                return futures + [_run_here(fn, a) for a in calls[i:]]
-        return futures
-
-    def close(self) -> None:
-        """Wait for the runs handed over, then stop the threads."""
-        self._closed = True
-        self._pool.shutdown(wait=True)
-
-    def _say_inline(self) -> None:
-        if not self._inline_said:
-            self._inline_said = True
-            log.info("SSD tier: the interpreter is exiting (its thread pools are stopped); this close's I/O runs "
-                     "on the closing thread")
-
-
-def _run_here(fn: Callable[..., T], args: tuple[Any, ...]) -> Future[T]:
-    done: Future[T] = Future()
-    try:
-        done.set_result(fn(*args))
-    except Exception as e:  # as a pool's future: the caller's .result() raises it
-        done.set_exception(e)
-    return done
-
 
 @dataclass(frozen=True)
 class SlotDevice:
