@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", help=f"block sizes, comma-separated (default {DEFAULT_SIZES}; ssd: {SSD_SIZES})")
     p.add_argument("--total", default="1GiB", help="bytes moved per size and round (default 1GiB)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per size; medians are reported")
-    p.add_argument("--copy-threads", type=int, help="dram: threads per batched host copy (default: the copy_threads setting's; 0 = by measured rate)")
+    p.add_argument("--copy-threads", type=int, help="dram: threads per batched host copy (default: the copy_threads setting's, 0 = by measured rate)")
     p.add_argument("--path", help="ssd: a directory on the disk to measure (default /var/tmp)")
     p.add_argument("--connections", type=int, default=4, help="pool: parallel TCP connections per batch")
     p.add_argument("--no-mooncake", dest="mooncake", action="store_false",

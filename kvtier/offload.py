@@ -221,12 +221,20 @@ def write_down(offloads: Sequence[Offloader], timeout_s: float, block_bytes: int
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     for offload in offloads:
+        before = offload.stats()
         try:
             written, wanted = offload.write_down(deadline)
         except Exception:
             log.exception("close: writing DRAM's blocks to %s failed; they are lost with this process",
                           offload.lower.name)
             continue
+        except BaseException as e:  # a signal handler's SystemExit or KeyboardInterrupt: said, then let through
+            now = offload.stats()
+            log.error("close: writing DRAM's blocks to %s was interrupted (%s) after %d of %d; the rest are lost "
+                      "with this process", offload.lower.name, type(e).__name__,
+                      now.get("written", 0) - before.get("written", 0),
+                      now.get("close_wanted", 0) - before.get("close_wanted", 0))
+            raise
         if not wanted:
             continue
         took = time.monotonic() - t0

@@ -205,17 +205,17 @@ def test_put_never_evicts_keys_of_its_own_batch(make_keys):
     assert list(t.contains([keys[0], keys[2], k3])) == [True, True, False]
 
 
-def test_store_with_copy_threads_0_picks_them_by_measured_rate(make_keys):
-    """The DRAM tier of copy_threads 0 times its copies: a batch of 1 MiB or more records its
+def test_store_from_default_config_picks_copy_threads_by_measured_rate(make_keys):
+    """The DRAM tier a default Config builds times its copies (copy_threads 0): a batch of 1 MiB or more records its
     rate for the thread count it used, put and get apart, and the bytes are exact. A fixed count records nothing."""
     from kvtier.config import Config
     from kvtier.store import TieredStore
 
     bb, n = 64 << 10, 32  # a 2 MiB batch: timed (hostcopy.PARALLEL_MIN_BYTES)
-    assert Config().copy_threads == 1  # the default keeps a core for the engine (settings/dram.py says why)
+    assert Config().copy_threads == 0
     keys = make_keys(n)
     data = blocks_for(keys, bb)
-    with TieredStore.from_config({"dram_capacity": 2 * n * bb, "copy_threads": 0}, bb) as store:
+    with TieredStore.from_config({"dram_capacity": 2 * n * bb}, bb) as store:
         dram = store.tiers[0]
         assert store.put(keys, data).stored == n
         out = torch.zeros_like(data)

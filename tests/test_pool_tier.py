@@ -4,6 +4,11 @@ the timeout and is skipped afterwards, write-behind blocks are readable before t
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +17,7 @@ from hypothesis import strategies as st
 from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes
 from conftest import blocks_for
 from kvtier.config import ConfigError
+from kvtier.keys import Namespace
 from kvtier.store import TieredStore
 from kvtier.tiers import pool as pool_module
 from kvtier.tiers.pool import PoolTier
@@ -96,6 +102,37 @@ def test_a_dead_pool_is_a_miss_within_the_timeout_then_skipped(tmp_path, make_ke
             # p2 is in its back-off: not called again (a call would have failed and moved its back-off).
             assert tier._pools[p2.tcp].health.down_until == down_until
         p2.resume()
+
+
+EXITING_ENGINE = r"""
+import atexit, json, logging, sys
+sys.path.insert(0, sys.argv[2])
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+from conftest import blocks_for
+from kvtier import TieredStore
+from kvtier.keys import Namespace
+keys = Namespace("pool-exit").keys(range(64))
+s = TieredStore.from_config(json.loads(sys.argv[1]), 16 << 10)
+assert s.put(keys, blocks_for(keys, 16 << 10)).stored == 64
+atexit.register(s.close)  # closed after the main thread ended, as by an atexit handler or a finalizer
+"""
+
+
+def test_a_close_while_the_interpreter_exits_writes_dram_down_to_every_pool(pools):
+    """on_evict, nothing evicted: the close writes DRAM's 64 blocks down, spread over the two pools. Closed from an
+    atexit handler, after concurrent.futures stopped its thread pools: the per-pool fan-out was refused then
+    ("cannot schedule new futures after interpreter shutdown": 0 written); now it runs on the closing thread."""
+    keys = Namespace("pool-exit").keys(range(64))
+    config = {"mode": "distributed", "pool": ",".join(p.tcp for p in pools), "dram_capacity": 64 * BB,
+              "pool_timeout_ms": 2000, "pool_offload": "on_evict"}
+    r = subprocess.run([sys.executable, "-c", EXITING_ENGINE, json.dumps(config), str(Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "close: wrote 64 DRAM blocks" in r.stderr, r.stderr
+    counts = [sum(held_in(p, keys)) for p in pools]
+    assert sum(counts) == 64 and min(counts) > 0, counts
+    with store_for(pools) as s:
+        out = torch.empty(64, BB, dtype=torch.uint8)
+        assert_all_hits_exact(s.get(keys, out), out, blocks_for(keys, BB))
 
 
 def test_write_behind_blocks_are_readable_before_they_are_sent(tmp_path, make_keys):

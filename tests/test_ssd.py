@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from bytecheck import assert_all_hits_exact, assert_no_wrong_bytes
 from conftest import blocks_for
+from kvtier.iothreads import IoThreads
 from kvtier.keys import Namespace
 from kvtier.pins import PinTable
 from kvtier.tiers.ssd import DirectoryInUse, DiskTier
@@ -405,3 +406,16 @@ def test_damaged_index_costs_the_cache_not_the_store(tmp_path, make_keys, caplog
     assert "index cannot be read" in caplog.text and t.contains(keys) == [False] * 4
     assert t.put(keys, blocks_for(keys, BB)) == [True] * 4
     t.close()
+
+
+def test_io_threads_run_in_order_and_refuse_work_once_the_tier_closed_them():
+    """IoThreads falls back to the caller's thread only while the interpreter exits (test_store_shutdown.py has
+    that case); after the tier's own close a run is refused, as the pool's."""
+    io = IoThreads(2, "kvtier-test-io", "test tier")
+    assert [f.result() for f in io.run_each(pow, [(2, 3), (3, 2), (5, 1)])] == [8, 9, 5]
+    failed = io.run_each(int, [("x",)])[0]
+    with pytest.raises(ValueError):
+        failed.result()
+    io.close()
+    with pytest.raises(RuntimeError):
+        io.run_each(pow, [(2, 3)])

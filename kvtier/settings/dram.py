@@ -26,12 +26,11 @@ class DramKeys:
                                            "puts pay no page faults (costs ~0.1 s per GiB at start)")
     eviction: str = key_field("default", "DRAM eviction policy: default (the session-aware predictor, pnu), lru, "
                                          "fifo, s3fifo, arc, chain-lru, or an import path 'package.module:Class'")
-    copy_threads: int = key_field(1, "threads per batched DRAM put/get copy: 1 (the default: keeps a core for the "
-                                      "engine); 0 = by measured rate (a batch of 1 MiB or more gets the count, 1 "
-                                      "or 2, that copied fastest in this process lately, as pool_copy_threads 0: "
-                                      "faster in bench_peers, but a vLLM worker's clean-shutdown write-down to "
-                                      "the SSD was lost with it, not yet explained); N fixes it. Threads copy in "
-                                      "place: more never raise memory use")
+    copy_threads: int = key_field(0, "threads per batched DRAM put/get copy: 0 = by measured rate (a batch of 1 "
+                                      "MiB or more gets the count, 1 or 2, that copied fastest in this process "
+                                      "lately, as pool_copy_threads 0; the second thread takes a core only for "
+                                      "the copy's milliseconds); 1 where the engine's own threads need every "
+                                      "core; N fixes it. Threads copy in place: more never raise memory use")
 
     dram_admission: str = key_field(
         "last", "where DRAM's policy may decline a put's new blocks when it is full: last (only where no tier is "

@@ -48,7 +48,7 @@ class DramTier(AddressableSlots, PrefetchTarget):
 
     def __init__(
         self, capacity_bytes: int, block_bytes: int, *, policy: str = "default", shm_path: str | None = None,
-        pin_memory: str | bool = "auto", prefault: bool = False, copy_threads: int = 1,
+        pin_memory: str | bool = "auto", prefault: bool = False, copy_threads: int = 0,
         dtypes: Sequence[str] = (), clock: Clock | None = None, admission: bool = True,
     ) -> None:
         if block_bytes <= 0:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ import numpy as np
 from kvtier.auth import AuthError, ClientKeys, load_keypair
 from kvtier.backoff import Backoff, Clock
 from kvtier.blocks import block_rows
+from kvtier.iothreads import IoThreads
 from kvtier.pins import PinTable
 from kvtier.policies import Observations
 from kvtier.ratelog import RateLimitedLog
@@ -101,7 +102,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self._pools: dict[str, _PoolEndpoint] = {}
         self._clock = clock  # the pools' back-offs read it (a test moves it instead of sleeping)
         self._lock = threading.Lock()
-        self._fanout = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvtier-pool-fanout")
+        self._fanout = IoThreads(8, "kvtier-pool-fanout", "pool tier")  # a close at exit still reaches every pool
         self._writer = (WriteBehind(self._send_staged, staging_of(block_bytes, staging_bytes), block_bytes=block_bytes,
                                     max_batch=max(1, MAX_SEND_BYTES // block_bytes), name="pool", what="pool")
                         if staging_bytes else None)  # owns its staged map and lock; counts as write_behind
@@ -267,7 +268,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         self._closed = True
         if self._writer is not None:
             self._writer.close()
-        self._fanout.shutdown(wait=True)
+        self._fanout.close()
         with self._lock:
             pools = list(self._pools.values())
         for p in pools:
@@ -360,7 +361,7 @@ class PoolTier(WriteBehindStaging, RemoteTier):
         if len(items) == 1:
             one(*items[0])
         else:
-            for f in [self._fanout.submit(one, e, idx) for e, idx in items]:
+            for f in self._fanout.run_each(one, items):
                 f.result()
         return out
 

@@ -34,7 +34,7 @@ import logging
 import os
 import shutil
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ import xxhash
 
 from kvtier.blocks import block_rows
 from kvtier.hostcopy import copy_rows
+from kvtier.iothreads import IoThreads
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
 from kvtier.policies.guard import GuardedPolicy
@@ -108,7 +109,7 @@ class DiskTier(WriteBehindStaging):
             self._files.close()
             os.close(self._dir_lock)
             raise
-        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-ssd-io")
+        self._io = IoThreads(io_threads, "kvtier-ssd-io", "SSD tier")
         self._dev = SlotDevice(self._files, self._io, block_bytes, self.slot_bytes, self.direct)
         # Bounce buffers for unaligned callers always exist; write-behind copies only when staging_bytes > 0.
         self._staging = StagingPool(self.slot_bytes, max(2, staging_bytes // self.slot_bytes))
@@ -222,7 +223,7 @@ class DiskTier(WriteBehindStaging):
         self._closed = True
         if self._behind is not None:
             self._behind.close()
-        self._io.shutdown(wait=True)
+        self._io.close()
         self._files.close()
         self._index.close()
         os.close(self._dir_lock)

@@ -61,7 +61,7 @@ def read_slots(dev: SlotDevice, keys: Sequence[bytes], ptrs: np.ndarray, reads: 
             last.reads.append(r)
         else:
             runs.append(_Run(direct, [r]))
-    futures = [dev.io.submit(_read_run, dev, keys, ptrs, run) for run in runs]
+    futures = dev.io.run_each(_read_run, [(dev, keys, ptrs, run) for run in runs])
     wait(futures)  # every read has finished with the caller's rows before we return (or raise)
     failures: list[ReadFailure] = []
     for f in futures:

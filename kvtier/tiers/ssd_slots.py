@@ -12,19 +12,18 @@ import errno
 import logging
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from kvtier.iothreads import IoThreads
 from kvtier.policies import Clock
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import SlotTable
 from kvtier.tiers.ssd_io import ALIGN, SegmentFiles
 
 log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class SlotDevice:
@@ -33,7 +32,7 @@ class SlotDevice:
     files and shuts the pool down."""
 
     files: SegmentFiles
-    io: ThreadPoolExecutor
+    io: IoThreads
     block_bytes: int
     slot_bytes: int  # block_bytes rounded up to ALIGN with O_DIRECT, else block_bytes
     direct: bool  # O_DIRECT: sources and destinations must be ALIGN-aligned and slot-sized

@@ -48,7 +48,7 @@ def write_slots(dev: SlotDevice, keys: Sequence[bytes], slots: Sequence[int], pt
             last.append(j)
         else:
             runs.append([j])
-    futures = [dev.io.submit(_write_run, dev, [keys[j] for j in run], slots[run[0]], ptrs[run]) for run in runs]
+    futures = dev.io.run_each(_write_run, [(dev, [keys[j] for j in run], slots[run[0]], ptrs[run]) for run in runs])
     wait_all(futures)
     sums = [0] * len(slots)
     for run, f in zip(runs, futures):

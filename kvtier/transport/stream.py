@@ -31,12 +31,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from kvtier import wire
+from kvtier.iothreads import IoThreads
 from kvtier.transport.base import PoolError, PoolInfo, PoolProtocolError, PoolRefused, PoolUnavailable
 from kvtier.transport.connection import MIN_BANDWIDTH, ConnectionBase, hello
 from kvtier.wire import frames as F
@@ -61,7 +61,7 @@ class StreamConnection(ConnectionBase):
         self._free: list[socket.socket] = []
         self._retoken = False  # a data connection failed on a pool that wants tokens: hello again before the next
         self._lock = threading.Lock()
-        self._lanes = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="kvtier-stream")
+        self._lanes = IoThreads(self.lanes, "kvtier-stream", f"pool connection {self.endpoint}")
         self._staging = F.Staging(keep=2 * self.lanes)  # for puts of scattered small blocks
 
     def put(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
@@ -95,7 +95,7 @@ class StreamConnection(ConnectionBase):
         return hit
 
     def close(self) -> None:
-        self._lanes.shutdown(wait=True)
+        self._lanes.close()
         with self._lock:
             for s in self._free:
                 s.close()
@@ -126,7 +126,7 @@ class StreamConnection(ConnectionBase):
                     return
                 self._on_socket(one, *chunk, deadline)
         errors = []
-        for f in [self._lanes.submit(lane) for _ in range(lanes)]:
+        for f in self._lanes.run_each(lane, [()] * lanes):
             try:
                 f.result()
             except PoolError as e:

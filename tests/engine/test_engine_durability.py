@@ -1,7 +1,9 @@
 """A real vLLM engine's store across restarts, with the defaults a user gets.
 
 1. A clean shutdown writes DRAM's blocks down to the SSD under the DEFAULT ``ssd_offload: on_evict`` (nothing
-   was evicted, so nothing reached the disk before): a new engine process serves the prefix from disk.
+   was evicted, so nothing reached the disk before): a new engine process serves the prefix from disk. The same
+   for an engine in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) whose program ends without shutting it
+   down: vLLM's weakref finalizer closes the store at interpreter exit, after Python stopped its thread pools.
 2. New weights written at the same model path: the automatic weights fingerprint (``weights_fingerprint:
    auto``, the default) puts them in another namespace, so the old weights' KV is not even looked at, and the
    outputs equal an engine's computing under the new weights. (test_engine_embedded.py's negative control
@@ -10,8 +12,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import pytest
 from .enginekit import BLOCK, Engines, Reference, assert_same, build_model, connector, prompt_tokens
+
+from kvtier.bench.engine_proc import pinned_env
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +46,39 @@ def test_restart_with_default_on_evict_serves_prefix_from_disk(engines: Engines,
     assert b["cached"] == FULL
     name = "vllm:prompt_tokens_cached_by_source{source=disk}"
     assert after.get(name, 0) - before.get(name, 0) == FULL
+    assert_same(b, reference(B))
+    assert second.close() == 0
+
+
+IN_PROCESS = r"""
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=sys.argv[1], block_size=32, kv_cache_memory_bytes=256 << 20, max_model_len=4096, seed=0,
+          max_num_batched_tokens=4096, enforce_eager=True, dtype="bfloat16", kv_transfer_config=json.loads(sys.argv[2]))
+llm.generate([TokensPrompt(prompt_token_ids=json.loads(sys.argv[3]))], SamplingParams(max_tokens=4, temperature=0.0),
+             use_tqdm=False)
+print("generated; exiting without shutdown:", type(llm.llm_engine.engine_core).__name__, file=sys.stderr)
+"""
+
+
+def test_in_process_engine_ending_without_shutdown_writes_dram_down(engines: Engines, engine_py, model,
+                                                                     reference: Reference, work):
+    """The engine's store is closed by vLLM's finalizer at interpreter exit: the SSD's I/O pool was stopped by then
+    and every write was refused (0 of 31 written, "cannot schedule new futures after interpreter shutdown")."""
+    root = work / "durable-inproc"
+    config = connector({"dram_capacity": "64MiB", "ssd_path": str(root / "ssd"), "ssd_capacity": "64MiB",
+                        "ipc_dir": str(root)})
+    root.mkdir()
+    env = {**os.environ, **pinned_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    r = subprocess.run([str(engine_py), "-c", IN_PROCESS, str(model), json.dumps(config), json.dumps(A)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "exiting without shutdown: InprocClient" in r.stderr, r.stderr[-6000:]
+    assert f"close: wrote {FULL // BLOCK} DRAM blocks" in r.stderr, r.stderr[-6000:]
+    second = engines.start("durable-inproc-second", model, config)
+    b = second.generate([B])[0]
+    assert b["cached"] == FULL
     assert_same(b, reference(B))
     assert second.close() == 0
 
