@@ -116,6 +116,27 @@ def test_without_a_prediction_a_prefetch_only_takes_free_slots(tmp_path):
         assert where(store, chain(1, 4)) == ["ssd"] * 4
 
 
+def test_an_explicit_prefetch_for_an_agent_the_policy_never_saw_takes_free_slots_only(tmp_path):
+    """An operator's prefetch (Prefetcher.request) of keys no arrival named: the policy cannot rank the agent,
+    so it gets DRAM's free slots (they evict nothing) and no more; the bytes are right."""
+    clock = VirtualClock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        agents = Agents(store, clock)
+        agents.teach_two()
+        keys = chain(7, 20)
+        store.put(keys[::-1], blocks_for(keys[::-1], BB))  # no arrival: the blocks of no known agent
+        store.put(chain(8, 12)[::-1], blocks_for(chain(8, 12)[::-1], BB))  # 12 more: 7's root-most go down
+        store.remove(chain(8, 12))  # DRAM has free slots again
+        below = where(store, keys).count("ssd")
+        free = store.tiers[0].stats().capacity_bytes // BB - store.tiers[0].stats().blocks
+        assert below > 0 and free > 0
+        pf = Prefetcher(store)
+        pf.request("operator-asked", keys)
+        moved = pf.step({"ssd": 100})
+        assert moved.get("ssd", 0) == min(free, below) > 0
+        read_back(store, [key for key, t in zip(keys, where(store, keys)) if t == "dram"])
+
+
 def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:

@@ -51,7 +51,9 @@ def test_a_promotion_is_counted_and_announced_once_by_the_store(tmp_path):
         stats = store.stats()
         assert stats["promoted"] == 2 and stats["offload"]["promoted"] == 2
         assert stats["put_stored"] == 8  # promotions are not the caller's puts
-        assert [e for e in events if e.kind == "stored"] == [StoreEvent("stored", "dram", KEYS[:2])]
+        # DRAM's victims reach the disk by write-behind meanwhile (the ssd's events, whenever its thread gets there)
+        stored = [e for e in events if e.kind == "stored" and e.tier == "dram"]
+        assert stored == [StoreEvent("stored", "dram", KEYS[:2])]
     finally:
         store.close()
 

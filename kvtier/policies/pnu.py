@@ -509,7 +509,9 @@ class PredictedNextUse(Policy):
         need = max(0, need)
         agent = self._agents.get(session)
         if agent is None or not agent.alive or agent.finished or need == 0:
-            return 0
+            # An agent this policy cannot rank (an operator's prefetch of keys it never saw, a finished one):
+            # free slots only, which evict nothing.
+            return min(need, max(0, free))
         now = self.clock()
         if not self._predicts(now):
             return min(need, max(0, free))
