@@ -16,10 +16,10 @@ Demote or a Retain) in the default policy. A backend whose store runs a Prefetch
 prefetch between turns, kvtier/connectors/prefetching.py) hears of every request, hinted or not: the Prefetcher
 learns which agents are idle from these arrivals and completions (through the store's watcher), as a vLLM
 worker's does from its scheduler's notes. The cost, on the scheduler thread, is one hash per prompt page per
-request (what SGLang's HiCache hashes anyway) and one ``Req.finished()`` per request per decode step. A backend registers itself here (``attach``), so nothing of SGLang's is
-reached into to find it. The request's keys are SGLang's page keys of its prompt (kvtier.hashers.SglangPageHasher
-over ``origin_input_ids``, seeded by ``extra_key`` / ``cache_salt``), folded into the backend's namespace: the keys
-it stores.
+request (what SGLang's HiCache hashes anyway) and one ``Req.finished()`` per request per decode step. A backend
+registers itself here (``attach``), so nothing of SGLang's is reached into to find it. The request's keys are
+SGLang's page keys of its prompt (kvtier.hashers.SglangPageHasher over ``origin_input_ids``, seeded by
+``extra_key`` / ``cache_salt``), folded into the backend's namespace: the keys it stores.
 
 What it reads of SGLang: the Req constructor's parameters named in ``REQUIRED``, each kept as the attribute of that
 name; ``REQUIRED_METHODS`` (``Req.update_finish_state``, ``Req.finished``) and ``Req.finished_reason.to_json()``.
@@ -108,7 +108,8 @@ def register() -> None:
 
 
 def attach(sink: HintSink) -> None:
-    """A backend's hints: the requests this process's scheduler makes with kv_hints go to ``sink`` from now on."""
+    """A backend's hints: the requests this process's scheduler makes with kv_hints (all of them, if ``sink`` has a
+    Prefetcher) go to ``sink`` from now on."""
     global _every_request
     with _lock:
         _sinks.append(sink)
@@ -153,7 +154,7 @@ def on_request_made(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
         return
     rid = str(getattr(req, "rid", "?"))
     try:
-        if _problem is not None:  # this SGLang lacks what kvtier reads of a request: nothing to report
+        if _problem is not None:  # this SGLang lacks what kvtier reads of a request: hints refused, no arrival
             for sink in sinks if envelope is not None else ():
                 sink.refuse(rid, envelope, _problem)
             return

@@ -6,8 +6,8 @@
 
 * SGLang's own keys (``SGLANG_KEYS``: the dynamic loader's, ``interface_v1``, the prefetch knobs SGLang reads
   and usually strips) pass untouched;
-* the backend's own keys (``BackendSettings``: staging memory, the hint budget, where L3 KV events go, prefetch between turns) are
-  read here;
+* the backend's own keys (``BackendSettings``: staging memory, the hint budget, where L3 KV events go, prefetch
+  between turns) are read here;
 * every other key is a store key and goes, as is, to ``kvtier.Config`` (which names an unknown key), so the
   extra config is the same flat dict a vLLM user writes in ``kv_connector_extra_config`` (``mode``, ``pool``,
   ``master``, ``dram_capacity``, ``ssd_path``, ...).
