@@ -135,7 +135,6 @@ class KVTierHiCacheStorage(HiCacheStorage):
                                  "host using the same ssd_path? Give each server its own ssd_path") from None
         dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
         self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
-        self.prefetch = WorkerPrefetch.for_store(self.store, self.settings.prefetch)
         naming = None
         if self.settings.kv_events_endpoint and ident.events_publisher:
             from .events import L3Events
@@ -155,13 +154,16 @@ class KVTierHiCacheStorage(HiCacheStorage):
         except BaseException:
             self.close()
             raise
+        # Started once nothing of the start-up can fail any more (a failure above leaves no thread running).
+        self.prefetch = WorkerPrefetch.for_store(self.store, self.settings.prefetch)
         self.hints = kv_hints.HintSink(self.store, self.page_store.keys, self.pages.page_size,
                                        self.prefetch.prefetcher if self.prefetch is not None else None)
         kv_hints.attach(self.hints)
-        log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s", ident.describe(), self.pages.describe(),
+        log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s%s", ident.describe(), self.pages.describe(),
                  namespace.digest.hex()[:12], [t.name for t in self.store.tiers],
                  "".join(f", {k} {getattr(self.config, k)}" for k in PER_WORKER_KEYS if getattr(self.config, k)),
-                 f", KV events on {self.settings.kv_events_endpoint}" if self.events is not None else "")
+                 f", KV events on {self.settings.kv_events_endpoint}" if self.events is not None else "",
+                 ", prefetch between turns" if self.prefetch is not None else "")
 
     # ---- the v1 zero-copy calls -------------------------------------------------------------------------
 
