@@ -4,15 +4,20 @@ SGLang plugin (connectors/sglang/hints.py), on SGLang 0.5.23's real code: the pl
 into GenerateReqInput as FastAPI does, normalized, made a TokenizedGenerateReqInput, sent over a real zmq socket with
 SGLang's own wire encoding, made a Req as the scheduler makes it), and its pages are stored by SGLang's own radix
 cache and backup threads (tests/sglang_harness.py). Each action's outcome is counted; the effects: a Pin survives
-pressure that evicts its unpinned twin, a Demote goes first (and without it the same prefix stays).
+pressure that evicts its unpinned twin, a Demote goes first (and without it the same prefix stays), a Prefetch
+brings the request's prefix up from the SSD. And prefetch between turns with no hint: with an SSD under DRAM the
+backend's store runs a Prefetcher that hears of every request through the same hooks, and an idle agent's prefix
+comes back up into DRAM before its next turn (``prefetch`` off: it stays on the SSD).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 
 import pytest
+from conftest import blocks_for
 from sglang_harness import SKIP_REASON, sglang_available
 
 if not sglang_available():
@@ -50,6 +55,10 @@ from kvtier.connectors.kv_hints import MAX_PIN_S  # noqa: E402
 PS = 4
 PAGE_BYTES = 768  # an MHA page_first page of the harness's pool: 4 tokens x 3 layers x 2 heads x 8 dims x bf16, K+V
 DRAM_PAGES = 24
+SSD = {"ssd_capacity": "1MiB", "ssd_direct_io": "false", "ssd_fsync": False}  # with an ssd_path: a tier below DRAM
+# The agents' think time the policy learns: an agent idle much longer than its gaps is predicted never back (and
+# gets no prefetch), so it must be well above the prefetch driver's tick (50 ms) on a loaded machine.
+GAP_S = 0.4
 
 
 def envelope(*actions: tuple[str, dict]) -> dict:
@@ -100,8 +109,8 @@ def prompt(pages: int, start: int) -> list[int]:
 def server():
     made: list[RadixServer] = []
 
-    def make() -> RadixServer:
-        s = RadixServer(kind="mha", layout="page_first", extra={"dram_capacity": DRAM_PAGES * PAGE_BYTES},
+    def make(**extra) -> RadixServer:
+        s = RadixServer(kind="mha", layout="page_first", extra={"dram_capacity": DRAM_PAGES * PAGE_BYTES, **extra},
                         tokens=2048)
         assert s.backend.pages.block_bytes == PAGE_BYTES
         made.append(s)
@@ -195,7 +204,7 @@ def test_every_action_has_its_outcome_counted_and_logged(server, wire, caplog):
         ("Prefetch", {}), ("Pin", {"ttl_s": 10 * MAX_PIN_S}), ("Retain", {"priority": 2}), ("Demote", {}),
         ("Share", {}), ("Teleport", {}), ("Pin", {"ttl_s": "soon"})), "agent-a")
     assert s.backend.stats()["hints"] == {
-        "hint_Prefetch_ignored": 1,  # no prefetcher: SGLang prefetches each request's prefix from L3 itself
+        "hint_Prefetch_ignored": 1,  # no prefetcher: DRAM alone has nothing below it to bring up
         "hint_Pin_clipped": 1, "hint_Retain_accepted": 1, "hint_Demote_accepted": 1, "hint_Share_ignored": 1,
         "hint_other_rejected": 1, "hint_Pin_rejected": 1}
     events = [r.getMessage() for r in caplog.records if "kvtier hint event" in r.getMessage()]
@@ -260,18 +269,28 @@ def test_an_sglang_without_what_kvtier_reads_answers_every_action_ignored(server
     assert "requests carry no agent hints" in caplog.records[0].getMessage()
 
 
-def test_a_hinted_requests_completion_reaches_the_policy_once_with_sglangs_stop_reason(server, wire):
-    s = server()
+@pytest.mark.parametrize("prefetcher", [False, True])
+def test_a_hinted_requests_completion_reaches_the_policy_once_with_sglangs_stop_reason(server, wire, tmp_path,
+                                                                                        prefetcher):
+    """Without a Prefetcher only hinted requests are reported; with one (an SSD under DRAM) every request is, so
+    the Prefetcher learns the idle agents of clients that send no hints."""
+    s = server(ssd_path=str(tmp_path / "ssd"), **SSD) if prefetcher else server()
+    assert (s.backend.prefetch is not None) == prefetcher
     seen = []
     s.backend.store.add_watcher(seen.append)
     req = submit(wire, prompt(2, 1000), envelope(("Share", {})), "agent-a")
     plain = submit(wire, prompt(2, 3000), None, "plain")
     finish(req)
     req.update_finish_state()  # a finished request's later steps: no second completion
-    finish(plain)  # no hints: not observed at all
+    finish(plain)  # no hints: observed only for a Prefetcher
+    plain.update_finish_state()
     arrivals = [a.request for batch in seen for a in batch.arrivals]
     completions = [(c.request, c.stop) for batch in seen for c in batch.completions]
-    assert arrivals == ["agent-a"] and completions == [("agent-a", "length")]
+    if prefetcher:
+        assert arrivals == ["agent-a", "plain"] and completions == [("agent-a", "length"), ("plain", "length")]
+    else:
+        assert arrivals == ["agent-a"] and completions == [("agent-a", "length")]
+    assert s.backend.stats()["hints"] == {"hint_Share_ignored": 1}  # the plain request has no outcome
     assert hints.stop_reason({"type": "stop", "matched": 128008}) == "stop:128008"
     assert hints.stop_reason({"type": "abort", "message": "x"}) == "abort"
     assert hints.stop_reason(None) is None
@@ -294,3 +313,95 @@ def test_pins_waiting_for_their_pages_are_bounded(server, wire, monkeypatch):
     assert s.backend.store.leases.leased_keys == 0
     compute(s, prompt(2, 1400), 2)  # r4 waits: leased
     assert s.backend.store.leases.leased_keys == 2 and s.backend.hints.pending() == 2
+
+
+
+def tiers(s: RadixServer, tokens: list[int]) -> tuple[int, int]:
+    """How many of the prompt's pages kvtier's DRAM and SSD hold."""
+    keys = s.backend.page_store.keys(s.backend_keys(tokens))
+    dram, ssd = s.backend.store.tiers
+    return sum(dram.contains(keys)), sum(ssd.contains(keys))
+
+
+def push_down(s: RadixServer) -> None:
+    """Other blocks, twice DRAM, put straight into the store, then removed: what DRAM held goes down to the SSD
+    (``ssd_offload`` on_evict, the default), and DRAM has room again."""
+    store = s.backend.store
+    other = [bytes([7, i]) * 8 for i in range(2 * DRAM_PAGES)]
+    for k in other:
+        store.put([k], blocks_for([k], store.block_bytes))
+    assert store.flush(10)
+    store.remove(other)
+
+
+def wait_for(done, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_an_idle_agents_prefix_comes_up_from_the_ssd_before_its_next_turn_with_no_hint(server, wire, tmp_path,
+                                                                                         prefetch):
+    """No request carries kv_hints. Agent A's turn is stored, its pages pushed down to the SSD while it runs; other
+    agents meanwhile come back after each of their turns (the policy learns to predict returns). When A's turn
+    ends, the backend's Prefetcher brings its pages up into DRAM before A's next turn arrives. With ``prefetch`` off
+    (the negative control) the backend runs no Prefetcher and the pages stay on the SSD."""
+    s = server(ssd_path=str(tmp_path / "ssd"), prefetch=prefetch, **SSD)
+    assert (s.backend.prefetch is not None) == prefetch
+    a = prompt(6, 1000)
+    req = submit(wire, a, None, "a-0")
+    compute(s, a, 1)
+    assert tiers(s, a) == (6, 0)
+    push_down(s)
+    assert tiers(s, a) == (0, 6)
+    for turn in range(4):  # two agents whose turns extend their context, back GAP_S after each completion
+        if turn:
+            time.sleep(GAP_S)
+        for agent, start in (("w1", 50_000), ("w2", 60_000)):
+            finish(submit(wire, prompt(1 + turn, start), None, f"{agent}-{turn}"))
+    finish(req)  # A is idle now (a tool call): predicted back in about GAP_S
+    if prefetch:
+        assert wait_for(lambda: tiers(s, a)[0] == 6), f"A's pages were not brought up: {tiers(s, a)}"
+    else:
+        time.sleep(0.5)  # ten ticks of a driver, had there been one
+        assert tiers(s, a) == (0, 6)
+    submit(wire, a + prompt(1, 5000), None, "a-1")  # A's next turn
+    counts = s.backend.stats()["prefetch"]
+    if prefetch:
+        assert counts["prefetch_blocks"] == 6 and counts["prefetch_from_ssd_blocks"] == 6
+        assert counts["prefetch_used_blocks"] == 6 and counts["prefetch_wasted_blocks"] == 0
+    else:
+        assert counts == {}
+    assert s.backend.stats()["hints"] == {}  # no hint was sent, none counted
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_prefetch_sent_through_kv_hints_brings_the_prefix_up_from_the_ssd(server, wire, tmp_path, hinted):
+    """A's prefix was stored, then pushed down to the SSD; A's next turn carries a Prefetch: accepted, and its
+    prefix comes up into DRAM (SGLang would find it there when it prefetches the turn's prefix from L3). The
+    negative control sends a Share instead: the prefix stays on the SSD."""
+    s = server(ssd_path=str(tmp_path / "ssd"), **SSD)
+    a = prompt(6, 1000)
+    compute(s, a, 1)
+    push_down(s)
+    assert tiers(s, a) == (0, 6)
+    submit(wire, a + prompt(2, 5000), envelope(("Prefetch", {}) if hinted else ("Share", {})), "a-1")
+    if hinted:
+        assert s.backend.stats()["hints"] == {"hint_Prefetch_accepted": 1}
+        assert wait_for(lambda: tiers(s, a)[0] == 6), f"A's pages were not brought up: {tiers(s, a)}"
+        counts = s.backend.stats()["prefetch"]
+        assert counts["prefetch_blocks"] == 6 and counts["prefetch_from_ssd_blocks"] == 6
+    else:
+        assert s.backend.stats()["hints"] == {"hint_Share_ignored": 1}
+        time.sleep(0.5)
+        assert tiers(s, a) == (0, 6) and not s.backend.stats()["prefetch"].get("prefetch_blocks")
+
+
+def test_a_prefetch_of_a_prefix_longer_than_dram_is_clipped(server, wire, tmp_path):
+    s = server(ssd_path=str(tmp_path / "ssd"), **SSD)
+    submit(wire, prompt(DRAM_PAGES + 4, 1000), envelope(("Prefetch", {})), "a-1")
+    assert s.backend.stats()["hints"] == {"hint_Prefetch_clipped": 1}

@@ -9,7 +9,9 @@ node pool, other nodes' pools and the SSD, behind one TieredStore per rank (sett
 the store's config, the same keys as the vLLM connector's ``kv_connector_extra_config``; identity.py: the
 rank, its namespace and directories; pagestore.py: the copies; pools.py and hits.py: a hybrid model's other
 host pools (Mamba, SWA, indexer, draft) and the v2 calls; events.py: L3 KV events for routers; hints.py: the
-requests' standard kv_hints, brought by kvtier's SGLang plugin and applied to this backend's store).
+requests' standard kv_hints, brought by kvtier's SGLang plugin and applied to this backend's store;
+kvtier/connectors/prefetching.py: where a tier sits below DRAM, the store's Prefetcher brings idle agents'
+prefixes up between turns, learning them from the requests hints.py reports).
 
 Lifecycle (SGLang's attach order): ``__init__(storage_config, kwargs)`` validates the config ->
 ``register_mem_pool_host(pool)`` reads the host pool's page geometry -> ``register_mem_host_pool_v2`` for
@@ -44,6 +46,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.config import Config
 from kvtier.connectors.hints import AgentHints, parse_hints
 from kvtier.connectors.paths import PER_WORKER_KEYS, model_dir, per_worker
+from kvtier.connectors.prefetching import WorkerPrefetch
 from kvtier.ratelog import RateLimitedLog
 from kvtier.store import TieredStore
 from kvtier.tiers.ssd import DirectoryInUse
@@ -84,6 +87,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.events: Any = None  # events.L3Events when kv_events_endpoint is set on the publishing rank
         self.pools: PoolStores | None = None  # every pool's store, for the v2 calls (pools.py)
         self.hints: kv_hints.HintSink | None = None  # the requests' standard kv_hints (hints.py), once attached
+        self.prefetch: WorkerPrefetch | None = None  # where a tier sits below DRAM and prefetch is on
         self._extra_pools: dict[str, Any] = {}  # name -> host pool, the pools besides KV
         self._prefetch_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
         self._backup_pgs: deque[int] = deque(maxlen=METRICS_KEPT)
@@ -150,12 +154,16 @@ class KVTierHiCacheStorage(HiCacheStorage):
         except BaseException:
             self.close()
             raise
-        self.hints = kv_hints.HintSink(self.store, self.page_store.keys, self.pages.page_size)
+        # Started once nothing of the start-up can fail any more (a failure above leaves no thread running).
+        self.prefetch = WorkerPrefetch.for_store(self.store, self.settings.prefetch)
+        self.hints = kv_hints.HintSink(self.store, self.page_store.keys, self.pages.page_size,
+                                       self.prefetch.prefetcher if self.prefetch is not None else None)
         kv_hints.attach(self.hints)
-        log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s", ident.describe(), self.pages.describe(),
+        log.info("kvtier HiCache L3 for %s: %s; namespace %s, store %s%s%s%s", ident.describe(), self.pages.describe(),
                  namespace.digest.hex()[:12], [t.name for t in self.store.tiers],
                  "".join(f", {k} {getattr(self.config, k)}" for k in PER_WORKER_KEYS if getattr(self.config, k)),
-                 f", KV events on {self.settings.kv_events_endpoint}" if self.events is not None else "")
+                 f", KV events on {self.settings.kv_events_endpoint}" if self.events is not None else "",
+                 ", prefetch between turns" if self.prefetch is not None else "")
 
     # ---- the v1 zero-copy calls -------------------------------------------------------------------------
 
@@ -272,20 +280,25 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return metrics
 
     def stats(self) -> dict[str, Any]:
-        """kvtier's own view: the store's stats, and the page counters and the kv_hints outcomes
-        (``hint_<action>_<outcome>``) since the last call."""
+        """kvtier's own view: the store's stats, and the page counters, the kv_hints outcomes
+        (``hint_<action>_<outcome>``) and the prefetch counts (``prefetch_*_blocks``, connectors/prefetching.py;
+        empty without a Prefetcher) since the last call."""
         store = self._ready()
         pools = self._pools()
         counts = pools.take_counts()
         stores = {p.name: p.store.stats() for p in pools.extra}
         return {"store": store.store.stats(), "pages": counts.pop(KV),
                 "pools": {name: {"store": stores.get(name), "pages": c} for name, c in counts.items()},
-                "hints": self.hints.outcomes.take() if self.hints is not None else {}}
+                "hints": self.hints.outcomes.take() if self.hints is not None else {},
+                "prefetch": self.prefetch.take_counters() if self.prefetch is not None else {}}
 
     def close(self) -> None:
         if self.hints is not None:
             kv_hints.detach(self.hints)
             self.hints = None
+        if self.prefetch is not None:  # its last copies end before the store closes
+            self.prefetch.close()
+            self.prefetch = None
         if self.events is not None:
             self.events.close()
             self.events = None

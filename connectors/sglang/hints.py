@@ -12,10 +12,14 @@ AFTER hooks: on ``Req.__init__`` (``TARGET``): when the scheduler makes a reques
 carries kv_hints, the request goes to this process's kvtier backend(s); on ``Req.update_finish_state``
 (``FINISH_TARGET``, each decode step): when such a request finishes, its completion (the stop reason) goes to the
 store's policy, which learns from completions when agents come back and only then ranks agents (and so a
-Demote or a Retain) in the default policy. A backend registers itself here (``attach``), so nothing of SGLang's is
-reached into to find it. The request's keys are SGLang's page keys of its prompt (kvtier.hashers.SglangPageHasher
-over ``origin_input_ids``, seeded by ``extra_key`` / ``cache_salt``), folded into the backend's namespace: the keys
-it stores.
+Demote or a Retain) in the default policy. A backend whose store runs a Prefetcher (``HintSink.prefetcher``:
+prefetch between turns, kvtier/connectors/prefetching.py) hears of every request, hinted or not: the Prefetcher
+learns which agents are idle from these arrivals and completions (through the store's watcher), as a vLLM
+worker's does from its scheduler's notes. The cost, on the scheduler thread, is one hash per prompt page per
+request (what SGLang's HiCache hashes anyway) and one ``Req.finished()`` per request per decode step. A backend
+registers itself here (``attach``), so nothing of SGLang's is reached into to find it. The request's keys are
+SGLang's page keys of its prompt (kvtier.hashers.SglangPageHasher over ``origin_input_ids``, seeded by
+``extra_key`` / ``cache_salt``), folded into the backend's namespace: the keys it stores.
 
 What it reads of SGLang: the Req constructor's parameters named in ``REQUIRED``, each kept as the attribute of that
 name; ``REQUIRED_METHODS`` (``Req.update_finish_state``, ``Req.finished``) and ``Req.finished_reason.to_json()``.
@@ -47,6 +51,7 @@ from typing import Any
 from kvtier.connectors.kv_hints import MAX_PIN_S, Applied, HintOutcomes, apply_kv_hints
 from kvtier.hashers import SglangPageHasher
 from kvtier.policies import Arrival, Completion
+from kvtier.prefetch import Prefetcher
 from kvtier.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,7 @@ _lock = threading.Lock()
 _sinks: list[HintSink] = []
 _loaded = False  # register() ran in this process (SGLang loaded the plugin)
 _problem: str | None = None  # what this SGLang lacks (check_sglang), once the plugin is loaded
+_every_request = False  # some attached sink has a Prefetcher: the hooks report requests without kv_hints too
 _rate_log = RateLimitedLog(log, 1.0)
 
 
@@ -102,9 +108,12 @@ def register() -> None:
 
 
 def attach(sink: HintSink) -> None:
-    """A backend's hints: the requests this process's scheduler makes with kv_hints go to ``sink`` from now on."""
+    """A backend's hints: the requests this process's scheduler makes with kv_hints (all of them, if ``sink`` has a
+    Prefetcher) go to ``sink`` from now on."""
+    global _every_request
     with _lock:
         _sinks.append(sink)
+        _every_request = any(s.prefetcher is not None for s in _sinks)
         loaded = _loaded
     if not loaded:
         log.warning("kvtier: SGLang did not load kvtier's plugin (entry point kvtier_hints, group sglang.srt.plugins; "
@@ -112,9 +121,11 @@ def attach(sink: HintSink) -> None:
 
 
 def detach(sink: HintSink) -> None:
+    global _every_request
     with _lock:
         if sink in _sinks:
             _sinks.remove(sink)
+        _every_request = any(s.prefetcher is not None for s in _sinks)
 
 
 @dataclass(frozen=True)
@@ -131,19 +142,20 @@ class RequestHints:
 
 
 def on_request_made(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-    """The hook, after ``Req.__init__`` on the scheduler thread: a request with kv_hints goes to every attached sink.
-    Never raises into SGLang (a failure is logged, rate-limited: the request runs as without hints)."""
+    """The hook, after ``Req.__init__`` on the scheduler thread: a request with kv_hints goes to every attached sink,
+    one without to the sinks with a Prefetcher. Never raises into SGLang (a failure is logged, rate-limited: the
+    request runs as without hints)."""
     envelope = getattr(req, "kv_hints", None)
-    if envelope is None:
+    if envelope is None and not _every_request:
         return
     with _lock:
-        sinks = list(_sinks)
+        sinks = [s for s in _sinks if envelope is not None or s.prefetcher is not None]
     if not sinks:
         return
     rid = str(getattr(req, "rid", "?"))
     try:
-        if _problem is not None:
-            for sink in sinks:
+        if _problem is not None:  # this SGLang lacks what kvtier reads of a request: hints refused, no arrival
+            for sink in sinks if envelope is not None else ():
                 sink.refuse(rid, envelope, _problem)
             return
         request = RequestHints(rid, envelope, req.origin_input_ids, req.extra_key, req.cache_salt, req.session_id)
@@ -155,10 +167,12 @@ def on_request_made(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def on_request_stepped(_result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-    """The hook after ``Req.update_finish_state`` (every decode step of every request): a hinted request that has
-    just finished is a completion for the policies that learn its agent (a Demote / Retain ranks agents once the
-    default policy predicts returns, which it learns from completions). Cheap for the rest: one attribute read."""
-    if getattr(req, "kv_hints", None) is None or not req.finished():
+    """The hook after ``Req.update_finish_state`` (every decode step of every request): a request reported at its
+    arrival that has just finished is a completion for the policies that learn its agent (a Demote / Retain ranks
+    agents once the default policy predicts returns, which it learns from completions) and for a Prefetcher (its
+    agent is idle now). Cheap for the rest: one attribute read (with a Prefetcher: and ``Req.finished()``); a sink
+    counts a request's completion once (``HintSink.on_finished``)."""
+    if (getattr(req, "kv_hints", None) is None and not _every_request) or not req.finished():
         return
     with _lock:
         sinks = list(_sinks)
@@ -196,12 +210,14 @@ class _Pending:
 @dataclass(eq=False)  # one per backend, found by identity
 class HintSink:
     """One backend's hints: ``store`` (a TieredStore), ``keys_of`` folds SGLang page keys into the backend's namespace,
-    ``page_size`` SGLang's; ``outcomes`` counts them. Thread-safe: ``on_request`` runs on the scheduler thread,
-    ``on_saved`` on SGLang's backup thread."""
+    ``page_size`` SGLang's; ``prefetcher`` the store's (a Prefetch is applied through it; with one, every request
+    is reported here, hinted or not); ``outcomes`` counts them. Thread-safe: ``on_request`` runs on the scheduler
+    thread, ``on_saved`` on SGLang's backup thread."""
 
     store: Any
     keys_of: Callable[[Sequence[str]], list[bytes]]
     page_size: int
+    prefetcher: Prefetcher | None = None
     outcomes: HintOutcomes = field(default_factory=HintOutcomes)
     clock: Callable[[], float] = time.monotonic
 
@@ -217,16 +233,19 @@ class HintSink:
         return self.keys_of(hasher.hashes(request.token_ids))
 
     def on_request(self, request: RequestHints) -> list[Applied]:
-        """Tell the policy the request arrived, apply its hints, count them; remember a Pin whose pages are not all
-        stored yet. Returns the outcomes."""
+        """Tell the policy the request arrived, apply its hints (if any), count them; remember a Pin whose pages are
+        not all stored yet. Returns the outcomes."""
         keys = self.keys(request)
         self.store.observe(arrivals=[Arrival(request.rid, keys, session=request.session)])
         with self._lock:
             self._inflight[request.rid] = None
             while len(self._inflight) > MAX_INFLIGHT:
                 self._inflight.popitem(last=False)
+        if request.envelope is None:  # reported for the Prefetcher alone: the arrival is all there is
+            return []
         held = self.store.lookup_prefix(keys).length if keys else 0
-        applied = apply_kv_hints(request.envelope, self.store, request.session, keys, request=request.rid)
+        applied = apply_kv_hints(request.envelope, self.store, request.session, keys, request=request.rid,
+                                 prefetcher=self.prefetcher)
         self.outcomes.record(f"request {request.rid}", applied)
         pins = [a.outcome for a in applied if a.action == "Pin" and a.outcome in ("accepted", "clipped", "deferred")]
         if pins and held < len(keys):

@@ -6,8 +6,8 @@
 
 * SGLang's own keys (``SGLANG_KEYS``: the dynamic loader's, ``interface_v1``, the prefetch knobs SGLang reads
   and usually strips) pass untouched;
-* the backend's own keys (``BackendSettings``: staging memory, the hint budget, where L3 KV events go) are
-  read here;
+* the backend's own keys (``BackendSettings``: staging memory, the hint budget, where L3 KV events go, prefetch
+  between turns) are read here;
 * every other key is a store key and goes, as is, to ``kvtier.Config`` (which names an unknown key), so the
   extra config is the same flat dict a vLLM user writes in ``kv_connector_extra_config`` (``mode``, ``pool``,
   ``master``, ``dram_capacity``, ``ssd_path``, ...).
@@ -50,6 +50,10 @@ class BackendSettings:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""  # ROUTER endpoint for replays of missed batches; empty: none
     kv_events_topic: str = ""
+    # Between turns, bring idle agents' prefixes up into DRAM from the tier below (SSD, pool) before they are
+    # predicted back (kvtier/connectors/prefetching.py, as the vLLM connector's key of the same name); only where
+    # a tier sits below DRAM. The store then hears of every request (hints.py), not only those with kv_hints.
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.staging_bytes <= 0:

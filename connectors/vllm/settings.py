@@ -52,7 +52,7 @@ class ConnectorSettings:
     # or the fingerprint itself (an id of the checkpoint, e.g. a git commit).
     weights_fingerprint: str = "auto"
     # Between turns, bring idle agents' prefixes up into DRAM from the tier below (SSD, pool) before they are
-    # predicted back (prefetching.py); only where a tier sits below DRAM.
+    # predicted back (connectors/prefetching.py); only where a tier sits below DRAM.
     prefetch: bool = True
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from kvtier.config import Config
 from kvtier.connectors.kv_hints import HintOutcomes, apply_kv_hints
+from kvtier.connectors.prefetching import WorkerPrefetch
 from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
@@ -41,7 +42,6 @@ from .hints import KvHintsNote
 from .metadata import KVTierMetadata
 from .pagedkv import PagedKV
 from .paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
-from .prefetching import WorkerPrefetch
 from .settings import ConnectorSettings
 from .shutdown import close_timeout
 from .transfer import LoadJob, SaveJob, Transfers, lookup_lease
@@ -92,7 +92,7 @@ class WorkerSide:
         self.namespace: Namespace | None = None  # group 0's
         self.namespaces: list[Namespace] = []  # by group: model, the group's layout, rank, group index
         self.recorder: EventRecorder | None = None
-        self.prefetch: WorkerPrefetch | None = None  # where a tier sits below DRAM (prefetching.py)
+        self.prefetch: WorkerPrefetch | None = None  # where a tier sits below DRAM (connectors/prefetching.py)
         self._transfers: Transfers | None = None
         self._server: LookupServer | None = None
         self.lookup_leases: LeaseTable | None = None

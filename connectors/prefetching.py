@@ -1,12 +1,14 @@
-"""Prefetch between turns in a vLLM worker: each rank's store runs a Prefetcher (kvtier/prefetch.py) moved by a
+"""Prefetch between turns in an engine's worker store (a vLLM worker's, connectors/vllm/worker.py; an SGLang rank's
+HiCache backend's, connectors/sglang/backend.py): the store runs a Prefetcher (kvtier/prefetch.py) moved by a
 PrefetchDriver thread, where a tier sits below DRAM (an SSD, a pool) and the connector's ``prefetch`` key is on
-(the default).
+(the default). One class for both engines: what differs is only how the store hears of requests.
 
-The Prefetcher learns which agents are idle from what the scheduler's notes tell the store (observe.py: the
-arrivals, completions and hints every rank's policy sees), so an agent's prefix comes up from the SSD or a pool
-while it thinks, with no hint; a standard ``Prefetch`` hint (kv_hints) asks it explicitly (``Prefetcher.request``).
-Started after the store, stopped before it closes (the driver's last copies finish first). Its counts reach the
-connector's stats as deltas since the last ``take_counters`` (vLLM sums them over ranks and logs them):
+The Prefetcher learns which agents are idle from what the store is told (``TieredStore.observe``: the arrivals,
+completions and hints the policies see; vLLM's scheduler notes, observe.py; SGLang's request hooks, sglang/hints.py),
+so an agent's prefix comes up from the SSD or a pool while it thinks, with no hint; a standard ``Prefetch`` hint
+(kv_hints) asks it explicitly (``Prefetcher.request``). Started after the store, stopped before it closes (the
+driver's last copies finish first). Its counts reach the connector's stats as deltas since the last
+``take_counters`` (vLLM sums them over ranks and logs them; SGLang's backend returns them in ``stats()``):
 ``prefetch_blocks`` (copied up), ``prefetch_used_blocks`` (their agent came back to them on top),
 ``prefetch_wasted_blocks`` (evicted from DRAM unused), ``prefetch_cancelled_blocks`` (left below: the agent came
 back first or finished), and per lower tier ``prefetch_from_<tier>_blocks``.
