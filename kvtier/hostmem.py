@@ -20,6 +20,9 @@ import logging
 import mmap
 import os
 import re
+import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +34,10 @@ THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 MOUNTS = "/proc/self/mounts"
 SMAPS = "/proc/self/smaps"
 MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in, writable, without touching their bytes
+# Bytes per madvise(MADV_POPULATE_WRITE) call of a background populate: small enough that the owner dropping
+# the mapping stops it soon (a step holds the mapping), large enough that the calls cost nothing.
+POPULATE_STEP = 64 << 20
 # The THP settings under which a mapping of that kind gets huge pages once advised (or without advice).
 THP_PRIVATE_MODES = ("always", "madvise")
 THP_SHMEM_MODES = ("always", "within_size", "advise", "force")
@@ -130,6 +137,41 @@ def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> torch.Tensor:
             log.info("shared buffer %s on normal pages: the kernel's shmem huge pages are %s (%s) and %s is not "
                      "hugetlbfs", path, mode or "absent", THP_SHMEM, path.parent)
     return tensor[:nbytes]
+
+
+def populate(owner: object, mm: Callable[[object], mmap.mmap], nbytes: int, what: str) -> threading.Event:
+    """Fault the first ``nbytes`` of a shared mapping into this process's page tables, writable, on a daemon
+    thread (madvise MADV_POPULATE_WRITE, POPULATE_STEP at a time); the event is set when it is done or gave up.
+
+    Why: another process's file mapped here (the node pool's DRAM) starts with no page-table entries, and every
+    4 KiB page first touched by a copy costs a minor fault: copies into a pool a client had not touched yet ran at
+    ~2.4 GB/s where warm ones ran at 17-22 (two processes, 4 MiB blocks, this project's 2-core machines). The
+    pages themselves are the file's (its owner allocated them); this adds only page tables (8 bytes per page,
+    0.2 % of the mapping) and touches no byte. ``owner`` is held weakly and ``mm(owner)`` gives the mapping for
+    each step: the owner dropping the mapping stops the thread at its next step. A kernel without the advice
+    (before 5.14) keeps faulting pages on first use, after one log line."""
+    done = threading.Event()
+    ref = weakref.ref(owner)
+
+    def run() -> None:
+        try:
+            for start in range(0, nbytes, POPULATE_STEP):
+                obj = ref()
+                if obj is None:
+                    return
+                try:
+                    mm(obj).madvise(MADV_POPULATE_WRITE, start, min(POPULATE_STEP, nbytes - start))
+                except (OSError, ValueError) as e:  # ValueError: the mapping was closed meanwhile
+                    log.info("%s: pages not prefaulted (madvise(MADV_POPULATE_WRITE): %s); they fault in at first "
+                             "use", what, e)
+                    return
+                finally:
+                    del obj
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="kvtier-populate", daemon=True).start()
+    return done
 
 
 def map_length(path: str | Path, nbytes: int) -> int:
