@@ -76,6 +76,13 @@ REPROBE_S = 0.25
 # batch and re-probes them all, copying half of each at the slower count's rate (0.8 of the best where one thread
 # copies at 2/3 of two); with it, at most one batch in REPROBE_BATCHES + 1 is split for a re-probe.
 REPROBE_BATCHES = 8
+# ... and CLEAR_WIN_SPACING times as many where the best's median rate is CLEAR_WIN times the others' or more: a
+# re-probe copies half a batch at the slower count's rate, and a one-sided put or get of 256 MiB (four 64 MiB
+# batches) paid one nearly every other call (two threads 21-24 GB/s, one 15, in a put into the pool's file). A
+# margin that wide is not closed by a small change on the host; a large one shows in the best's own rate (measured
+# at every batch), and where that falls below the others' last rates they are picked again at once.
+CLEAR_WIN = 1.25
+CLEAR_WIN_SPACING = 4
 RATE_WINDOW = 5  # a choice's rate is the median of its last RATE_WINDOW batches: one preempted copy moves nothing
 # Batches each choice gets before the best is chosen: the very first copies into a pool's fresh file fault its
 # pages in (0.5 GB/s where a warm copy runs 8-15), and one such sample must not decide.
@@ -107,8 +114,8 @@ class CopyThreads:
     one gets the choice among 1..min(AUTO_MAX_THREADS, usable cores) threads with the best median rate measured
     for its size class, after every choice has been measured PROBE_BATCHES times (the first batches take the
     choices in turn; ``copy`` splits a big enough one between two choices), and a choice not measured for
-    REPROBE_S, while REPROBE_BATCHES batches went to the best, is measured again (one batch, or half of one;
-    concurrent callers do not all probe).
+    REPROBE_S, while REPROBE_BATCHES batches went to the best (CLEAR_WIN_SPACING times as many while the best
+    wins by CLEAR_WIN or more), is measured again (one batch, or half of one; concurrent callers do not all probe).
     ``record`` takes the measurements, so a test feeds rates without timing anything. Thread-safe.
     """
 
@@ -148,7 +155,8 @@ class CopyThreads:
                 return first, partner
             rates = {c: self.rate(c, total_bytes) for c in self.choices}
             best = max(self.choices, key=lambda c: rates[c])
-            if self._on_best.get(cls, 0) >= REPROBE_BATCHES:
+            clear = all(rates[best] >= CLEAR_WIN * rates[c] for c in self.choices if c != best)
+            if self._on_best.get(cls, 0) >= REPROBE_BATCHES * (CLEAR_WIN_SPACING if clear else 1):
                 for c in self.choices:  # then one not measured for a while
                     if c != best and now - tried[c] >= self._reprobe_s:
                         self._tried[(cls, c)] = now  # claimed: a concurrent batch picks the best meanwhile
