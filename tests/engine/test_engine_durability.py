@@ -28,18 +28,28 @@ A, B = P + [5, 6, 7], P + [8, 9]
 FULL = (len(P) // BLOCK) * BLOCK
 
 
-def test_restart_with_default_on_evict_serves_prefix_from_disk(engines: Engines, model, reference: Reference,
-                                                                 work):
-    root = work / "durable-restart"
+# vLLM 0.32's engine client stops its EngineCore with SIGTERM and force-kills it, and its worker, 5 s later. Here
+# that kill came in about half of a dozen runs (copy_threads 1 and 0 alike; the last stop's code too), before the
+# EngineCore reacted to the SIGTERM at all (no "received signal" line in its log) or while it still waited for the
+# worker to exit (a worker's exit takes 3-5 s here): then the worker's connector shutdown is cut or never runs, and
+# nothing is written down. The test judges a clean shutdown, which vLLM's executor logs once its workers exited by
+# themselves; without it the scenario is tried again, and skipped (saying why) if vLLM kills it twice.
+CLEAN_EXIT = "all workers exited gracefully"
+
+
+def _restart_serves_prefix_from_disk(engines: Engines, model, reference: Reference, root) -> bool:
+    """False when the first engine's workers did not exit by themselves (vLLM killed them: nothing to judge)."""
     config = connector({"dram_capacity": "64MiB", "ssd_path": str(root / "ssd"), "ssd_capacity": "64MiB",
                         "ipc_dir": str(root)})  # ssd_offload left at its default: on_evict
     root.mkdir()
-    first = engines.start("durable-first", model, config)
+    first = engines.start(f"{root.name}-first", model, config)
     assert first.generate([A])[0]["cached"] == 0
     (store,) = first.store_stats()
     assert store["offload"]["policy"] == "on_evict" and store["tiers"]["dram"]["evictions"] == 0
     assert first.close() == 0  # clean shutdown: DRAM's blocks must reach the disk now
-    second = engines.start("durable-second", model, config)
+    if CLEAN_EXIT not in first.log_path.read_text(errors="replace"):
+        return False
+    second = engines.start(f"{root.name}-second", model, config)
     before = second.metrics()
     b = second.generate([B])[0]
     after = second.metrics()
@@ -48,6 +58,16 @@ def test_restart_with_default_on_evict_serves_prefix_from_disk(engines: Engines,
     assert after.get(name, 0) - before.get(name, 0) == FULL
     assert_same(b, reference(B))
     assert second.close() == 0
+    return True
+
+
+def test_restart_with_default_on_evict_serves_prefix_from_disk(engines: Engines, model, reference: Reference,
+                                                                 work):
+    for attempt in range(2):
+        if _restart_serves_prefix_from_disk(engines, model, reference, work / f"durable-restart-{attempt}"):
+            return
+    pytest.skip("vLLM killed the engine's worker at shutdown twice (no 'all workers exited gracefully' within "
+                "its 5 s): no clean shutdown to judge")
 
 
 IN_PROCESS = r"""
