@@ -63,12 +63,17 @@ def engine(tmp_path, n: int, close_timeout_s: float | None = None, closing: str 
     return r.stderr
 
 
+def next_process_finds_on_ssd(tmp_path, n: int) -> None:
+    """A new store over the engine's SSD directory serves its first ``n`` blocks, exact, all from the SSD."""
+    with TieredStore.from_config(config(str(tmp_path / "ssd")), BB) as s:
+        out = torch.zeros(n, BB, dtype=torch.uint8)
+        assert_all_hits_exact(s.get(KEYS[:n], out), out, blocks_for(KEYS[:n], BB))
+        assert s.stats()["tiers"]["ssd"]["hits"] == n
+
+
 def test_a_clean_close_writes_drams_blocks_to_the_ssd_and_the_next_process_finds_them(tmp_path):
     log = engine(tmp_path, 48)
-    with TieredStore.from_config(config(str(tmp_path / "ssd")), BB) as s:
-        out = torch.zeros(48, BB, dtype=torch.uint8)
-        assert_all_hits_exact(s.get(KEYS[:48], out), out, blocks_for(KEYS[:48], BB))
-        assert s.stats()["tiers"]["ssd"]["hits"] == 48
+    next_process_finds_on_ssd(tmp_path, 48)
     assert "close: wrote 48 DRAM blocks" in log and "to ssd" in log, log
 
 
@@ -78,10 +83,7 @@ def test_a_close_while_the_interpreter_exits_still_writes_drams_blocks_down(tmp_
     ("cannot schedule new futures after interpreter shutdown": 0 of 64 written, one warning). With copy_threads 0,
     so DRAM's 1 MiB copies took 1 or 2 threads by measured rate."""
     log = engine(tmp_path, 64, closing="atexit", copy_threads=0)
-    with TieredStore.from_config(config(str(tmp_path / "ssd")), BB) as s:
-        out = torch.zeros(64, BB, dtype=torch.uint8)
-        assert_all_hits_exact(s.get(KEYS[:64], out), out, blocks_for(KEYS[:64], BB))
-        assert s.stats()["tiers"]["ssd"]["hits"] == 64
+    next_process_finds_on_ssd(tmp_path, 64)
     assert "close: wrote 64 DRAM blocks" in log and "runs on the closing thread" in log, log
 
 
