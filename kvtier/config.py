@@ -147,6 +147,17 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
         return self.standalone_dram_capacity if self.mode == "standalone" else self.dram_capacity
 
     @property
+    def dram_admits(self) -> bool:
+        """Whether a full DRAM tier may decline a put's new blocks (``dram_admission``): where it is the last tier
+        always; "every" above any lower tier too; "auto" also above an SSD that is its only lower tier (embedded
+        mode), not above a pool (replay, README 'Between turns': with prefetch on, declining above an SSD cut
+        TTFT p50 from 9.80 to 8.55 s at the same hit rate, above a pool it cost 0.4 points and raised TTFT)."""
+        if self.dram_admission == "every":
+            return True
+        last = self.mode == "embedded" and not self.ssd_path
+        return last or (self.dram_admission == "auto" and self.mode == "embedded")
+
+    @property
     def pool_promotes(self) -> bool:
         """Whether blocks served from a pool are copied into private DRAM (``pool_promote``; auto: ssd_promote)."""
         return self.ssd_promote if self.pool_promote == "auto" else self.pool_promote == "true"

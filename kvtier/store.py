@@ -340,6 +340,8 @@ class TieredStore:
                 if f:
                     served[i] = t
         brought = self._promote(up, served, rows, always=True)
+        if brought:
+            self._moved_up(up, served, brought, session, [start + i for i in take])
         moved: dict[str, int] = {}
         got = set(brought)
         for key, t in zip(up, served):
@@ -475,6 +477,22 @@ class TieredStore:
                 offload.promoted(sum(served[up[j]] == offload.index for j in promoted))
         self._emit("stored", self.tiers[0].name, out)
         return out
+
+    def _moved_up(self, keys: Sequence[bytes], served: Sequence[int], brought: Sequence[bytes], session: str,
+                  depths: Sequence[int]) -> None:
+        """A prefetch's copies (``brought`` of ``keys``; ``served``, ``depths`` per key): each offloader is told
+        what its lower tier served (Offloader.prefetched: a private tier under on_evict gives them up), while the
+        top tier holds them pinned (one it evicted already is not handed up: it stays below)."""
+        self.pins.pin(brought)
+        try:
+            held = {k for k, h in zip(brought, self.tiers[0].contains(brought)) if h}
+            for offload in self._offloads:
+                mine = [i for i, (k, t) in enumerate(zip(keys, served)) if t == offload.index and k in held]
+                moved = [keys[i] for i in mine]
+                if moved and offload.prefetched(moved, session, [depths[i] for i in mine]):
+                    self._emit("removed", offload.lower.name, moved)
+        finally:
+            self.pins.unpin(brought)
 
     def _where(self, keys: Sequence[bytes], *, local_only: bool = False) -> np.ndarray:
         """Per key, the index of the first tier holding it (-1: none), as a numpy int array. Each tier is asked

@@ -41,11 +41,10 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
     if dram_capacity:
         from kvtier.tiers.dram import DramTier
 
-        # Admission (a full DRAM declining a put's blocks): where DRAM is the last tier, or everywhere with
-        # dram_admission "every": then a declined block goes down as its eviction would (each lower tier's
-        # offload policy, then that tier's own policy, decide: store_writes.TopWrites).
-        admission = cfg.dram_admission == "every" or (cfg.mode == "embedded" and not cfg.ssd_path)
-        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock, admission)))
+        # Admission (a full DRAM declining a put's blocks: Config.dram_admits): above a lower tier a declined
+        # block goes down as its eviction would (each lower tier's offload policy, then that tier's own policy,
+        # decide: store_writes.TopWrites).
+        parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock, cfg.dram_admits)))
     if cfg.mode != "embedded":
         from kvtier.tiers.pool import PoolTier
 

@@ -139,6 +139,29 @@ def test_pnu_admission_stores_the_root_most_part_that_does_not_hurt_an_agent_bac
     assert q.admit(chain(33, 4)[::-1], free=0) == [3, 2, 1, 0]
 
 
+def test_pnu_blocks_handed_up_stay_the_agents_and_come_back_down_as_its_blocks():
+    """A prefetch moved an agent's blocks up out of this tier (an SSD): when they come back down they are admitted
+    as the agent's (ranked with it, deepest first), not as blocks of no known agent (which a full tier declines
+    where a known agent's are at stake). The negative control: the same keys dropped by ``remove``."""
+    clock = Clock()
+    p = make_policy("pnu", 1000, clock=clock)
+    _learn(p, clock)
+    a = chain(40, 6)
+    turn(p, clock, "a", "A", a, "tool_use")  # A ran a tool: back in ~5 s
+    p.remove(a[3:])
+    p.handed_up("A", a[3:], [3, 4, 5])
+    p.insert(a[3:][::-1])
+    assert {p._where.get(x) for x in a} == {p._agents["A"]}, "the blocks came back as A's"
+    assert p.victims(3, set()) == a[::-1][:3], "and go deepest first, as A's"
+    b = chain(41, 6)
+    turn(p, clock, "b", "B", b, "tool_use")
+    p.remove(b[3:])
+    p.insert(b[3:])  # no hand-up: the policy has forgotten whose they were
+    assert all(p._where.get(x) is None for x in b[3:]), "the negative control: unknown blocks"
+    p.handed_up("nobody", [k(99)], [0])  # an agent the policy never saw: nothing remembered
+    assert k(99) not in p._pending
+
+
 def test_pnu_without_any_agent_coming_back_is_lru():
     """Recency until some agent was seen coming back: no completions, no learned gaps, LRU order."""
     rng = random.Random(5)

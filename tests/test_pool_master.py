@@ -46,7 +46,7 @@ def test_puts_follow_route_put_and_gets_follow_the_directory(cluster, make_keys)
     m.call(api.register("engine-x", "inc", 0, [("dram", 1 << 40)]))
     m.call(api.inventory("engine-x", "inc", 0, 0, True, {}, {}))
     keys = make_keys(60)
-    with store_for(mp.endpoint, "engine-1") as writer, store_for(mp.endpoint, "engine-2") as reader:
+    with store_for(mp.endpoint, "engine-1") as writer, store_for(mp.endpoint, "engine-2", pool_promote=True) as reader:
         assert writer.put(keys, blocks_for(keys, BB)).stored == 60
         assert writer.flush(10.0)
         assert writer.stats()["offloads"]["pool"]["written"] == 60

@@ -48,7 +48,7 @@ def pool_tier(store: TieredStore) -> PoolTier:
 
 def test_write_through_spreads_blocks_over_the_pools_and_another_engine_finds_them(pools, make_keys):
     keys = make_keys(40, start=0)
-    with store_for(pools) as a, store_for(pools) as b:
+    with store_for(pools) as a, store_for(pools, pool_promote=True) as b:
         assert [t.name for t in a.tiers] == ["dram", "pool"]
         assert a.put(keys, blocks_for(keys, BB)).stored == 40
         assert a.flush(5.0)
@@ -207,7 +207,7 @@ def test_pool_promote_switches_pool_promotion_alone(pools, make_keys, tmp_path):
     with store_for(pools) as writer:
         assert writer.put(keys, blocks_for(keys, BB)).stored == 8
         assert writer.flush(5.0)
-    with store_for(pools, pool_promote=False, ssd_path=str(tmp_path / "ssd"), ssd_capacity=64 * BB,
+    with store_for(pools, pool_promote=False, ssd_promote=True, ssd_path=str(tmp_path / "ssd"), ssd_capacity=64 * BB,
                    ssd_segment_bytes=16 * BB, ssd_direct_io="false", ssd_fsync=False) as reader:
         offloads = reader.stats()["offloads"]
         assert (offloads["pool"]["promote"], offloads["ssd"]["promote"]) == (False, True)

@@ -27,10 +27,12 @@ def chain(agent: int, n: int) -> list[bytes]:
     return [k(agent, d) for d in range(n)]
 
 
-def make_store(path: str, clock: VirtualClock, dram_blocks: int, ssd_blocks: int = 512) -> TieredStore:
+def make_store(path: str, clock: VirtualClock, dram_blocks: int, ssd_blocks: int = 512, **cfg) -> TieredStore:
+    # dram_admission "last": running agents' puts evict the idle agent's blocks down to the SSD (the premise of
+    # these scenarios); with "auto" above an SSD, DRAM's policy may decline the running agents' blocks instead.
     return TieredStore.from_config({"dram_capacity": dram_blocks * BB, "ssd_path": path, "ssd_capacity": ssd_blocks * BB,
-                                    "ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0}, BB,
-                                   clock=clock)
+                                    "ssd_direct_io": "false", "ssd_fsync": False, "ssd_staging_bytes": 0,
+                                    "dram_admission": "last", **cfg}, BB, clock=clock)
 
 
 class Agents:
@@ -139,7 +141,7 @@ def test_an_explicit_prefetch_for_an_agent_the_policy_never_saw_takes_free_slots
 
 def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
     clock = VirtualClock()
-    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+    with make_store(str(tmp_path), clock, dram_blocks=16, ssd_promote=True) as store:  # the load promotes
         pf = Prefetcher(store)
         agents = Agents(store, clock)
         agents.teach_two()
@@ -256,3 +258,45 @@ def test_the_driver_moves_jobs_in_real_time_and_prometheus_counts_bytes(tmp_path
         if promtool:
             check = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True)
             assert check.returncode == 0, check.stderr.decode() + check.stdout.decode()
+
+
+def ssd_holds(store: TieredStore, keys: list[bytes]) -> list[bool]:
+    return list(store.tiers[1].contains(keys))
+
+
+def test_a_prefetch_moves_blocks_up_out_of_the_ssd_and_evicting_them_writes_them_down_again(tmp_path):
+    """on_evict (the SSD's default): DRAM and SSD hold distinct blocks, so a prefetched block leaves the SSD (no slot
+    spent on a copy); when DRAM evicts it, it is written down again with its bytes: nothing is lost either way."""
+    clock = VirtualClock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        pf = Prefetcher(store)
+        agents = Agents(store, clock)
+        agents.teach_two()
+        agents.push_out(9)
+        assert ssd_holds(store, chain(9, 8)) == [True] * 8
+        events = []
+        store.add_listener(events.append)
+        pf.step({"ssd": 100})
+        assert where(store, chain(9, 8)) == ["dram"] * 8
+        assert ssd_holds(store, chain(9, 8)) == [False] * 8, "a prefetched block stayed on the SSD too"
+        assert sorted(k for e in events if (e.kind, e.tier) == ("removed", "ssd") for k in e.keys) == chain(9, 8)
+        assert store.stats()["offloads"]["ssd"]["moved_up"] == 8
+        read_back(store, chain(9, 8))
+        for a in range(20, 26):  # agents back sooner than 9 fill DRAM: 9's blocks go down again
+            agents.turn(a, chain(a, 4), stop="tool_use")
+        assert ssd_holds(store, chain(9, 8)) == [True] * 8 and "none" not in where(store, chain(9, 8))
+        read_back(store, chain(9, 8))
+
+
+def test_with_write_through_a_prefetch_leaves_the_ssds_copy(tmp_path):
+    """Negative control: write_through keeps every block on the SSD, so a prefetch copies (nothing moves)."""
+    clock = VirtualClock()
+    with make_store(str(tmp_path), clock, dram_blocks=16, ssd_offload="write_through") as store:
+        pf = Prefetcher(store)
+        agents = Agents(store, clock)
+        agents.teach_two()
+        agents.push_out(9)
+        assert where(store, chain(9, 8)) == ["ssd"] * 8
+        pf.step({"ssd": 100})
+        assert where(store, chain(9, 8)) == ["dram"] * 8 and ssd_holds(store, chain(9, 8)) == [True] * 8
+        assert store.stats()["offloads"]["ssd"].get("moved_up", 0) == 0

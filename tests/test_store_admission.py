@@ -159,16 +159,16 @@ def test_the_replays_store_follows_the_same_rule(tmp_path):
         assert_bytes(store, declined)
 
 
-def test_admission_above_a_lower_tier_is_every_only_when_asked(tmp_path):
-    """dram_admission "last" (the default): DRAM declines only where no tier is below it; "every": above an SSD
-    too (the tests above)."""
-    ssd = {"ssd_path": str(tmp_path / "last"), "ssd_capacity": 64 * BB, "ssd_direct_io": "false"}
+def test_admission_above_a_lower_tier_follows_dram_admission(tmp_path):
+    """dram_admission "auto" (the default): DRAM declines where no tier is below it and above an SSD alone (the
+    tests above), not above a pool; "last": only where no tier is below it; "every": above any tier."""
+    ssd = {"ssd_path": str(tmp_path / "auto"), "ssd_capacity": 64 * BB, "ssd_direct_io": "false"}
     stores = [TieredStore.from_config({"dram_capacity": DRAM * BB}, BB),
               TieredStore.from_config({"dram_capacity": DRAM * BB, **ssd}, BB),
-              TieredStore.from_config({"dram_capacity": DRAM * BB, "dram_admission": "every", **ssd,
-                                       "ssd_path": str(tmp_path / "every")}, BB)]
+              TieredStore.from_config({"dram_capacity": DRAM * BB, "dram_admission": "last", **ssd,
+                                       "ssd_path": str(tmp_path / "last")}, BB)]
     try:
-        assert [s.tiers[0]._table._admission for s in stores] == ["enforce", "advice", "enforce"]
+        assert [s.tiers[0]._table._admission for s in stores] == ["enforce", "enforce", "advice"]
     finally:
         for s in stores:
             s.close()

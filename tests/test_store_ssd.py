@@ -110,7 +110,7 @@ def test_damaged_ssd_blocks_are_removed_events(tmp_path):
 
 
 def test_promotion_brings_ssd_hits_back_to_dram(tmp_path):
-    store = make_store(tmp_path)
+    store = make_store(tmp_path, ssd_promote=True)  # off by default (kvtier/settings/ssd.py)
     keys, data = KEYS[:8], blocks_for(KEYS[:8], BB)
     store.put(keys[:4], data[:4])
     store.put(keys[4:], data[4:])  # evicts 0..3 to SSD

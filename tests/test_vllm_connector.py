@@ -127,7 +127,7 @@ def test_prefix_saved_by_a_is_loaded_by_b_bit_exact(engine, kv_layout):
 
 def test_blocks_from_dram_and_ssd_in_one_load(engine, tmp_path):
     eng = engine(ssd_path=str(tmp_path / "ssd"), ssd_capacity="64MiB", ssd_segment_bytes="1MiB",
-                 ssd_offload="write_through", ssd_staging_bytes=0)
+                 ssd_offload="write_through", ssd_staging_bytes=0, ssd_promote=True)
     save_a_then_drop_hbm(eng)
     store = worker_side(eng).store
     b = make_request("B", PREFIX + [9, 9, 9, 9])

@@ -146,7 +146,7 @@ def test_distributed_node2_loads_the_prefix_node1_saved_from_the_pool(engine, tm
         with MasterClient(master.endpoint) as m:
             assert until(lambda: any(n["state"] == "live" for n in m.nodes()))  # the pool can be placed on
         cfg = {"mode": "distributed", "master": master.endpoint, "pool_timeout_ms": 2000,
-               "pool_staging_bytes": "1MiB"}
+               "pool_staging_bytes": "1MiB", "pool_promote": True}
         node1 = engine(node_id="node-1", **cfg)
         save_a_then_drop_hbm(node1)
         assert worker_side(node1).store.flush(10)  # write-through to the pool, behind the saves

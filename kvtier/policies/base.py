@@ -59,6 +59,12 @@ class EvictionPolicy(Protocol):
         """When the agent ``session`` is predicted to send its next request (the clock's seconds); None where
         the policy predicts nothing (keys-only policies, an agent it does not know, one not expected back)."""
 
+    def handed_up(self, session: str, keys: Sequence[bytes], depths: Sequence[int]) -> None:
+        """``keys`` (at ``depths`` of agent ``session``'s chain) just left this tier for the one above (a prefetch
+        moved them up: kvtier/offload.py). A policy that learns chains remembers they are the agent's, so that
+        when they come back down (the tier above evicts them) they are admitted as its blocks, not as blocks
+        of no known agent."""
+
     def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
         """How many of ``need`` blocks of agent ``session``'s chain (``chain``: its keys from depth ``start``
         on, root first) a prefetch may bring into the tier now: the ``free`` slots, plus what can be evicted
@@ -88,6 +94,9 @@ class Policy:
         return None
 
     def predicted_back(self, session: str) -> float | None:
+        return None
+
+    def handed_up(self, session: str, keys: Sequence[bytes], depths: Sequence[int]) -> None:
         return None
 
     def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:

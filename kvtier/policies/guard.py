@@ -79,6 +79,12 @@ class GuardedPolicy(Policy):
             self._fail("predicted_back", e)
             return None
 
+    def handed_up(self, session: str, keys: Sequence[bytes], depths: Sequence[int]) -> None:
+        try:
+            self.policy.handed_up(session, keys, depths)
+        except Exception as e:
+            self._fail("handed_up", e)
+
     def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
         try:
             return self.policy.prefetch_room(session, chain, start, need, free)

@@ -501,6 +501,18 @@ class PredictedNextUse(Policy):
         t = self._predict(agent, now)
         return None if t == INF else t
 
+    def handed_up(self, session: str, keys: Sequence[bytes], depths: Sequence[int]) -> None:
+        """The keys wait in ``pending`` as the agent's (the tier dropped them: untracked now), as a chain's keys
+        not stored yet do: their write-down is then ranked with the agent's blocks. Without it a full SSD would
+        decline them as blocks of no known agent, breaking the agent's prefix there."""
+        agent = self._agents.get(session)
+        if agent is None or not agent.alive or agent.finished:
+            return
+        pending = self._pending
+        pending.update(zip(keys, zip(repeat(agent), depths)))
+        while len(pending) > self.max_pending:
+            pending.popitem(last=False)
+
     def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
         """Free slots, then the blocks the eviction order takes before this agent's (agents not expected back,
         blocks of no known agent, agents predicted back later): the same order ``victims`` follows, so what the

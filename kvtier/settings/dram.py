@@ -33,12 +33,12 @@ class DramKeys:
                                       "core; N fixes it. Threads copy in place: more never raise memory use")
 
     dram_admission: str = key_field(
-        "last", "where DRAM's policy may decline a put's new blocks when it is full: last (only where no tier is "
+        "auto", "where DRAM's policy may decline a put's new blocks when it is full: last (only where no tier is "
                 "below DRAM; above an SSD or a pool a put evicts to make room, the policy choosing the order), "
                 "every (above lower tiers too: a declined block goes down as an eviction would, "
-                "store_writes.TopWrites). 'every' measured better above an SSD and worse above a pool in the replay "
-                "(README 'Admission at every level'), and it declines a running agent's blocks where the policy "
-                "predicts it back later than an idle one: not yet the default", ("last", "every"))
+                "store_writes.TopWrites), auto (last, and every above an SSD that is DRAM's only lower tier: "
+                "measured better there and worse above a pool in the replay, README 'Between turns')",
+        ("auto", "last", "every"))
 
     def check_dram_keys(self) -> None:
         """ConfigError naming the first DRAM key a DramTier would refuse (an unknown policy among them)."""

@@ -105,6 +105,16 @@ class PrefetchTarget(Protocol):
         """How many of ``need`` blocks of the agent's chain (keys from depth ``start``) may be brought in now."""
 
 
+@runtime_checkable
+class HandsUp(Protocol):
+    """A private lower tier a prefetch may move blocks out of, into the tier above (the SSD: kvtier/offload.py
+    says when). A shared one (a pool other engines read) keeps its copy."""
+
+    def hand_up(self, keys: Sequence[bytes], session: str, depths: Sequence[int]) -> None:
+        """Drop ``keys`` (the tier above holds them now), telling the policy they are agent ``session``'s, at
+        ``depths`` of its chain (EvictionPolicy.handed_up)."""
+
+
 @dataclass
 class Reservation:
     """Slots reserved for keys by ``AddressableSlots.reserve``; hand it back to ``commit`` exactly once.

@@ -33,7 +33,7 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,13 @@ class DiskTier(WriteBehindStaging):
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop keys (committed, queued or being written); return how many were held."""
+        return self._drop(keys)
+
+    def hand_up(self, keys: Sequence[bytes], session: str, depths: Sequence[int]) -> None:
+        """remove, the policy remembering the keys as the agent's (HandsUp: a prefetch moved them into DRAM)."""
+        self._drop(keys, lambda policy: policy.handed_up(session, keys, depths))
+
+    def _drop(self, keys: Sequence[bytes], tell: Callable[[GuardedPolicy], None] | None = None) -> int:
         b = self._slots
         with b.lock:
             # Committed slots stay busy until the index forgets their keys (crash ordering); a key being written
@@ -201,6 +208,8 @@ class DiskTier(WriteBehindStaging):
             committed, freed = b.drop(keys, hold=True)
             gone = set(committed)
             staged = sum(b.staged.pop(k, None) is not None for k in keys if k not in gone)
+            if tell is not None:
+                tell(b.policy)
         self._disk.unindex(committed, freed)
         return len(committed) + staged
 
