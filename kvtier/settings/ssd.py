@@ -29,7 +29,7 @@ class SsdKeys:
     ssd_promote: bool = key_field(False, "copy a block a request reads from the SSD into DRAM too. Off: the "
                                          "engine holds what it reads, and DRAM is spent on what the policy "
                                          "keeps and the prefetch brings up before an agent returns (replay, "
-                                         "standard slice: on cost 1.5 points of hit rate and raised TTFT, "
+                                         "standard slice: on cost 0.7-1.7 points of hit rate and raised TTFT, "
                                          "README 'Between turns')")
     ssd_eviction: str = key_field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
                                              "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
