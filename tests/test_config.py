@@ -195,10 +195,10 @@ def test_an_unknown_policy_in_the_environment_or_a_file_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("values,pool,ssd", [
-    ({}, False, False),
-    ({"ssd_promote": True}, True, True),  # auto: as ssd_promote, which switched both before pool_promote
+    ({}, True, True),
+    ({"ssd_promote": False}, False, False),  # auto: as ssd_promote, which switched both before pool_promote
     ({"ssd_promote": False, "pool_promote": "on"}, True, False),
-    ({"pool_promote": False, "ssd_promote": True}, False, True),
+    ({"pool_promote": False}, False, True),
     ({"pool_promote": "auto", "ssd_promote": "no"}, False, False),
 ])
 def test_pool_promote_is_its_own_key_defaulting_to_ssd_promote(values, pool, ssd):

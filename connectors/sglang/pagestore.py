@@ -221,8 +221,8 @@ class PageStore:
         return ok
 
     def _get_staged(self, keys: list[bytes], segments: np.ndarray) -> list[bool]:
-        """Pages not in DRAM: read into staging rows (the store reads the SSD or a pool, copying into DRAM where
-        ``ssd_promote``/``pool_promote`` say), then scattered into the host pages."""
+        """Pages not in DRAM: read into staging rows (the store reads the SSD or a pool, and promotes), then
+        scattered into the host pages."""
         hit: list[bool] = []
         with self._load_staging.lend() as rows:
             for lo in range(0, len(keys), len(rows)):

@@ -7,8 +7,8 @@ reused).
 
 * Load: blocks in DRAM are scattered straight from their slots (``store.borrow``: one copy, the slots held
   until the copy is done); the others are read with ``store.get`` into host staging rows first (an SSD hit
-  goes into DRAM too where ``ssd_promote`` says; a miss's engine block id becomes a load error). One scatter
-  per layer writes them into the engine's blocks; layer i is ready once its last scatter is done (GPU: recorded as an event the
+  is promoted to DRAM; a miss's engine block id becomes a load error). One scatter per layer writes them
+  into the engine's blocks; layer i is ready once its last scatter is done (GPU: recorded as an event the
   forward's stream waits on). The job's lookup lease is released at the end: its pins protected the blocks
   until now.
 * Save: one ``store.prepare_put`` per job says, once per key, what the store holds or another save is
@@ -220,7 +220,7 @@ class Transfers:
 
     def _load_chunk(self, job: LoadJob, lo: int, hi: int, last: bool) -> int:
         """Blocks [lo, hi) of the job: the ones in DRAM straight from their slots (one copy), the others
-        through staging rows (``store.get`` reads the SSD, and promotes with ``ssd_promote``). Returns how many were loaded."""
+        through staging rows (``store.get`` reads the SSD and promotes). Returns how many were loaded."""
         keys, ids = job.keys[lo:hi], job.block_ids[lo:hi]
         with (self.store.borrow(keys) if self._direct else nullcontext([None] * len(keys))) as addresses:
             direct = [i for i, a in enumerate(addresses) if a is not None]
@@ -230,7 +230,7 @@ class Transfers:
             rest_ids = ids[rest].copy()
             if rest:
                 with self._naming([keys[i] for i in rest], [(job.hashes[lo + i], job.group) for i in rest]):
-                    hit = self.store.get([keys[i] for i in rest], staging)  # an SSD hit: into DRAM too with ssd_promote
+                    hit = self.store.get([keys[i] for i in rest], staging)  # an SSD hit is promoted to DRAM
                 missed = ~np.asarray(hit, dtype=bool)
                 job.failed += rest_ids[missed].tolist()
                 rest_ids[missed] = SKIP

@@ -26,11 +26,7 @@ class SsdKeys:
     ssd_offload: str = key_field("on_evict", "when blocks go from DRAM to SSD: write_through (every put), on_evict "
                                              "(when DRAM evicts them), second_hit (on eviction, if seen twice)",
                                  OFFLOADS)
-    ssd_promote: bool = key_field(False, "copy a block a request reads from the SSD into DRAM too. Off: the "
-                                         "engine holds what it reads, and DRAM is spent on what the policy "
-                                         "keeps and the prefetch brings up before an agent returns (replay, "
-                                         "standard slice: on cost 0.7-1.7 points of hit rate and raised TTFT, "
-                                         "README 'Between turns')")
+    ssd_promote: bool = key_field(True, "copy a block served from SSD into DRAM too")
     ssd_eviction: str = key_field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
                                              "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
     ssd_direct_io: str = switch_field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
