@@ -24,8 +24,8 @@ its own put path (TieredStore._promote: one way into a tier); the offloader says
 Prefetch (kvtier/prefetch.py, TieredStore.bring_up): with on_evict the two tiers hold distinct blocks, and a block
 a prefetch brings up *leaves* a private lower tier (``prefetched``; the SSD, a HandsUp tier; a pool other engines
 read keeps its copy): a copy in both spends a slot of the lower tier on what DRAM holds, and the full SSD then
-declined DRAM's later victims (replay, standard slice: 0.935 of input tokens served against 0.950 with the move,
-the infinite cache's). DRAM's eviction writes the block down again (on_evict: the lower tier lacks it), so the
+declined DRAM's later victims (replay, standard slice, ssd_promote false: 0.935 of input tokens served against
+0.950 with the move, the infinite cache's). DRAM's eviction writes the block down again (on_evict: the lower tier lacks it), so the
 SSD writes more (about 3x in that replay) to hold more.
 """
 
