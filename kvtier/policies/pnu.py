@@ -90,6 +90,7 @@ class PredictedNextUse(Policy):
         self._uids = count()
         self._ranking = Ranking(self._key, refresh_s)
         self._checkpoints = CheckpointObjects(self.max_pending)
+        self._handed = False  # a victims pass handed a fork junction to its heir (_victims)
         self._dead: OrderedDict[bytes, None] = OrderedDict()  # tracked objects of superseded checkpoints: first
 
     # ---- observations ----------------------------------------------------------------------------------
@@ -373,7 +374,18 @@ class PredictedNextUse(Policy):
                 dead[key] = None
 
     def _victims(self, n: int, protected: Container[bytes], now: float) -> list[bytes]:
+        """Passes over the ranking until ``n`` are out: a pass that hands a fork junction to its heir (``_take``)
+        leaves it for the heir's turn, which may come in the next pass only (the heir was ranked before it held
+        keys); each hand-over goes to an agent strictly sooner back, so the passes end."""
         out: list[bytes] = []
+        for _ in range(len(self._agents) + 1):
+            self._handed = False
+            self._victims_pass(n, protected, now, out)
+            if len(out) >= n or not self._handed:
+                break
+        return out
+
+    def _victims_pass(self, n: int, protected: Container[bytes], now: float, out: list[bytes]) -> None:
         ranking = self._ranking.current(now)
         i = len(ranking) - 1
         keys = self._ranking.keys
@@ -387,7 +399,6 @@ class PredictedNextUse(Policy):
         while i >= 0 and len(out) < n:
             self._take(ranking[i], n, protected, out)
             i -= 1
-        return out
 
     def _take(self, agent: Agent, n: int, protected: Container[bytes], out: list[bytes]) -> None:
         """The agent's deepest unprotected keys, until ``out`` has ``n``."""
@@ -412,6 +423,7 @@ class PredictedNextUse(Policy):
                 if heir is not None:
                     agent.count -= 1
                     self._own(heir, key, -entry[0])
+                    self._handed = True
                     continue
             del where[key]
             agent.count -= 1
