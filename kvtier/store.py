@@ -20,7 +20,8 @@ tiers a Config describes is store_build.py's; what moves between the top tier an
 
 Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
 and the bookkeeping every call shares (the one tier walk, counters, events; ``bring_up``, the copy a prefetch
-between turns makes, is here because it is that walk and the promotion claim); its parts with a role of their own
+between turns makes, and its hand-off to the offloaders that move blocks up, ``_moved_up``, are here because they
+are that walk, the promotion claim and the store's pins and events); its parts with a role of their own
 live beside it (store_build.py, store_writes.py, inflight.py, offload.py, leases.py).
 """
 

@@ -74,6 +74,16 @@ class Agents:
         self.store.observe(hints=[Hint(session=f"a{a}", time=self.clock.now, finished=True) for a in range(10, 14)])
 
 
+def idle_agent_on_the_ssd(store: TieredStore, clock: VirtualClock) -> tuple[Prefetcher, Agents]:
+    """A Prefetcher watching ``store`` from the start; the policy taught (teach_two), then agent 9's 8 blocks pushed
+    down to the SSD by agents calling tools (push_out): a job to bring them up."""
+    pf = Prefetcher(store)
+    agents = Agents(store, clock)
+    agents.teach_two()
+    agents.push_out(9)
+    return pf, agents
+
+
 def where(store: TieredStore, keys: list[bytes]) -> list[str]:
     found = store.lookup_prefix(keys)
     return [t for t, n in found.runs for _ in range(n)] + ["none"] * (len(keys) - found.length)
@@ -88,10 +98,7 @@ def read_back(store: TieredStore, keys: list[bytes]) -> None:
 def test_an_idle_agents_prefix_comes_up_from_the_ssd_before_it_returns(tmp_path):
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
-        pf = Prefetcher(store)
-        agents = Agents(store, clock)
-        agents.teach_two()
-        agents.push_out(9)
+        pf, agents = idle_agent_on_the_ssd(store, clock)
         assert "dram" not in where(store, chain(9, 8)) and where(store, chain(9, 8)) == ["ssd"] * 8
         assert pf.sessions() == ["a9"]
         moved = pf.step({"ssd": 3})  # a budget of 3 blocks from the SSD this step
@@ -142,10 +149,7 @@ def test_an_explicit_prefetch_for_an_agent_the_policy_never_saw_takes_free_slots
 def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16, ssd_promote=True) as store:  # the load promotes
-        pf = Prefetcher(store)
-        agents = Agents(store, clock)
-        agents.teach_two()
-        agents.push_out(9)
+        pf, agents = idle_agent_on_the_ssd(store, clock)
         pf.step({"ssd": 2})  # under way: 2 of 8 up
         cancelled = pf.counts.cancelled
         agents.arrive(9, chain(9, 8))  # the agent is back before the rest: the job is cancelled
@@ -160,10 +164,7 @@ def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
 def test_a_finished_hint_cancels_the_prefetch(tmp_path):
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
-        pf = Prefetcher(store)
-        agents = Agents(store, clock)
-        agents.teach_two()
-        agents.push_out(9)  # its 8 blocks on the SSD, a job to bring them up
+        pf, agents = idle_agent_on_the_ssd(store, clock)  # its 8 blocks on the SSD, a job to bring them up
         assert pf.sessions() == ["a9"]
         cancelled = pf.counts.cancelled
         store.observe(hints=[Hint(session="a9", time=clock.now, finished=True)])
@@ -234,10 +235,7 @@ def test_the_driver_moves_jobs_in_real_time_and_prometheus_counts_bytes(tmp_path
 
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
-        pf = Prefetcher(store)
-        agents = Agents(store, clock)
-        agents.teach_two()
-        agents.push_out(9)
+        pf, agents = idle_agent_on_the_ssd(store, clock)
         registry = CollectorRegistry()
         registry.register(PrefetchCollector(pf))
         driver = PrefetchDriver(pf, tick_s=0.01, probe_blocks=2)
@@ -269,10 +267,7 @@ def test_a_prefetch_moves_blocks_up_out_of_the_ssd_and_evicting_them_writes_them
     spent on a copy); when DRAM evicts it, it is written down again with its bytes: nothing is lost either way."""
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
-        pf = Prefetcher(store)
-        agents = Agents(store, clock)
-        agents.teach_two()
-        agents.push_out(9)
+        pf, agents = idle_agent_on_the_ssd(store, clock)
         assert ssd_holds(store, chain(9, 8)) == [True] * 8
         events = []
         store.add_listener(events.append)
@@ -292,10 +287,7 @@ def test_with_write_through_a_prefetch_leaves_the_ssds_copy(tmp_path):
     """Negative control: write_through keeps every block on the SSD, so a prefetch copies (nothing moves)."""
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16, ssd_offload="write_through") as store:
-        pf = Prefetcher(store)
-        agents = Agents(store, clock)
-        agents.teach_two()
-        agents.push_out(9)
+        pf, agents = idle_agent_on_the_ssd(store, clock)
         assert where(store, chain(9, 8)) == ["ssd"] * 8
         pf.step({"ssd": 100})
         assert where(store, chain(9, 8)) == ["dram"] * 8 and ssd_holds(store, chain(9, 8)) == [True] * 8
