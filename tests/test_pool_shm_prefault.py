@@ -1,16 +1,21 @@
 """The shm connection prefaults its mapping of the pool's file (kvtier.hostmem.populate): after attach, a put into
 pages this process never touched costs no page faults. Counted with the kernel's minor-fault count of this
-process (getrusage), around a put into a real kvtier-pool process's file."""
+process (getrusage), around a put into a real kvtier-pool process's file. And the mapping is on the file's huge
+pages where the kernel allows (MADV_COLLAPSE), read back from the kernel (/proc/self/smaps)."""
 
 from __future__ import annotations
 
+import logging
 import mmap
 import resource
 from pathlib import Path
 
 import numpy as np
+import pytest
 
+from kvtier import hostmem
 from kvtier.hostmem import populate
+from kvtier.transport import shm
 from kvtier.keys import Namespace
 from kvtier.transport.dial import connect
 from poolproc import PoolProcess
@@ -61,3 +66,40 @@ def test_populate_faults_every_page_in_once() -> None:
     view[::PAGE] = 1  # one write per page
     assert _minor_faults() - before < nbytes // PAGE // 8
     del view
+
+
+def _collapse_refused(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "MADV_COLLAPSE" in r.getMessage()]
+
+
+@pytest.mark.parametrize("setting", ["always within_size advise [never] deny force",
+                                     "always within_size advise never [deny] force"])
+def test_the_clients_mapping_of_the_pools_file_is_on_huge_pages_unless_the_kernel_denies_them(
+        tmp_path: Path, monkeypatch, caplog, setting: str) -> None:
+    """The pool collapses its file onto 2 MiB pages and the client maps them at an aligned address (one page-table
+    entry each), under the shmem setting ``never`` too (MADV_COLLAPSE); ``deny`` keeps 4 KiB pages here."""
+    thp = tmp_path / "shmem_enabled"
+    thp.write_text(setting + "\n")
+    monkeypatch.setattr(hostmem, "THP_SHMEM", str(thp))  # this process's side only: the pool reads the real one
+    monkeypatch.setattr(shm, "THP_SHMEM", str(thp))
+    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    n = 8
+    with PoolProcess(tmp_path, tcp=False, ipc=True, capacity=str(n * BB), block_bytes=BB) as pool:
+        conn = connect(pool.ipc, BB, transport="shm", timeout_s=10.0)
+        try:
+            mapping = conn._mapping  # noqa: SLF001 - the mapping under test
+            assert mapping is not None and mapping.base % hostmem.HUGE_ALIGN == 0
+            assert mapping.populated.wait(30), "the collapse and prefault did not finish"
+            src = np.random.default_rng(2).integers(0, 255, n * BB, dtype=np.uint8)
+            out = np.zeros_like(src)
+            rows = lambda a: np.uint64(a.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(BB)  # noqa: E731
+            keys = Namespace("huge").keys(range(n))
+            assert all(conn.put(keys, rows(src))) and all(conn.get(keys, rows(out)))
+            pages = conn.pages()
+        finally:
+            conn.close()
+    assert np.array_equal(out, src)  # the same bytes whatever the pages
+    if "[deny]" in setting:
+        assert pages == "4 KiB" and not _collapse_refused(caplog)
+    else:  # a kernel before 6.1 refuses, in one log line, and the copies run on 4 KiB pages
+        assert pages.startswith("2 MiB (THP") or len(_collapse_refused(caplog)) == 1, (pages, caplog.text)

@@ -14,6 +14,8 @@ that sized the pool).
 
 The mapping is prefaulted on a background thread as it is made (kvtier.hostmem.populate: page tables only, no
 byte touched): a copy into pages this process had not touched yet ran ~8x slower, one minor fault per 4 KiB.
+It starts on a 2 MiB boundary and is collapsed onto the file's huge pages (kvtier.hostmem.SharedMapping): the
+pool moves its file onto them, and this side then maps each with one entry.
 
 Next to the DRAM file each mapping holds the pool's slot generations (``<file>.gen``, read-only): a get reads
 its slots' generations there after its copy (kvtier/wire/generations.py).
@@ -30,9 +32,9 @@ Thread-safe; offsets from the pool are bounds-checked against the mapping before
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +42,8 @@ import numpy as np
 from kvtier import wire
 from kvtier.auth.peercred import NotPeersFile, open_peers_file
 from kvtier.hostcopy import CopyThreads
-from kvtier.hostmem import map_length, page_sizes, populate
+from kvtier.hostmem import (HUGE_ALIGN, THP_COLLAPSE_MODES, THP_SHMEM, SharedMapping, hugetlbfs_page, map_length,
+                            page_sizes, populate, thp_mode)
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -64,13 +67,17 @@ class Mapping:
             if size < nbytes:
                 raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
                                         f"{nbytes}", wire.ERR_BAD_MESSAGE)
-            # whole huge pages where the pool made its file in a hugetlbfs mount (kvtier.hostmem)
-            self._mm = mmap.mmap(fd, map_length(path, nbytes), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # whole huge pages where the pool made its file in a hugetlbfs mount, at an address where its huge
+            # pages map with one page-table entry each (kvtier.hostmem)
+            huge = hugetlbfs_page(Path(path).parent)
+            self._mm = SharedMapping(fd, map_length(path, nbytes), max(HUGE_ALIGN, huge))
         finally:
             os.close(fd)
-        self._array = np.frombuffer(self._mm, dtype=np.uint8)[:nbytes]
+        self._array = np.frombuffer(self._mm.buffer(), dtype=np.uint8)[:nbytes]
         self.base = int(self._array.ctypes.data)
-        self.populated = populate(self, lambda m: m._mm, nbytes, f"the pool's shared file {path}")
+        # the pool collapses its file onto huge pages too; here it maps them (or does the pool's share of it)
+        self.populated = populate(self, lambda m: m._mm, nbytes, f"the pool's shared file {path}",
+                                  collapse=not huge and thp_mode(THP_SHMEM) in THP_COLLAPSE_MODES)
         self.block_bytes = block_bytes
         fd = open_peers_file(generations, os.O_RDONLY, uid, "the pool's generation file")
         try:
