@@ -105,6 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # One torch thread, as the project's benches pin it: after a torch op on two threads (the rounds zero the
+    # output tensor) its idle OpenMP worker spins for a while and takes a core from the copy being timed: a
+    # two-thread copy_rows right after such a zero_() ran at 16.5 GB/s, after a one-thread one at 19.8 (so a
+    # DRAM get measured 0.71-0.79 of the best copy, and the baseline copies, which zero no tensor, did not pay it).
+    torch.set_num_threads(1)
     fn, baseline, default_sizes = TIER_BENCHES[args.tier]
     sizes = [parse_bytes(s) for s in (args.sizes or default_sizes).split(",") if s.strip()]
     rows = fn(sizes, parse_bytes(args.total), args.rounds, copy_threads=args.copy_threads, path=args.path,
