@@ -187,12 +187,15 @@ class Prefetcher:
             got = self.store.bring_up(job.chain, job.session, job.pos, left)
             self._measured(got.moved, time.perf_counter() - t0)
             with self._lock:
-                if self._jobs.get(job.session) is not job:
-                    continue  # cancelled meanwhile (its agent came back): what it copied up is counted anyway
-                job.pos += got.done
+                # counted, and charged to the budget, even if the job was cancelled meanwhile (its agent came
+                # back): the blocks are up
                 self._record(got.keys, got.moved)
-                if job.pos >= len(job.chain) or got.why == "missing":
-                    del self._jobs[job.session]
+                if self._jobs.get(job.session) is job:
+                    job.pos += got.done
+                    if job.pos >= len(job.chain) or got.why == "missing":
+                        del self._jobs[job.session]
+                elif self._inflight.get(job.session, 0) > 0:  # back, and they are on top before its loads
+                    self._used(got.keys)
             for tier, n in got.moved.items():
                 moved[tier] = moved.get(tier, 0) + n
                 left[tier] = left.get(tier, 0) - n

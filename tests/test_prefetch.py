@@ -161,6 +161,28 @@ def test_a_prefetch_that_loses_the_race_is_a_normal_load(tmp_path):
         assert where(store, chain(9, 8)) == ["dram"] * 8
 
 
+def test_blocks_a_step_brought_up_count_though_their_agent_came_back_during_the_step(tmp_path):
+    """The agent arrives while a step copies its blocks up (here: right after the store brought them up, before
+    the step's bookkeeping): the job is cancelled, and what the step brought up is counted as prefetched, and as
+    used once the agent reads it (it was counted nowhere before: the counts showed 0 for blocks in DRAM)."""
+    clock = VirtualClock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        pf, agents = idle_agent_on_the_ssd(store, clock)
+        bring_up = store.bring_up
+
+        def agent_back_meanwhile(*args, **kwargs):  # the real copy, then the arrival the step races with
+            got = bring_up(*args, **kwargs)
+            agents.arrive(9, chain(9, 9))
+            return got
+
+        store.bring_up = agent_back_meanwhile  # type: ignore[method-assign]
+        assert pf.step({"ssd": 3}) == {"ssd": 3}
+        assert pf.pending() == 0 and where(store, chain(9, 8))[:3] == ["dram"] * 3
+        assert pf.counts.prefetched == 3 and pf.counts.from_tier == {"ssd": 3}
+        read_back(store, chain(9, 3))
+        assert pf.counts.used == 3 and pf.counts.wasted == 0
+
+
 def test_a_finished_hint_cancels_the_prefetch(tmp_path):
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections import Counter
 
 import pytest
 from conftest import blocks_for
@@ -391,9 +392,17 @@ def test_a_prefetch_sent_through_kv_hints_brings_the_prefix_up_from_the_ssd(serv
     assert tiers(s, a) == (0, 6)
     submit(wire, a + prompt(2, 5000), envelope(("Prefetch", {}) if hinted else ("Share", {})), "a-1")
     if hinted:
-        assert s.backend.stats()["hints"] == {"hint_Prefetch_accepted": 1}
+        counts: Counter[str] = Counter()  # stats() gives the counts since its last call: summed over the calls
+
+        def took(field: str) -> dict[str, int]:
+            got = s.backend.stats()
+            counts.update(got["prefetch"])
+            return got[field]
+
+        assert took("hints") == {"hint_Prefetch_accepted": 1}
         assert wait_for(lambda: tiers(s, a)[0] == 6), f"A's pages were not brought up: {tiers(s, a)}"
-        counts = s.backend.stats()["prefetch"]
+        # the prefetcher counts a step's blocks just after they land in DRAM
+        assert wait_for(lambda: took("prefetch") is not None and counts["prefetch_blocks"] >= 6), counts
         assert counts["prefetch_blocks"] == 6 and counts["prefetch_from_ssd_blocks"] == 6
     else:
         assert s.backend.stats()["hints"] == {"hint_Share_ignored": 1}
