@@ -155,11 +155,12 @@ def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> tuple[torch.T
         mode = thp_mode(THP_SHMEM)
         if mode in THP_SHMEM_MODES:
             _advise_huge(mapping.address, size, f"the shared buffer {path} (shmem huge pages: {mode})")
-        if mode in THP_COLLAPSE_MODES:
+        if collapsible(path.parent):
             populated = populate(mapping, lambda m: m, size, f"the shared buffer {path}", collapse=True)
         else:
-            log.info("shared buffer %s on normal pages: the kernel's shmem huge pages are %s (%s) and %s is not "
-                     "hugetlbfs", path, mode or "absent", THP_SHMEM, path.parent)
+            kind = mount_of(path.parent)[0] or "an unknown file system"
+            log.info("shared buffer %s on normal pages: %s is on %s, not tmpfs (with shmem huge pages not denied: "
+                     "%s says %s) nor hugetlbfs", path, path.parent, kind, THP_SHMEM, mode or "absent")
     return tensor[:nbytes], populated
 
 
@@ -333,14 +334,15 @@ def thp_mode(setting: str) -> str:
     return m.group(1) if m else ""
 
 
-def hugetlbfs_page(directory: Path, mounts: str | None = None) -> int:
-    """The huge page size of the hugetlbfs mount ``directory`` is in; 0 when it is on another filesystem (or
-    does not exist: the caller creates it, on whatever is mounted there)."""
+def mount_of(directory: str | os.PathLike[str], mounts: str | None = None) -> tuple[str, str, str]:
+    """(file system type, mount options, mount point) of the mount ``directory`` is in, by the longest mount
+    point that holds it; ("", "", "") where the mount table cannot be read (a container without
+    /proc/self/mounts)."""
     try:
         where = os.path.realpath(directory)
         table = Path(mounts or MOUNTS).read_text().splitlines()
     except OSError:
-        return 0
+        return "", "", ""
     best, kind, options = "", "", ""
     for line in table:
         fields = line.split()
@@ -349,15 +351,30 @@ def hugetlbfs_page(directory: Path, mounts: str | None = None) -> int:
         point = fields[1].replace("\\040", " ")
         if (where == point or where.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
             best, kind, options = point, fields[2], fields[3]
+    return kind, options, best
+
+
+def hugetlbfs_page(directory: Path, mounts: str | None = None) -> int:
+    """The huge page size of the hugetlbfs mount ``directory`` is in; 0 when it is on another filesystem (or
+    does not exist: the caller creates it, on whatever is mounted there)."""
+    kind, options, point = mount_of(directory, mounts)
     if kind != HUGETLBFS:
         return 0
     m = re.search(r"pagesize=(\d+)([KMG]?)", options)
     if m:
         return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
     try:
-        return os.statvfs(best).f_bsize
+        return os.statvfs(point).f_bsize
     except OSError:
         return 0
+
+
+def collapsible(directory: str | os.PathLike[str], mounts: str | None = None) -> bool:
+    """Whether a shared file in ``directory`` may be collapsed onto transparent huge pages (MADV_COLLAPSE): it is
+    on tmpfs (shmem; a file on a disk file system is refused, EINVAL) and the kernel's shmem setting does not
+    deny huge pages. An unreadable mount table is tried (a refusal is one log line)."""
+    kind = mount_of(directory, mounts)[0]
+    return kind in ("tmpfs", "") and thp_mode(THP_SHMEM) in THP_COLLAPSE_MODES
 
 
 def _advise_huge(where: mmap.mmap | int, nbytes: int, what: str) -> None:

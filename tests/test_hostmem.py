@@ -167,3 +167,19 @@ def test_shared_mapping_is_aligned_and_lives_as_long_as_a_view(tmp_path):
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
+
+
+def test_a_shared_file_on_a_disk_file_system_is_not_collapsed(tmp_path, monkeypatch, caplog):
+    """MADV_COLLAPSE works on tmpfs (shmem) files only: a pool's ``shm_dir`` on a disk keeps 4 KiB pages, says so
+    in one line, and is not asked (the kernel would refuse with EINVAL)."""
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda1 / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\n/dev/vdb {tmp_path} xfs rw 0 0\n")
+    monkeypatch.setattr(hostmem, "MOUNTS", str(mounts))
+    monkeypatch.setattr(hostmem, "THP_SHMEM", _setting(tmp_path, "shmem_enabled", "always advise [never] deny"))
+    assert hostmem.collapsible("/dev/shm/kvtier") and not hostmem.collapsible(tmp_path / "pool")
+    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    buf = HostBuffer(2 * MIB, shm_path=tmp_path / "pool" / "dram")
+    buf.tensor.fill_(3)
+    assert buf.populated is None and int(buf.tensor.sum()) == 3 * 2 * MIB
+    logs = _huge_logs(caplog)
+    assert len(logs) == 1 and "xfs, not tmpfs" in logs[0], logs

@@ -42,8 +42,8 @@ import numpy as np
 from kvtier import wire
 from kvtier.auth.peercred import NotPeersFile, open_peers_file
 from kvtier.hostcopy import CopyThreads
-from kvtier.hostmem import (HUGE_ALIGN, THP_COLLAPSE_MODES, THP_SHMEM, SharedMapping, hugetlbfs_page, map_length,
-                            page_sizes, populate, thp_mode)
+from kvtier.hostmem import (HUGE_ALIGN, SharedMapping, collapsible, hugetlbfs_page, map_length, page_sizes,
+                            populate)
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -77,7 +77,7 @@ class Mapping:
         self.base = int(self._array.ctypes.data)
         # the pool collapses its file onto huge pages too; here it maps them (or does the pool's share of it)
         self.populated = populate(self, lambda m: m._mm, nbytes, f"the pool's shared file {path}",
-                                  collapse=not huge and thp_mode(THP_SHMEM) in THP_COLLAPSE_MODES)
+                                  collapse=not huge and collapsible(Path(path).parent))
         self.block_bytes = block_bytes
         fd = open_peers_file(generations, os.O_RDONLY, uid, "the pool's generation file")
         try:
