@@ -158,9 +158,10 @@ def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> tuple[torch.T
         if collapsible(path.parent):
             populated = populate(mapping, lambda m: m, size, f"the shared buffer {path}", collapse=True)
         else:
-            kind = mount_of(path.parent)[0] or "an unknown file system"
-            log.info("shared buffer %s on normal pages: %s is on %s, not tmpfs (with shmem huge pages not denied: "
-                     "%s says %s) nor hugetlbfs", path, path.parent, kind, THP_SHMEM, mode or "absent")
+            kind = mount_of(path.parent)[0]
+            why = (f"the kernel's shmem huge pages are {mode} ({THP_SHMEM})" if kind == "tmpfs" else
+                   f"{path.parent} is on {kind or 'an unknown file system'}, not tmpfs or hugetlbfs")
+            log.info("shared buffer %s on normal pages: %s", path, why)
     return tensor[:nbytes], populated
 
 

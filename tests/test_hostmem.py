@@ -77,7 +77,8 @@ def test_shared_file_is_advised_huge_where_shmem_allows_and_collapsed_unless_it_
         assert int(buf.tensor[::MIB].sum()) == 5 * 5
         if not collapsed:
             assert buf.populated is None
-            assert len(_huge_logs(caplog)) == 1 and "normal pages" in _huge_logs(caplog)[0]
+            logs = _huge_logs(caplog)
+            assert len(logs) == 1 and "normal pages" in logs[0] and "shmem huge pages are deny" in logs[0], logs
             return
         assert buf.populated is not None and buf.populated.wait(30)
         refused = [m for m in _huge_logs(caplog) if "MADV_COLLAPSE" in m]
@@ -182,4 +183,4 @@ def test_a_shared_file_on_a_disk_file_system_is_not_collapsed(tmp_path, monkeypa
     buf.tensor.fill_(3)
     assert buf.populated is None and int(buf.tensor.sum()) == 3 * 2 * MIB
     logs = _huge_logs(caplog)
-    assert len(logs) == 1 and "xfs, not tmpfs" in logs[0], logs
+    assert len(logs) == 1 and "is on xfs, not tmpfs" in logs[0], logs
