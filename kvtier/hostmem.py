@@ -134,7 +134,7 @@ def _map_file(path: Path, nbytes: int, huge_pages: bool = True) -> tuple[torch.T
     background where it does not deny them (the event: set when that is done)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     huge = hugetlbfs_page(path.parent) if huge_pages else 0
-    size = _whole_pages(nbytes, huge)
+    size = whole_pages(nbytes, huge)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -313,14 +313,9 @@ def _munmap(address: int, length: int) -> None:
     _LIBC.munmap(address, length)
 
 
-def map_length(path: str | Path, nbytes: int) -> int:
-    """The length to map ``nbytes`` of the shared buffer's file ``path`` (another process's, as _map_file made
-    it): whole huge pages in a hugetlbfs mount (its mappings must be; ``hugetlbfs_page`` answers which),
-    ``nbytes`` elsewhere."""
-    return _whole_pages(nbytes, hugetlbfs_page(Path(path).parent))
-
-
-def _whole_pages(nbytes: int, page: int) -> int:
+def whole_pages(nbytes: int, page: int) -> int:
+    """``nbytes`` rounded up to whole pages of ``page`` bytes (a hugetlbfs mount's: its files and mappings must
+    be; ``hugetlbfs_page`` answers which); ``nbytes`` where ``page`` is 0 (any other file system)."""
     return -(-nbytes // page) * page if page else nbytes
 
 

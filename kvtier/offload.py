@@ -25,8 +25,8 @@ Prefetch (kvtier/prefetch.py, TieredStore.bring_up): with on_evict the two tiers
 a prefetch brings up *leaves* a private lower tier (``prefetched``; the SSD, a HandsUp tier; a pool other engines
 read keeps its copy): a copy in both spends a slot of the lower tier on what DRAM holds, and the full SSD then
 declined DRAM's later victims (replay, standard slice, ssd_promote false: 0.935 of input tokens served against
-0.950 with the move, the infinite cache's). DRAM's eviction writes the block down again (on_evict: the lower tier lacks it), so the
-SSD writes more (about 3x in that replay) to hold more.
+0.950 with the move, the infinite cache's). DRAM's eviction writes the block down again (on_evict: the lower tier
+lacks it), so the SSD writes more (about 3x in that replay) to hold more.
 """
 
 from __future__ import annotations

@@ -90,7 +90,6 @@ class PredictedNextUse(Policy):
         self._uids = count()
         self._ranking = Ranking(self._key, refresh_s)
         self._checkpoints = CheckpointObjects(self.max_pending)
-        self._handed = False  # a victims pass handed a fork junction to its heir (_victims)
         self._dead: OrderedDict[bytes, None] = OrderedDict()  # tracked objects of superseded checkpoints: first
 
     # ---- observations ----------------------------------------------------------------------------------
@@ -379,31 +378,35 @@ class PredictedNextUse(Policy):
         keys); each hand-over goes to an agent strictly sooner back, so the passes end."""
         out: list[bytes] = []
         for _ in range(len(self._agents) + 1):
-            self._handed = False
-            self._victims_pass(n, protected, now, out)
-            if len(out) >= n or not self._handed:
+            handed = self._victims_pass(n, protected, now, out)
+            if len(out) >= n or not handed:
                 break
         return out
 
-    def _victims_pass(self, n: int, protected: Container[bytes], now: float, out: list[bytes]) -> None:
+    def _victims_pass(self, n: int, protected: Container[bytes], now: float, out: list[bytes]) -> bool:
+        """One pass over the ranking; True if it handed a fork junction to its heir."""
         ranking = self._ranking.current(now)
         i = len(ranking) - 1
         keys = self._ranking.keys
+        handed = False
         if self._dead:
             self._take_queue(self._dead, n, protected, out)
         while i >= 0 and len(out) < n and keys[i][1] == INF:  # finished, or not expected back: first
-            self._take(ranking[i], n, protected, out)
+            handed |= self._take(ranking[i], n, protected, out)
             i -= 1
         if len(out) < n and self._orphans_map:
             self._take_orphans(n, protected, out)
         while i >= 0 and len(out) < n:
-            self._take(ranking[i], n, protected, out)
+            handed |= self._take(ranking[i], n, protected, out)
             i -= 1
+        return handed
 
-    def _take(self, agent: Agent, n: int, protected: Container[bytes], out: list[bytes]) -> None:
-        """The agent's deepest unprotected keys, until ``out`` has ``n``."""
+    def _take(self, agent: Agent, n: int, protected: Container[bytes], out: list[bytes]) -> bool:
+        """The agent's deepest unprotected keys, until ``out`` has ``n``; True if a fork junction's key went to
+        its heir instead."""
         if agent.count <= 0 or not agent.alive:
-            return
+            return False
+        handed = False
         heap, where = agent.heap, self._where
         kept = []
         pop = heapq.heappop
@@ -423,13 +426,14 @@ class PredictedNextUse(Policy):
                 if heir is not None:
                     agent.count -= 1
                     self._own(heir, key, -entry[0])
-                    self._handed = True
+                    handed = True
                     continue
             del where[key]
             agent.count -= 1
             out.append(key)
         for entry in kept:
             heapq.heappush(heap, entry)
+        return handed
 
     def _unknown(self) -> OrderedDict[bytes, None]:
         """The keys of no known agent, LRU order (made at the first arrival; the paths that use them run

@@ -26,7 +26,9 @@ class SsdKeys:
     ssd_offload: str = key_field("on_evict", "when blocks go from DRAM to SSD: write_through (every put), on_evict "
                                              "(when DRAM evicts them), second_hit (on eviction, if seen twice)",
                                  OFFLOADS)
-    ssd_promote: bool = key_field(True, "copy a block served from SSD into DRAM too")
+    ssd_promote: bool = key_field(True, "copy a block served from SSD into DRAM too (off served more on the "
+                                        "standard replay slice but cost hit rate with prefetch on the sample's "
+                                        "traces: README 'Between turns')")
     ssd_eviction: str = key_field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
                                              "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
     ssd_direct_io: str = switch_field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "

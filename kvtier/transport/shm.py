@@ -42,8 +42,8 @@ import numpy as np
 from kvtier import wire
 from kvtier.auth.peercred import NotPeersFile, open_peers_file
 from kvtier.hostcopy import CopyThreads
-from kvtier.hostmem import (HUGE_ALIGN, SharedMapping, collapsible, hugetlbfs_page, map_length, page_sizes,
-                            populate)
+from kvtier.hostmem import (HUGE_ALIGN, SharedMapping, collapsible, hugetlbfs_page, page_sizes, populate,
+                            whole_pages)
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
 from kvtier.transport.onesided import OneSidedConnection
@@ -70,7 +70,7 @@ class Mapping:
             # whole huge pages where the pool made its file in a hugetlbfs mount, at an address where its huge
             # pages map with one page-table entry each (kvtier.hostmem)
             huge = hugetlbfs_page(Path(path).parent)
-            self._mm = SharedMapping(fd, map_length(path, nbytes), max(HUGE_ALIGN, huge))
+            self._mm = SharedMapping(fd, whole_pages(nbytes, huge), max(HUGE_ALIGN, huge))
         finally:
             os.close(fd)
         self._array = np.frombuffer(self._mm.buffer(), dtype=np.uint8)[:nbytes]
