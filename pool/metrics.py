@@ -95,6 +95,9 @@ class _StateCollector(Collector):
         g.add_metric(["hit"], c.get("get_hits", 0))
         g.add_metric(["miss"], c.get("get_misses", 0))
         yield g
+        yield CounterMetricFamily("kvtier_pool_located_reads", "Blocks one-sided clients read where they had seen "
+                                  "them last, without an acquire (proven by slot generations; among the hits)",
+                                  value=c.get("located_reads", 0))
         yield CounterMetricFamily("kvtier_pool_put_blocks", "Blocks stored", value=c.get("put_blocks", 0))
         yield CounterMetricFamily("kvtier_pool_evictions", "Blocks evicted to make room",
                                   value=ts.evictions if ts else 0)

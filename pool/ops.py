@@ -1,5 +1,5 @@
 """The ops a kvtier-pool serves (kvtier/wire/pool.py documents each): hello, contains, remove, put, get,
-reserve/commit and acquire/release (one-sided clients), stats, clear, rdma_connect, observe (what the
+reserve/commit, acquire/release and touch (one-sided clients), stats, clear, rdma_connect, observe (what the
 engines know about their agents, for the pool's eviction policy).
 
 Each takes the PoolState, the Client that sent it (pool/clients.py: who, as far as the pool can
@@ -177,8 +177,11 @@ def reserve(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply
         st.held.charge(client.account, nbytes)
         lease = st.leases.add(P.RESERVE, res, lambda: tier.commit(res, success=False), client.owner, nbytes)
     base = np.uint64(tier.buffer.ptr)
-    return Reply({"lease": lease, "held": P.bitmap(held), "fresh": P.bitmap(fresh),
-                  "offsets": P.offsets((res.addresses - base).astype(np.int64)), "skipped": skipped, **committed})
+    offsets = (res.addresses - base).astype(np.int64)
+    gens = st.generations.of(offsets // bb) if st.generations is not None and len(offsets) \
+        else np.zeros(len(offsets), dtype=np.uint64)
+    return Reply({"lease": lease, "held": P.bitmap(held), "fresh": P.bitmap(fresh), "offsets": P.offsets(offsets),
+                  "generations": gens.astype("<u8").tobytes(), "skipped": skipped, **committed})
 
 
 def commit(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
@@ -267,6 +270,18 @@ def release(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply
         leases = _int_list(body, "leases", st.settings.max_keys)
         return Reply({"valid": all([_release(st, client, lease) for lease in leases])})
     return Reply({"valid": _release(st, client, wire.int_field(body, "lease", 0, 1 << 62))})
+
+
+def touch(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
+    """Blocks a one-sided client read where it saw them last, without an acquire (kvtier/transport/locations.py:
+    their slots' generations proved them unchanged): hits, and accesses for the eviction policy, as an acquire's
+    would have been. Sent after the copy, with no reply."""
+    tier = st.tier_for(body)
+    keys = st.keys(body)
+    hits = tier.touch(keys)
+    bb = tier.block_bytes
+    st.count(get_hits=hits, get_bytes=hits * bb, bytes_out_onesided=hits * bb, located_reads=hits)
+    return Reply({"touched": hits})
 
 
 def _release(st: PoolState, client: Client, lease: int) -> bool:
@@ -394,9 +409,9 @@ Op = Callable[[PoolState, Client, Body, list[Any]], Reply]
 OPS: dict[str, Op] = {
     P.HELLO: hello, P.CONTAINS: contains, P.REMOVE: remove, P.PUT: put, P.GET: get, P.RESERVE: reserve,
     P.COMMIT: commit, P.ACQUIRE: acquire, P.RELEASE: release, P.STATS: stats, P.CLEAR: clear,
-    P.RDMA_CONNECT: rdma_connect, P.COPY_FROM: copy_from, P.OBSERVE: observe,
+    P.RDMA_CONNECT: rdma_connect, P.COPY_FROM: copy_from, P.OBSERVE: observe, P.TOUCH: touch,
 }
-NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answer
+NO_REPLY_OPS = {P.RELEASE, P.COMMIT, P.TOUCH}  # a request with noreply True gets no answer
 # What each op needs when the pool requires keys (kvtier/auth/roles.py; checked per message by PoolServer.serve
 # before a worker sees it): engines move blocks, only operators clear and ask for copies (copy_from: without
 # keys, only a process of the pool's own uid on its ipc socket: ops.cluster_caller_problem). hello needs DATA
@@ -404,7 +419,7 @@ NO_REPLY_OPS = {P.RELEASE, P.COMMIT}  # a request with noreply True gets no answ
 PERMISSIONS = {
     P.HELLO: DATA, P.CONTAINS: READ, P.STATS: READ, P.REMOVE: DATA, P.PUT: DATA, P.GET: DATA, P.RESERVE: DATA,
     P.COMMIT: DATA, P.ACQUIRE: DATA, P.RELEASE: DATA, P.RDMA_CONNECT: DATA, P.CLEAR: ADMIN,
-    P.COPY_FROM: ADMIN, P.OBSERVE: DATA,
+    P.COPY_FROM: ADMIN, P.OBSERVE: DATA, P.TOUCH: DATA,
 }
 
 # Ops that make a client hold more (memory or slots): the dispatcher holds them back while the client's

@@ -214,6 +214,7 @@ class PoolState:
             slots = tier.capacity_bytes // block_bytes
             gen_path = self.shm_path.with_suffix(".gen") if self.shm_path is not None else None
             self.generations = SlotGenerations(slots, gen_path)
+            tier.watch_frees(self.generations.bump)  # a key gone from its slot: located reads miss (locations.py)
             floor = min(tier.capacity_bytes, MIN_HELD_BLOCKS * block_bytes)  # a small pool's clients need a few
             self.held.limit = max(self.held.limit, floor)
             self.held.per_account = min(self.held.limit, max(self.held.per_account, floor))

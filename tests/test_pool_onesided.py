@@ -118,6 +118,7 @@ def test_a_get_answered_after_half_the_lease_is_a_miss_never_another_keys_bytes(
         x, y = ns.keys([1, 2])
         mine = filled(1, 0xAA)  # alive while its rows are copied
         assert a.put([x], rows(mine)) == [True]
+        a.locations.forget_all()  # the get acquires: the path under test, not a read where the put left them
         released = threading.Event()
         hold_replies(a, P.ACQUIRE, released)  # a's acquire answered, a descheduled past its lease
         other: list[list[bool]] = []
@@ -221,6 +222,7 @@ def test_a_batch_deadline_scales_with_its_bytes(tmp_path, monkeypatch):
         keys = ns.keys(range(100, 164))
         src = filled(64, 7)
         assert c.put(keys, rows(src)) == [True] * 64
+        c.locations.forget_all()  # the get acquires (a batch with a deadline), not a read where the put left them
         out = filled(64, 0)
         assert_all_hits_exact(c.get(keys, rows(out)), out, 7)
         want = 0.2 + 64 * BB / C.MIN_BANDWIDTH
@@ -403,6 +405,7 @@ def test_a_failed_get_still_releases_what_it_acquired(tmp_path, monkeypatch):
         try:
             src, out = filled(40, 3), filled(40, 0)  # alive while their rows are copied from and into
             assert all(c.put(keys, rows(src)))
+            c.locations.forget_all()  # the get acquires: the path under test, not a read where the put left them
             monkeypatch.setattr(onesided, "REQUEST_BYTES", 4 * BB)  # ten acquires, releases on later ones
             real_body, bodies = c._body, []
             # The first request carrying a release: the next request goes out before a reply's chunk is copied
@@ -449,6 +452,7 @@ def test_the_next_request_is_in_flight_while_a_chunk_is_copied(tmp_path, monkeyp
             monkeypatch.setattr(c.channel, "_handle", spy_handle)
             src, out = filled(32, 5), filled(32, 0)
             assert c.put(keys, rows(src)) == [True] * 32
+            c.locations.forget_all()  # the get acquires: the path under test, not a read where the put left them
             assert_all_hits_exact(c.get(keys, rows(out)), out, 5)
             # every reply but the last WINDOW ones is handled with a full window behind it
             assert in_flight[:-onesided.WINDOW] == [onesided.WINDOW] * (8 - onesided.WINDOW), in_flight
@@ -507,6 +511,7 @@ src, out = np.full((32, bb), 9, np.uint8), np.zeros((32, bb), np.uint8)
 rows = lambda a: np.uint64(a.ctypes.data) + np.arange(32, dtype=np.uint64) * np.uint64(bb)
 if op == "acquire":
     assert all(c.put(keys, rows(src)))
+    c.locations.forget_all()  # the get acquires, not a read where the put left them
 handle = c.channel._handle
 def die(req, *a):  # killed right after its first chunk, the next requests already in flight
     handle(req, *a)
@@ -590,6 +595,7 @@ def test_a_put_starts_with_a_small_request_and_ramps_up(tmp_path, monkeypatch):
             monkeypatch.setattr(c.channel, "batch", spy_batch)
             src, out = filled(64, 6), filled(64, 0)
             assert c.put(keys, rows(src)) == [True] * 64
+            c.locations.forget_all()  # the get acquires: the path under test, not a read where the put left them
             assert_all_hits_exact(c.get(keys, rows(out)), out, 6)
             sizes = {op: [len(r.body["keys"]) // wire.KEY_BYTES for r in sent if r.op == op]
                      for op in (P.RESERVE, P.ACQUIRE)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -87,6 +87,13 @@ class DramTier(AddressableSlots, PrefetchTarget):
         with self._lock:
             self._table.protected.pins = pins
             self._on_evict = on_evict
+
+    def watch_frees(self, listener: Callable[[np.ndarray], None]) -> None:
+        """Call ``listener(slots)`` (under the tier's lock) with every slot that goes free: a dropped or evicted
+        key's, a failed write's. The pool bumps those slots' generations, so a client that reads a block where it
+        saw it last (kvtier/transport/locations.py) learns the key left even when no new key took the slot."""
+        with self._lock:
+            self._table.alloc.on_free = listener
 
     def contains(self, keys: Sequence[bytes]) -> np.ndarray:
         """A numpy bool per key: committed, or evicted and still being handed down (readable here until then).
@@ -187,6 +194,16 @@ class DramTier(AddressableSlots, PrefetchTarget):
             return
         with self._lock:
             self._table.publish(res.keys, res.slots, success)
+
+    def touch(self, keys: Sequence[bytes]) -> int:
+        """Count reads a one-sided client made without an acquire (where it saw the blocks last, checked by their
+        slots' generations) as hits and as accesses for the eviction policy; how many of ``keys`` are held."""
+        with self._lock:
+            present = [k for k in keys if k in self._slot_of]
+            self._policy.access(present)
+            self._stats.hits += len(present)
+            self._stats.get_bytes += len(present) * self.block_bytes
+        return len(present)
 
     @contextmanager
     def acquire(self, keys: Sequence[bytes]) -> Iterator[list[int | None]]:

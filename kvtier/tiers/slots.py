@@ -9,7 +9,7 @@ handed down outside its lock and its in-place copies, the SSD's segments, checks
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -26,10 +26,11 @@ log = logging.getLogger(__name__)
 class SlotAllocator:
     """A stack of free slot indices in a numpy array. Not thread-safe: the owning tier locks around it."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, on_free: Callable[[np.ndarray], None] | None = None) -> None:
         if num_slots <= 0:
             raise ValueError(f"need at least one slot, got {num_slots}")
         self.num_slots = num_slots
+        self.on_free = on_free  # told every slot that goes free (the pool: bump its generation)
         # Lowest slots on top, so a lightly used tier touches (and faults in) the start of its buffer only.
         self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._top = num_slots  # free[:top] are free
@@ -63,6 +64,8 @@ class SlotAllocator:
         self._free[self._top : self._top + len(arr)] = arr[::-1]
         self._top += len(arr)
         self._is_free[arr] = True
+        if self.on_free is not None:
+            self.on_free(arr)
 
     def free_idle(self, doomed: set[int], busy: np.ndarray) -> None:
         """Free the slots of ``doomed`` (dropped while in use) that ``busy`` now shows idle; keep the rest."""

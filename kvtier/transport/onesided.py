@@ -2,6 +2,8 @@
 
     put:  reserve (the pool picks slots, evicting if needed) -> write rows into them -> commit
     get:  acquire (the pool keeps the blocks from eviction) -> read them into rows -> release
+          or, for blocks this connection put or read before: read them where they were -> check their slots'
+          generations -> tell the pool (touch); no round trip before the copy (locations.py)
 
 Shared memory (shm.py: the client copies into and out of the pool's mapped file) and RDMA (rdma.py: one-sided
 RDMA WRITE and READ into the pool's registered memory) differ only in ``_write`` and ``_read``. A batch is cut
@@ -53,6 +55,7 @@ from kvtier import wire
 from kvtier.transport.base import PoolError, PoolProtocolError
 from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
+from kvtier.transport.locations import Locations
 from kvtier.wire import pool as P
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,11 @@ START_FRACTION = 0.5  # no copy starts later than this fraction of the pool's le
 class OneSidedConnection(ConnectionBase):
     """put/get by reserve/commit and acquire/release; subclasses move the bytes."""
 
+    def __init__(self, channel: Any, info: Any, **kw: Any) -> None:
+        super().__init__(channel, info, **kw)
+        # Where this connection last saw its blocks: a get of them copies at once (kvtier/transport/locations.py)
+        self.locations = Locations()
+
     def _write(self, offsets: np.ndarray, src: np.ndarray, epoch: int) -> None:
         """Copy rows at ``src`` into the pool's buffer at byte ``offsets`` (pool of ``epoch``)."""
         raise NotImplementedError
@@ -89,12 +97,18 @@ class OneSidedConnection(ConnectionBase):
         """The generations of the slots at byte ``offsets`` now (read after the copy)."""
         raise NotImplementedError
 
+    def _still_serving(self, epoch: int) -> bool:
+        """Whether the memory of the pool of ``epoch`` is still a live pool's, as far as this side can tell
+        without a request (a read where blocks were last seen asks first)."""
+        return True
+
     def put(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
         n, bb = len(keys), self.block_bytes
         self._check_fits(n)
         rows = np.asarray(rows, dtype=np.uint64)
         held = [False] * n
         copied: list[tuple[int, int, np.ndarray, bool]] = []  # not committed yet: (lease, chunk start, fresh, ok)
+        placed: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # lease -> (epoch, offsets, generations)
         carried: list[tuple[Request, list[tuple[int, int, np.ndarray, bool]]]] = []  # requests carrying commits
 
         def unhold(a: int, fresh: np.ndarray) -> None:
@@ -102,9 +116,12 @@ class OneSidedConnection(ConnectionBase):
                 held[a + i] = False
 
         def settle(done: list[tuple[int, int, np.ndarray, bool]], valid: list[bool]) -> None:
-            for (_, a, fresh, _), ok in zip(done, valid):
+            for (lease, a, fresh, copied_ok), ok in zip(done, valid):
                 if not ok:  # the lease expired before the commit: those slots were taken back
                     unhold(a, fresh)
+                elif copied_ok and lease in placed:  # stored where the reserve said: a get may read it there
+                    epoch, offsets, gens = placed.pop(lease)
+                    self.locations.learn(epoch, [keys[a + i] for i in fresh.tolist()], offsets, gens)
 
         def commit_body(done: list[tuple[int, int, np.ndarray, bool]]) -> dict[str, Any]:
             return {"leases": [d[0] for d in done], "oks": [d[3] for d in done]}
@@ -123,8 +140,12 @@ class OneSidedConnection(ConnectionBase):
                     ok = False
                     try:  # copied while the pool reserves the next chunk
                         if self._may_start(ans, len(fresh), "put"):
-                            self._write(P.unoffsets(ans.body["offsets"], len(fresh)), rows[a + fresh], ans.epoch)
+                            offsets = P.unoffsets(ans.body["offsets"], len(fresh))
+                            self._write(offsets, rows[a + fresh], ans.epoch)
                             ok = True
+                            gens = _generations_field(ans.body, len(fresh))
+                            if gens is not None:
+                                placed[lease] = (ans.epoch, offsets, gens)
                     finally:
                         if not ok:
                             unhold(a, fresh)
@@ -160,8 +181,68 @@ class OneSidedConnection(ConnectionBase):
         return held
 
     def get(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
-        n, bb = len(keys), self.block_bytes
         rows = np.asarray(rows, dtype=np.uint64)
+        hit = [False] * len(keys)
+        rest = self._read_located(keys, rows, hit)
+        if rest is None:
+            return hit
+        if len(rest) == len(keys):
+            return self._acquire_get(keys, rows)
+        for i, h in zip(rest.tolist(), self._acquire_get([keys[i] for i in rest.tolist()], rows[rest])):
+            hit[i] = h
+        return hit
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        self.locations.forget(keys)
+        return super().remove(keys)
+
+    def _new_epoch(self, epoch: int) -> None:
+        self.locations.forget_all(epoch)
+        super()._new_epoch(epoch)
+
+    def _read_located(self, keys: Sequence[bytes], rows: np.ndarray, hit: list[bool]) -> np.ndarray | None:
+        """Copy the blocks of ``keys`` this connection knows the place of, with no request (locations.py); mark
+        them in ``hit`` and tell the pool afterwards. The positions of the keys still to acquire (None: none)."""
+        epoch = self.info.epoch
+        index, offsets, named = self.locations.find(epoch, keys)
+        if not len(index):
+            return np.arange(len(keys), dtype=np.int64)
+        if not self._still_serving(epoch):  # a new pool replaced it: its next reply says so, and we forget
+            self.locations.forget_all()
+            return np.arange(len(keys), dtype=np.int64)
+        dst = rows[index]
+        try:
+            self._read(dst, offsets, epoch)
+            same = self._generations(offsets, epoch) == named
+        except PoolError as e:  # the pool moved on (restarted, its file gone): what we knew of it is void
+            log.info("pool %s: reading blocks where they were last seen failed (%s); asking for them", self.endpoint,
+                     e.message)
+            self.locations.forget_all()
+            return np.arange(len(keys), dtype=np.int64)
+        good = index[same]
+        if not same.all():  # taken by another key, or gone: those rows hold nothing of theirs
+            moved = np.flatnonzero(~same)
+            for d in dst[moved].tolist():
+                ctypes.memset(d, 0, self.block_bytes)
+            self.locations.forget([keys[i] for i in index[moved].tolist()])
+        for i in good.tolist():
+            hit[i] = True
+        if len(good):
+            read = [keys[i] for i in good.tolist()]
+            try:  # the pool counts them as hits, and its eviction policy as accesses
+                self.channel.notify(P.TOUCH, self._body(read))
+            except PoolError as e:
+                log.info("pool %s: could not report %d blocks read where they were (%s)", self.endpoint, len(read),
+                         e.message)
+        if len(good) == len(keys):
+            return None
+        keep = np.ones(len(keys), dtype=bool)
+        keep[good] = False
+        return np.flatnonzero(keep)
+
+    def _acquire_get(self, keys: Sequence[bytes], rows: np.ndarray) -> list[bool]:
+        """get by acquire: the pool names where the blocks are and keeps them there until they are copied."""
+        n, bb = len(keys), self.block_bytes
         hit = [False] * n
         releases: list[int] = []  # leases done with (copied, skipped or failed), not released yet
         carried: list[tuple[Request, list[int]]] = []  # requests carrying releases
@@ -198,8 +279,10 @@ class OneSidedConnection(ConnectionBase):
                                     len(changed))
                         for d in dst[changed].tolist():
                             ctypes.memset(d, 0, bb)
-                    for i in index[same].tolist():
+                    good = index[same]
+                    for i in good.tolist():
                         hit[a + i] = True
+                    self.locations.learn(ans.epoch, [keys[a + i] for i in good.tolist()], offsets[good], named[same])
                 body = self._body(keys[a:b])
                 req = Request(P.ACQUIRE, body, (), on_reply)
                 if releases:  # chunks copied by now: released by this request
@@ -249,6 +332,15 @@ def request_spans(n: int, first: int, most: int) -> list[tuple[int, int]]:
         a += per
         per = min(most, per * RAMP)
     return spans
+
+
+def _generations_field(body: dict[str, Any], n: int) -> np.ndarray | None:
+    """A reply's slot generations (``n`` little-endian uint64); None from a pool that sends none (older ones do
+    not for a reserve: its blocks are then not remembered, and a get of them asks for them)."""
+    raw = body.get("generations")
+    if not isinstance(raw, bytes) or len(raw) != 8 * n:
+        return None
+    return np.frombuffer(raw, "<u8").astype(np.uint64)
 
 
 def _not_delivered(carried: Sequence[tuple[Request, Sequence[T]]]) -> list[T]:

@@ -63,7 +63,9 @@ class Mapping:
         self.path, self.nbytes, self.epoch = path, nbytes, epoch
         fd = open_peers_file(path, os.O_RDWR, uid, "the pool's shared file")
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self._inode = (st.st_dev, st.st_ino)
+            size = st.st_size
             if size < nbytes:
                 raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
                                         f"{nbytes}", wire.ERR_BAD_MESSAGE)
@@ -84,6 +86,15 @@ class Mapping:
             self.generations = GenerationView(fd, generations, nbytes // block_bytes)
         finally:
             os.close(fd)
+
+    def linked(self) -> bool:
+        """Whether the file mapped is still the pool's file at its path: a restarted pool removes its
+        predecessor's, and a mapping outlives that (a stat, ~2 us)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._inode
 
     def generations_at(self, offsets: np.ndarray) -> np.ndarray:
         return self.generations.of(offsets.astype(np.int64) // self.block_bytes)
@@ -132,6 +143,10 @@ class ShmConnection(OneSidedConnection):
 
     def _generations(self, offsets: np.ndarray, epoch: int) -> np.ndarray:
         return self._mapped(epoch).generations_at(offsets)
+
+    def _still_serving(self, epoch: int) -> bool:
+        mapping = self._mapping
+        return mapping is not None and mapping.epoch == epoch and mapping.linked()
 
     # ---- mapping ---------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +33,9 @@ _fence = threading.Lock()
 
 
 class SlotGenerations:
-    """``num_slots`` uint64 counters, all 1 at start (0 means "no slot")."""
+    """``num_slots`` uint64 counters, all one random value at start (never 0, which means "no slot"): a pool's
+    generations are its own, so a generation a client remembers from a pool's earlier life matches none of a
+    restarted pool's (an RDMA client, which cannot see the restart before a reply, reads them there)."""
 
     def __init__(self, num_slots: int, path: Path | None = None) -> None:
         self.num_slots = num_slots
@@ -49,7 +52,7 @@ class SlotGenerations:
             self._gen = np.frombuffer(self._mm, dtype=np.uint64)
         else:
             self._gen = np.zeros(num_slots, dtype=np.uint64)
-        self._gen[:] = 1
+        self._gen[:] = secrets.randbits(62) | 1
         self.address = int(self._gen.ctypes.data)
 
     def bump(self, slots: Sequence[int] | np.ndarray) -> None:

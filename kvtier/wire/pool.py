@@ -27,9 +27,10 @@ Ops (request body -> reply body):
   put       {keys} + data        -> {held: bitmap}        data: the n blocks' bytes in key order, cut into
                                                           frames anywhere on block boundaries
   get       {keys}               -> {hit: bitmap} + data  data: the hits' bytes in key order, same framing rule
-  reserve   {keys}               -> {lease, held: bitmap, offsets}   one-sided writes (shm, rdma): ``offsets``
-            are the byte offsets in the pool's buffer of the reserved keys (held, but not held before), in key
-            order; the client fills them, then commits (a pipelined client piggybacks the commits of the chunks
+  reserve   {keys}               -> {lease, held: bitmap, offsets, generations}   one-sided writes (shm, rdma):
+            ``offsets`` are the byte offsets in the pool's buffer of the reserved keys (held, but not held
+            before), in key order, ``generations`` their slots' (bumped for this reservation); the client fills
+            them, then commits (a pipelined client piggybacks the commits of the chunks
             it has copied on its next reserve: {keys, leases, oks} -> {..., valid: [bool]})
   commit    {lease, ok}          -> {published: int, valid: bool}    publishes them (ok False gives them back);
             {leases, oks}        -> {published: int, valid: [bool]}  several reservations in one round trip
@@ -43,6 +44,11 @@ Ops (request body -> reply body):
   release   {lease}              -> {valid: bool}        valid False: the lease had expired (the bytes read may
             {leases}             -> {valid: bool}        have been reused: the client must count those blocks
                                                          as misses); for a list, whether all were live
+  touch     {keys}               -> {touched: int}      (noreply) blocks a one-sided client read without an
+            acquire, where it saw them last (a reserve or acquire reply), its copy proven by the slots'
+            generations unchanged since (kvtier/transport/locations.py): counted as hits and as accesses for
+            the pool's eviction policy. A slot's generation is also bumped when its key leaves it (removed,
+            evicted, a failed write), so such a read of a key no longer held is a miss.
   stats     {}                   -> {tier, leases, counters}
   clear     {}                   -> {removed: int}       drop every block (an operator's reset; a policy's
             history, e.g. S3-FIFO's ghosts, stays)
@@ -56,7 +62,8 @@ Ops (request body -> reply body):
 
 Leases expire after the pool's ``lease_s`` and are quarantined for another ``lease_s`` before their slots are
 reused (pool/leases.py); lease numbers are random 62-bit values, and act only for the client and session
-that took them; ``release`` and ``commit`` carry ``noreply`` True when the client does not wait for the answer.
+that took them; ``release``, ``commit`` and ``touch`` carry ``noreply`` True when the client does not wait for
+the answer.
 Errors use kvtier.wire's codes, and ERR_BUSY: the pool has too much waiting from this client (or from all of
 them) and answers at once instead of queueing; a put over the pool's capacity is ERR_TOO_LARGE naming the
 sizes.
@@ -85,6 +92,7 @@ CLEAR = "clear"
 RDMA_CONNECT = "rdma_connect"
 COPY_FROM = "copy_from"
 OBSERVE = "observe"
+TOUCH = "touch"
 
 # Clients cut batches into requests of at most the hello's request_bytes but no fewer than MIN_REQUEST_BLOCKS
 # blocks (kvtier/transport/connection.py), a few in flight; however small the pool, each client may hold
