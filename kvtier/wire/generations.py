@@ -1,4 +1,5 @@
-"""SlotGenerations: one counter per DRAM slot of the pool, bumped whenever the slot is handed to a new key.
+"""SlotGenerations: one counter per DRAM slot of the pool, bumped whenever the slot is handed to a new key or
+goes free.
 
 Why: a one-sided reader (shm, rdma) copies a block out of the pool's memory itself, outside the pool's
 process; its acquire lease keeps the slot from being reused, but a reader can outlive its lease (a stalled
@@ -6,7 +7,10 @@ process) and a lease can be ended early (a client bug). So the acquire reply nam
 the reader copies, then reads the generations again: where one changed, the slot was given to another key
 while it copied and those bytes count as a miss. A slot's generation is bumped when it is reserved for a
 key, before anyone is told where to write (the pool's own copy, a stream receive, or a one-sided writer's
-reserve reply), so a reader that saw any byte of the new key's data sees the new generation after it.
+reserve reply), so a reader that saw any byte of the new key's data sees the new generation after it. It is
+bumped again when the slot goes free (its key removed or evicted, a write failed): a client that reads a block
+where it saw it last, with no acquire (kvtier/transport/locations.py), needs an unchanged generation to mean
+"still this key's", not only "no other key's yet".
 
 Ordering (x86-64, where kvtier's native copies run): loads are not reordered with other loads, so a reader's
 generation load after its copy's loads sees a bump that happened before a write it read; the pool follows
