@@ -4,13 +4,17 @@ the pool no longer holds. Real pool processes, shared memory, real generation fi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bytecheck import assert_all_hits_exact
 from kvtier.keys import Namespace
 from kvtier.transport import connect
+from kvtier.transport.base import PoolError
 from kvtier.transport.locations import Locations
 from kvtier.wire import pool as P
 from poolproc import PoolProcess, until
@@ -163,8 +167,26 @@ def test_after_a_pool_restart_nothing_is_read_from_the_old_pools_memory(tmp_path
         c.close()
 
 
+def test_a_killed_pools_memory_is_not_read_though_its_file_is_still_there(tmp_path):
+    """kill -9 leaves the pool's file (and its generations) in place, bytes intact: a read where the blocks were
+    would be a hit from a pool that is gone. The client watches the pool's process (a pidfd): the get asks the
+    pool instead, and fails by its deadline, nothing copied."""
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=1.0)
+        keys = ns.keys(range(800, 804))
+        src = filled(4, 0x66)
+        assert c.put(keys, rows(src)) == [True] * 4
+        shm_file = Path(p.info["shm_path"])
+        p.kill()
+        assert shm_file.exists()  # the premise: the dead pool's bytes are still mapped and on /dev/shm
+        out = filled(4, 0x11)
+        with pytest.raises(PoolError):
+            c.get(keys, rows(out))
+        assert (out == 0x11).all()
+        c.close()
+
+
 def _get_or_none(c, keys, out):
-    from kvtier.transport.base import PoolError
     try:
         return c.get(keys, rows(out))
     except PoolError:

@@ -52,7 +52,8 @@ class PoolInfo:
     """What a pool says about itself in its hello reply. ``block_bytes`` is this connection's block size (the
     pool's; the client's own while the pool is unsized, ``sized`` False: its first put sizes it). ``session``:
     the token this client's lease ops carry (pool/clients.py). ``uid``: the pool process's uid as the kernel
-    reported it for the ipc:// connection the hello came on (kvtier/auth/peercred.py); None over tcp://."""
+    reported it for the ipc:// connection the hello came on (kvtier/auth/peercred.py), and ``pid`` its process id
+    (0 where the kernel could not say: another pid namespace); None over tcp://."""
 
     endpoint: str
     node: str
@@ -66,16 +67,17 @@ class PoolInfo:
     sized: bool = True
     request_bytes: int = 0  # the largest request the pool wants (0: it did not say)
     uid: int | None = None
+    pid: int | None = None
 
     @classmethod
-    def from_wire(cls, endpoint: str, body: dict[str, Any], block_bytes: int = 0, uid: int | None = None
-                  ) -> PoolInfo:
+    def from_wire(cls, endpoint: str, body: dict[str, Any], block_bytes: int = 0, uid: int | None = None,
+                  pid: int | None = None) -> PoolInfo:
         pool_bb = int(body["block_bytes"])
         session = body.get("session")
         return cls(endpoint, str(body["node"]), int(body["epoch"]), pool_bb or block_bytes, int(body["capacity"]),
                    int(body["max_keys"]), float(body["lease_s"]), dict(body.get("transports") or {}),
                    session if isinstance(session, bytes) else b"", pool_bb > 0, int(body.get("request_bytes") or 0),
-                   uid)
+                   uid, pid)
 
 
 class PoolConnection(Protocol):

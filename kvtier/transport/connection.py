@@ -204,7 +204,7 @@ def hello(channel: Channel, block_bytes: int, timeout_s: float | None = None, se
     answer = channel.call(P.HELLO, body, timeout_s=timeout_s)
     cred = ipc_cred(answer.peer)
     return PoolInfo.from_wire(channel.endpoint, {**answer.body, "epoch": answer.epoch}, block_bytes,
-                              cred.uid if cred is not None else None)
+                              cred.uid if cred is not None else None, cred.pid if cred is not None else None)
 
 
 __all__ = ["ConnectionBase", "hello"]

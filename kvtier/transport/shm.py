@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +61,9 @@ class Mapping:
     socket, can make this process map only files it owns itself (NotPeersFile otherwise)."""
 
     def __init__(self, path: str, nbytes: int, epoch: int, generations: str, block_bytes: int,
-                 uid: int | None) -> None:
+                 uid: int | None, pid: int | None = None) -> None:
         self.path, self.nbytes, self.epoch = path, nbytes, epoch
+        self._process = _watch(self, pid)
         fd = open_peers_file(path, os.O_RDWR, uid, "the pool's shared file")
         try:
             st = os.fstat(fd)
@@ -87,9 +90,13 @@ class Mapping:
         finally:
             os.close(fd)
 
-    def linked(self) -> bool:
-        """Whether the file mapped is still the pool's file at its path: a restarted pool removes its
-        predecessor's, and a mapping outlives that (a stat, ~2 us)."""
+    def serving(self) -> bool:
+        """Whether the file mapped is still a live pool's: the pool process has not exited (a pidfd polled:
+        a killed pool leaves its file behind) and the file is still the one at its path (a restarted pool
+        removes its predecessor's, and a mapping outlives that). A few microseconds; False when the pool's
+        process cannot be watched (another pid namespace)."""
+        if self._process is None or self._process.poll(0):
+            return False
         try:
             st = os.stat(self.path)
         except OSError:
@@ -105,6 +112,21 @@ class Mapping:
             raise PoolProtocolError(f"ipc ({self.path})", "the pool named an offset outside its shared file",
                                     wire.ERR_BAD_MESSAGE)
         return np.uint64(self.base) + offsets.astype(np.uint64)
+
+
+def _watch(owner: object, pid: int | None) -> select.poll | None:
+    """A poll of a pidfd of the pool's process (readable once it exits), closed with ``owner``; None where there
+    is no pid to watch or the kernel has no pidfds."""
+    if not pid:
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    weakref.finalize(owner, os.close, fd)
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return poll
 
 
 class ShmConnection(OneSidedConnection):
@@ -146,7 +168,7 @@ class ShmConnection(OneSidedConnection):
 
     def _still_serving(self, epoch: int) -> bool:
         mapping = self._mapping
-        return mapping is not None and mapping.epoch == epoch and mapping.linked()
+        return mapping is not None and mapping.epoch == epoch and mapping.serving()
 
     # ---- mapping ---------------------------------------------------------------------------------------
 
@@ -156,7 +178,7 @@ class ShmConnection(OneSidedConnection):
             raise PoolProtocolError(self.endpoint, "the pool named no shared file", wire.ERR_BAD_MESSAGE)
         try:
             mapping = Mapping(str(shm["path"]), int(shm["nbytes"]), info.epoch, str(shm.get("generations") or ""),
-                              info.block_bytes, info.uid)
+                              info.block_bytes, info.uid, info.pid)
         except NotPeersFile as e:  # not the pool's own memory: never mapped, whatever else the pool offers
             log.warning("pool %s: refused to map the file it named: %s", self.endpoint, e)
             raise PoolProtocolError(self.endpoint, f"refused to map the file the pool named: {e}",
