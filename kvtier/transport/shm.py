@@ -90,6 +90,10 @@ class Mapping:
         finally:
             os.close(fd)
 
+    @property
+    def watched(self) -> bool:
+        return self._process is not None
+
     def serving(self) -> bool:
         """Whether the file mapped is still a live pool's: the pool process has not exited (a pidfd polled:
         a killed pool leaves its file behind) and the file is still the one at its path (a restarted pool
@@ -188,8 +192,9 @@ class ShmConnection(OneSidedConnection):
                                                  f"{e.strerror if isinstance(e, OSError) else e} "
                                                  "(is the pool on another host, or in another container?)",
                                   "no_shm") from None
-        log.info("pool %s: mapped its DRAM %s (%d B, epoch %x)", self.endpoint, mapping.path, mapping.nbytes,
-                 info.epoch)
+        log.info("pool %s: mapped its DRAM %s (%d B, epoch %x)%s", self.endpoint, mapping.path, mapping.nbytes,
+                 info.epoch, "" if mapping.watched else "; its process cannot be watched from here (pid %s): every "
+                 "get asks the pool, none reads where a block was last seen" % info.pid)
         return mapping
 
     def _mapped(self, epoch: int, timeout_s: float | None = None) -> Mapping:
