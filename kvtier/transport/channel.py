@@ -125,8 +125,8 @@ class Channel:
 
     def notify(self, op: str, body: dict[str, Any], timeout_s: float | None = None) -> None:
         """Send a request the pool does not answer (``noreply``), waiting at most ``timeout_s`` (default: the
-        channel's) for a connection (a lane opened just now connects asynchronously); not sent then, the
-        pool's lease expires instead."""
+        channel's) for a connection (a lane opened just now connects asynchronously); not sent then, a release's
+        or commit's lease expires instead, and a touch's reads go uncounted."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         lane = self._take(1, deadline)[0]
         frame = wire.encode_request(next(self._ids), op, {**body, "noreply": True})
@@ -138,8 +138,9 @@ class Channel:
                 except zmq.Again:
                     left = deadline - time.monotonic()
                     if left <= 0 or not lane.sock.poll(max(1, int(left * 1000)), zmq.POLLOUT):
-                        log.info("pool %s: %s not sent within %.3g s; the pool's lease will expire instead",
-                                 self.endpoint, op, self.timeout_s)
+                        log.info("pool %s: %s not sent within %.3g s (a release or commit: the pool's lease "
+                                 "ends it instead; a touch: those reads go uncounted)", self.endpoint, op,
+                                 self.timeout_s)
                         return
         finally:
             self._give([lane])

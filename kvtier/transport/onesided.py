@@ -203,13 +203,13 @@ class OneSidedConnection(ConnectionBase):
     def _read_located(self, keys: Sequence[bytes], rows: np.ndarray, hit: list[bool]) -> np.ndarray | None:
         """Copy the blocks of ``keys`` this connection knows the place of, with no request (locations.py); mark
         them in ``hit`` and tell the pool afterwards. The positions of the keys still to acquire (None: none)."""
-        epoch = self.info.epoch
+        epoch, everything = self.info.epoch, np.arange(len(keys), dtype=np.int64)
         index, offsets, named = self.locations.find(epoch, keys)
         if not len(index):
-            return np.arange(len(keys), dtype=np.int64)
-        if not self._still_serving(epoch):  # a new pool replaced it: its next reply says so, and we forget
+            return everything
+        if not self._still_serving(epoch):  # gone or replaced: the next reply says so; nothing read meanwhile
             self.locations.forget_all()
-            return np.arange(len(keys), dtype=np.int64)
+            return everything
         dst = rows[index]
         try:
             self._read(dst, offsets, epoch)
@@ -218,7 +218,7 @@ class OneSidedConnection(ConnectionBase):
             log.info("pool %s: reading blocks where they were last seen failed (%s); asking for them", self.endpoint,
                      e.message)
             self.locations.forget_all()
-            return np.arange(len(keys), dtype=np.int64)
+            return everything
         good = index[same]
         if not same.all():  # taken by another key, or gone: those rows hold nothing of theirs
             moved = np.flatnonzero(~same)
