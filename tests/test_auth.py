@@ -27,6 +27,7 @@ from kvtier.transport import connect
 from kvtier.transport.base import PoolUnavailable
 from masterproc import MasterProcess
 from poolproc import PoolProcess, until
+from zmtp import RawPeer, greeting
 
 BB = 16 << 10
 
@@ -69,19 +70,17 @@ def pool(tmp_path_factory, keys):
 
 
 def null_greeting(endpoint: str) -> None:
-    """Speak ZMTP 3.0's greeting with the NULL mechanism (a zmq client without keys) to ``endpoint`` over a plain
-    TCP socket, and wait for the daemon to hang up. A libzmq client races the daemon: whichever reads the other's
-    greeting first closes, and a daemon that loses only sees a closed connection; this client never closes
-    first, so the daemon always reads the mechanism."""
+    """Speak a keyless zmq client's greeting (NULL mechanism) to ``endpoint`` and wait for the daemon to hang up.
+    A libzmq client races the daemon: whichever reads the other's greeting first closes, and a daemon that loses
+    sees only a closed connection (the client does not reconnect after a protocol error); this peer never
+    closes first, so the daemon always reads the mechanism."""
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-    with socket.create_connection((host, int(port)), timeout=5.0) as s:
-        s.sendall(greeting)
-        try:
-            while s.recv(256):  # the daemon's greeting, then its close
-                pass
-        except ConnectionResetError:
-            pass
+    peer = RawPeer(host, int(port), handshake=False)
+    try:
+        peer.sock.sendall(greeting())
+        assert peer.closed_by_peer(5.0), "the daemon kept a keyless connection open"
+    finally:
+        peer.close()
 
 
 def keyless_refused_and_logged(attempt, error: type, daemon, endpoint: str) -> None:
