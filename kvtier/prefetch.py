@@ -11,8 +11,12 @@ an agent it does not expect back gets nothing), within a budget of blocks per lo
 (``TieredStore.bring_up``, through the promotion path): a block a demand read brings up meanwhile is written once,
 and one that went before it was read is skipped, so a prefetch that lost the race is a normal load.
 
-A job ends when its chain is up, when the agent comes back (an arrival: what it had not reached is counted
-cancelled), or when a hint says the agent is finished. ``request`` is the explicit form (an operator or a
+A job whose chain is up is parked, not ended: its agent may think for a minute, and the top tier may evict
+the chain meanwhile (its policy evicts the agent predicted back last first). When the top tier evicts a block of
+a parked chain, the job is queued again, so the chain comes back up before its agent does (measured on the
+standard agentic slice: most jobs were up at once and their chains evicted before the agent came back). A job
+ends when the agent comes back (an arrival: what it had not reached is counted cancelled), or when a hint says
+the agent is finished. ``request`` is the explicit form (an operator or a
 router: the SDK's prefetch call, kvtier/client/store_prefetch.py; ``request_session`` when it names only the agent).
 Counted, in blocks: ``prefetched`` (copied up), ``used`` (the agent came back
 to them while they were on top), ``wasted`` (evicted from the top tier unused), ``cancelled`` (left undone when
@@ -23,7 +27,7 @@ its read rate measured on the prefetches' own copies times the tick, and nothing
 under way in the store: demand first); in a replay by the virtual clock (kvtier/replay/prefetch.py).
 PrefetchCollector exposes the counts to Prometheus, in bytes.
 
-Bounded: at most ``max_jobs`` jobs (the one predicted back last is dropped first) and ``max_chains`` remembered
+Bounded: at most ``max_jobs`` jobs and ``max_jobs`` parked (the oldest dropped first) and ``max_chains`` remembered
 chains (least recently seen forgotten), and ``max_tracked`` prefetched keys waiting to be used (oldest forgotten).
 Thread-safe (one lock; the store calls run outside it only for the copies).
 """
@@ -59,6 +63,7 @@ class _Job:
     chain: list[bytes]
     pos: int = 0
     explicit: bool = False  # asked for (``request``), not inferred from an idle agent
+    keys: frozenset[bytes] = frozenset()  # the chain's keys, while parked (to tell which evictions touch it)
 
 
 @dataclass
@@ -86,6 +91,7 @@ class Prefetcher:
         self.counts = PrefetchCounts()
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
+        self._parked: OrderedDict[str, _Job] = OrderedDict()  # chains up, watched until their agent is back
         self._chains: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> its last chain
         self._inflight: dict[str, int] = {}  # session -> requests in flight
         self._requests: OrderedDict[str, str] = OrderedDict()  # request -> session, for completions
@@ -194,6 +200,7 @@ class Prefetcher:
                     job.pos += got.done
                     if job.pos >= len(job.chain) or got.why == "missing":
                         del self._jobs[job.session]
+                        self._park(job)
                 elif self._inflight.get(job.session, 0) > 0:  # back, and they are on top before its loads
                     self._used(got.keys)
             for tier, n in got.moved.items():
@@ -246,9 +253,28 @@ class Prefetcher:
             self._cancel(oldest)
 
     def _cancel(self, session: str) -> None:
+        self._parked.pop(session, None)  # up: nothing left undone
         job = self._jobs.pop(session, None)
         if job is not None:
             self._dropped.append(job)
+
+    def _park(self, job: _Job) -> None:
+        """``job``'s chain is up (to its end, or to a key no tier holds): watch it until its agent is back."""
+        job.keys = frozenset(job.chain[: job.pos])
+        self._parked[job.session] = job
+        self._parked.move_to_end(job.session)
+        while len(self._parked) > self.max_jobs:
+            self._parked.popitem(last=False)
+
+    def _evicted(self, keys: Sequence[bytes]) -> None:
+        """The top tier evicted ``keys``: a parked job whose chain lost one is queued again, from its root
+        (what is still on top is skipped at no copy)."""
+        back = [job for job in self._parked.values() if not job.keys.isdisjoint(keys)]
+        for job in back:
+            del self._parked[job.session]
+            job.pos, job.keys = 0, frozenset()
+            if job.session not in self._jobs:
+                self._enqueue(job)
 
     def _settle(self) -> None:
         """Count what the jobs dropped since the last call left undone: the blocks of the rest of their prefix
@@ -282,7 +308,7 @@ class Prefetcher:
             self.counts.used += n - len(brought)
 
     def _on_event(self, event: StoreEvent) -> None:
-        if event.kind != "removed" or event.tier != self._top_name or not self._brought:
+        if event.kind != "removed" or event.tier != self._top_name or not (self._brought or self._parked):
             return
         with self._lock:
             brought = self._brought
@@ -290,6 +316,8 @@ class Prefetcher:
             for k in event.keys:
                 brought.pop(k, None)
             self.counts.wasted += n - len(brought)
+            if self._parked:
+                self._evicted(event.keys)
 
 
 class PrefetchDriver:

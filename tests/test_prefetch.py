@@ -111,6 +111,31 @@ def test_an_idle_agents_prefix_comes_up_from_the_ssd_before_it_returns(tmp_path)
         assert pf.counts.from_tier == {"ssd": 8}
 
 
+
+def test_a_prefix_pushed_down_again_after_it_came_up_comes_up_again(tmp_path):
+    """An agent that thinks for a minute: its prefix is up, then running agents push it down again (it is the one
+    predicted back last); the parked job is queued again and brings it back before the agent returns."""
+    clock = VirtualClock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        pf, agents = idle_agent_on_the_ssd(store, clock)
+        pf.step({"ssd": 100})
+        assert where(store, chain(9, 8)) == ["dram"] * 8 and pf.pending() == 0
+        for a in range(20, 24):  # agents calling tools: their blocks push agent 9's down to the SSD again
+            agents.turn(a, chain(a, 4), stop="tool_use")
+        store.observe(hints=[Hint(session=f"a{a}", time=clock.now, finished=True) for a in range(20, 24)])
+        assert "ssd" in where(store, chain(9, 8))
+        assert pf.sessions() == ["a9"], "the parked job was not queued again when its chain went down"
+        pf.step({"ssd": 100})
+        assert where(store, chain(9, 8)) == ["dram"] * 8 and pf.pending() == 0
+        read_back(store, chain(9, 8))
+        pushed = pf.counts.wasted
+        assert pushed > 0  # the first copies were evicted unused
+        agents.arrive(9, chain(9, 9))
+        assert pf.counts.used == 8 and pf.sessions() == []
+        for a in range(30, 34):  # back (in flight): its chain is no longer watched, pushed down or not
+            agents.turn(a, chain(a, 4), stop="tool_use")
+        assert "a9" not in pf.sessions()
+
 def test_without_a_prediction_a_prefetch_only_takes_free_slots(tmp_path):
     """LRU predicts nothing: DRAM full, nothing moves (negative control of the room rule)."""
     clock = VirtualClock()
