@@ -27,7 +27,8 @@ its read rate measured on the prefetches' own copies times the tick, and nothing
 under way in the store: demand first); in a replay by the virtual clock (kvtier/replay/prefetch.py).
 PrefetchCollector exposes the counts to Prometheus, in bytes.
 
-Bounded: at most ``max_jobs`` jobs and ``max_jobs`` parked (the oldest dropped first) and ``max_chains`` remembered
+Bounded: at most ``max_jobs`` jobs, and ``max_jobs`` parked holding ``max_parked_keys`` keys in all (a set of
+each parked chain's keys, ~40 bytes a key: 80 MiB at the default; the oldest dropped first), and ``max_chains`` remembered
 chains (least recently seen forgotten), and ``max_tracked`` prefetched keys waiting to be used (oldest forgotten).
 Thread-safe (one lock; the store calls run outside it only for the copies).
 """
@@ -81,13 +82,15 @@ class Prefetcher:
     """See the module docstring. ``store``'s top tier must be a PrefetchTarget (else nothing is ever moved)."""
 
     def __init__(self, store: TieredStore, *, max_jobs: int = 1024, max_chains: int = 1 << 14,
-                 max_tracked: int = 1 << 18, resident: Callable[[Sequence[bytes]], int] | None = None) -> None:
+                 max_tracked: int = 1 << 18, max_parked_keys: int = 1 << 21, resident: Callable[[Sequence[bytes]], int] | None = None) -> None:
         self.store = store
         # How many leading keys of a chain the engine holds above the store (its GPU prefix cache): those need
         # no prefetch. None: the store cannot tell, all of the chain is a candidate.
         self.resident = resident
         self.top = store.tiers[0] if isinstance(store.tiers[0], PrefetchTarget) else None
         self.max_jobs, self.max_chains, self.max_tracked = max_jobs, max_chains, max_tracked
+        self.max_parked_keys = max_parked_keys
+        self._parked_keys = 0  # keys in the parked jobs' sets
         self.counts = PrefetchCounts()
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
@@ -253,26 +256,35 @@ class Prefetcher:
             self._cancel(oldest)
 
     def _cancel(self, session: str) -> None:
-        self._parked.pop(session, None)  # up: nothing left undone
+        self._unpark(session)  # up: nothing left undone
         job = self._jobs.pop(session, None)
         if job is not None:
             self._dropped.append(job)
 
     def _park(self, job: _Job) -> None:
         """``job``'s chain is up (to its end, or to a key no tier holds): watch it until its agent is back."""
+        self._unpark(job.session)
         job.keys = frozenset(job.chain[: job.pos])
         self._parked[job.session] = job
-        self._parked.move_to_end(job.session)
-        while len(self._parked) > self.max_jobs:
-            self._parked.popitem(last=False)
+        self._parked_keys += len(job.keys)
+        while len(self._parked) > self.max_jobs or self._parked_keys > self.max_parked_keys:
+            self._unpark(next(iter(self._parked)))
+
+    def _unpark(self, session: str) -> _Job | None:
+        job = self._parked.pop(session, None)
+        if job is not None:
+            self._parked_keys -= len(job.keys)
+            job.keys = frozenset()
+        return job
 
     def _evicted(self, keys: Sequence[bytes]) -> None:
         """The top tier evicted ``keys``: a parked job whose chain lost one is queued again, from its root
         (what is still on top is skipped at no copy)."""
-        back = [job for job in self._parked.values() if not job.keys.isdisjoint(keys)]
-        for job in back:
-            del self._parked[job.session]
-            job.pos, job.keys = 0, frozenset()
+        back = [job.session for job in self._parked.values() if not job.keys.isdisjoint(keys)]
+        for session in back:
+            job = self._unpark(session)
+            assert job is not None
+            job.pos = 0
             if job.session not in self._jobs:
                 self._enqueue(job)
 

@@ -136,6 +136,18 @@ def test_a_prefix_pushed_down_again_after_it_came_up_comes_up_again(tmp_path):
             agents.turn(a, chain(a, 4), stop="tool_use")
         assert "a9" not in pf.sessions()
 
+
+def test_parked_chains_hold_at_most_max_parked_keys(tmp_path):
+    clock = VirtualClock()
+    with make_store(str(tmp_path), clock, dram_blocks=16) as store:
+        pf, agents = idle_agent_on_the_ssd(store, clock)
+        pf.max_parked_keys = 7  # agent 9's chain is 8 keys: too many to watch
+        pf.step({"ssd": 100})
+        assert where(store, chain(9, 8)) == ["dram"] * 8 and pf.pending() == 0
+        for a in range(20, 24):
+            agents.turn(a, chain(a, 4), stop="tool_use")
+        assert "ssd" in where(store, chain(9, 8)) and "a9" not in pf.sessions()
+
 def test_without_a_prediction_a_prefetch_only_takes_free_slots(tmp_path):
     """LRU predicts nothing: DRAM full, nothing moves (negative control of the room rule)."""
     clock = VirtualClock()
