@@ -111,7 +111,6 @@ def test_an_idle_agents_prefix_comes_up_from_the_ssd_before_it_returns(tmp_path)
         assert pf.counts.from_tier == {"ssd": 8}
 
 
-
 def test_a_prefix_pushed_down_again_after_it_came_up_comes_up_again(tmp_path):
     """An agent that thinks for a minute: its prefix is up, then running agents push it down again (it is the one
     predicted back last); the parked job is queued again and brings it back before the agent returns."""
@@ -128,8 +127,7 @@ def test_a_prefix_pushed_down_again_after_it_came_up_comes_up_again(tmp_path):
         pf.step({"ssd": 100})
         assert where(store, chain(9, 8)) == ["dram"] * 8 and pf.pending() == 0
         read_back(store, chain(9, 8))
-        pushed = pf.counts.wasted
-        assert pushed > 0  # the first copies were evicted unused
+        assert pf.counts.wasted > 0  # the first copies were evicted unused
         agents.arrive(9, chain(9, 9))
         assert pf.counts.used == 8 and pf.sessions() == []
         for a in range(30, 34):  # back (in flight): its chain is no longer watched, pushed down or not
@@ -138,6 +136,7 @@ def test_a_prefix_pushed_down_again_after_it_came_up_comes_up_again(tmp_path):
 
 
 def test_parked_chains_hold_at_most_max_parked_keys(tmp_path):
+    """A chain past the bound is not watched: pushed down again, it is not queued again (the test above, bounded)."""
     clock = VirtualClock()
     with make_store(str(tmp_path), clock, dram_blocks=16) as store:
         pf, agents = idle_agent_on_the_ssd(store, clock)
@@ -147,6 +146,7 @@ def test_parked_chains_hold_at_most_max_parked_keys(tmp_path):
         for a in range(20, 24):
             agents.turn(a, chain(a, 4), stop="tool_use")
         assert "ssd" in where(store, chain(9, 8)) and "a9" not in pf.sessions()
+
 
 def test_without_a_prediction_a_prefetch_only_takes_free_slots(tmp_path):
     """LRU predicts nothing: DRAM full, nothing moves (negative control of the room rule)."""
