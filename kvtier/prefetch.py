@@ -13,8 +13,8 @@ and one that went before it was read is skipped, so a prefetch that lost the rac
 
 A job whose chain is up is parked, not ended: its agent may think for a minute, and the top tier may evict
 the chain meanwhile (its policy evicts the agent predicted back last first). When the top tier evicts a block of
-a parked chain, the job is queued again, so the chain comes back up before its agent does (measured on the
-standard agentic slice: most jobs were up at once and their chains evicted before the agent came back). A job
+a parked chain, the job is queued again, so the chain comes back up before its agent does (on the standard
+agentic slice 1,717 jobs had ended up while a third of the SSD's hits went to agents idle 32-61 s). A job
 ends when the agent comes back (an arrival: what it had not reached is counted cancelled), or when a hint says
 the agent is finished. ``request`` is the explicit form (an operator or a
 router: the SDK's prefetch call, kvtier/client/store_prefetch.py; ``request_session`` when it names only the agent).
