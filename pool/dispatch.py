@@ -18,9 +18,14 @@ It replaces zmq's own proxy for three reasons:
   reads its replies stops being served once its share is used, and holds no more. Others are not held back
   (a full budget only makes their replies go zero-copy instead of staged).
 
-Workers speak a small protocol to it: ``[b"I"]`` (idle, ready for a request) or ``[b"R", *reply frames]``
-(a reply to forward; the worker is idle again). It runs on its own thread until ``stop`` is set; the
-sockets it is given are its own from then on, and it closes them as it ends.
+Workers speak a small protocol to it: ``[b"I"]`` (idle, ready for a request) or ``[b"R", client, *reply frames]``
+(a reply to forward, with the client frame its request came with; the worker is idle again). A reply that
+cannot be delivered (the client's connection holds REPLY_HWM unread replies: it is not reading; or the client is
+gone) is dropped, counted (``replies_dropped_not_reading``, ``_gone``, ``_error``) and, unless the client is
+gone, logged with its account: a client waiting on it times out, and the log says why.
+
+It runs on its own thread until ``stop`` is set; the sockets it is given are its own from then on, and it closes
+them as it ends.
 """
 
 from __future__ import annotations
@@ -141,7 +146,7 @@ class Dispatcher:
         reply = wire.encode_reply(req_id, False, {"code": P.ERR_BUSY, "epoch": self.state.epoch,
                                                   "message": "the pool is busy: too many requests or too much "
                                                              "data waiting from this client; try again"})
-        self.frontend.send_multipart([*(f.bytes for f in item.frames[: item.route]), reply])
+        self._reply(item.client, [*(f.bytes for f in item.frames[: item.route]), reply])
 
     # ---- queues -> workers ---------------------------------------------------------------------------------
 
@@ -193,8 +198,29 @@ class Dispatcher:
                 return
             worker, kind = frames[0].bytes, frames[1].bytes
             self._idle.append(worker)
-            if kind == REPLY and len(frames) > 2:
-                self.frontend.send_multipart(frames[2:], copy=False)
+            if kind == REPLY and len(frames) > 3:
+                self._reply(frames[2].bytes, frames[3:], copy=False)
+
+    def _reply(self, client: bytes, frames: list[Any], copy: bool = True) -> None:
+        """Send a reply to its client without waiting (the frontend is ROUTER_MANDATORY: pool/server.py)."""
+        try:
+            self.frontend.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:  # its connection holds REPLY_HWM replies it has not read
+            self.state.count(replies_dropped_not_reading=1)
+            who = clients.decode(client)
+            self._bad("unread:" + who.account, logging.WARNING, "client %s is not reading its replies: its "
+                      "connection is at its limit of %d unread (a client keeps at most half that in flight); "
+                      "replies dropped, and a call waiting on one times out", who.account,
+                      self.frontend.getsockopt(zmq.SNDHWM))
+        except zmq.ContextTerminated:
+            raise
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # the client closed its connection: nobody waits for it
+                self.state.count(replies_dropped_gone=1)
+                return
+            self.state.count(replies_dropped_error=1)  # never the dispatcher's end: the pool serves on
+            self._bad("send", logging.ERROR, "a reply to client %s could not be sent: %s",
+                      clients.decode(client).account, e)
 
     def _drop_all(self) -> None:
         for account, q in self._queues.items():

@@ -147,6 +147,12 @@ class _StateCollector(Collector):
             yield gb
         yield CounterMetricFamily("kvtier_pool_busy_refused", "Requests answered busy (too much waiting from one "
                                   "client or all)", value=c.get("busy_refused", 0))
+        dropped = CounterMetricFamily("kvtier_pool_replies_dropped", "Replies not delivered: the client's connection "
+                                      "held too many unread (not_reading: a call waiting on one timed out), the "
+                                      "client was gone, or the send failed (error)", labels=["reason"])
+        for reason in ("not_reading", "gone", "error"):
+            dropped.add_metric([reason], c.get(f"replies_dropped_{reason}", 0))
+        yield dropped
         yield CounterMetricFamily("kvtier_pool_quota_refused_blocks", "Blocks not reserved or acquired: past the "
                                   "client's share of the held budget", value=c.get("quota_refused_blocks", 0))
         waiting = st.dispatcher.queued if st.dispatcher is not None else 0

@@ -4,16 +4,19 @@ and held budgets, leases. Read back through prometheus_client's own parser from 
 
 from __future__ import annotations
 
+import os
 import socket
 import urllib.request
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from attack import host_port
+from attack import RawClient, host_port
+from kvtier import wire
 from kvtier.keys import Namespace
 from kvtier.transport import connect
 from kvtier.transport.base import PoolError
+from kvtier.wire import pool as P
 from poolproc import PoolProcess, until
 
 BB = 64 << 10
@@ -87,3 +90,31 @@ def test_the_pool_serves_its_metrics_on_loopback(tmp_path):
             base = base.removesuffix("_created")
             if base.startswith("kvtier_pool_"):
                 assert base in documented, f"{base} is not in the README's metrics table"
+
+
+def test_replies_a_client_does_not_read_are_dropped_counted_and_logged(tmp_path):
+    """A client that keeps asking and never reads fills its connection's reply queue (REPLY_HWM): the replies past
+    it are dropped, and each drop is counted and said in the log with the client's account (they went silently
+    before: a client pipelining too deep saw only its call time out). Another connection is served meanwhile."""
+    with PoolProcess(tmp_path, ipc=True, capacity="64MiB", block_bytes=BB, args=("--metrics-port", "0")) as p:
+        port = p.info["metrics_port"]
+        keys = ns.keys(range(1000, 1016))
+        src = np.stack([np.full(BB, 7 + i, np.uint8) for i in range(16)])
+        honest = connect(p.ipc, BB, transport="tcp", timeout_s=5.0)
+        assert all(honest.put(keys, rows(src)))
+        out = np.zeros((16, BB), np.uint8)
+        assert all(honest.get(keys, rows(out))) and (out == src).all()  # a client that reads: nothing dropped
+        assert value(scrape(port), "kvtier_pool_replies_dropped_total", reason="not_reading") == 0
+        flood = RawClient(p.ipc, rcvhwm=1)
+        try:
+            for i in range(96):  # one-block gets, 64 KiB each, never read: far past its connection's 8 replies
+                flood.send(P.GET, {"keys": wire.pack_keys([keys[i % 16]]), "block_bytes": BB})
+            assert until(lambda: value(scrape(port), "kvtier_pool_replies_dropped_total", reason="not_reading") > 0)
+            assert until(lambda: "is not reading its replies" in p.log())
+            line = next(x for x in p.log().splitlines() if "is not reading its replies" in x)
+            assert line.split("client ")[1].split(" ")[0].endswith(f":{os.getpid()}"), line  # its account: its pid
+            out[:] = 0
+            assert all(honest.get(keys, rows(out))) and (out == src).all()
+        finally:
+            flood.close()
+            honest.close()
