@@ -49,7 +49,7 @@ TICK_S = 0.1
 # Replies queued per client connection before further ones are dropped (counted and logged: see run()). zmq
 # counts a connection's queue with a lag of up to half of it (a pipe acknowledges reads in batches), so a client
 # keeps at most REPLY_HWM / 2 requests in flight per connection: one with 6 lost a reply in 3 of 10 runs here
-# (kvtier's own keep 2 or 3: kvtier/transport/onesided.py).
+# (kvtier's own keep 2 per connection: a batch's window, kvtier/transport/channel.py).
 REPLY_HWM = 8
 REQUEST_HWM = 64  # requests zmq buffers per connection before the dispatcher has read them
 JOIN_S = 1.0  # at shutdown: how long the threads get, all together, to notice
