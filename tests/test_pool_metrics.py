@@ -12,6 +12,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from attack import RawClient, host_port
+from bytecheck import assert_all_hits_exact
 from kvtier import wire
 from kvtier.keys import Namespace
 from kvtier.transport import connect
@@ -103,7 +104,7 @@ def test_replies_a_client_does_not_read_are_dropped_counted_and_logged(tmp_path)
         honest = connect(p.ipc, BB, transport="tcp", timeout_s=5.0)
         assert all(honest.put(keys, rows(src)))
         out = np.zeros((16, BB), np.uint8)
-        assert all(honest.get(keys, rows(out))) and (out == src).all()  # a client that reads: nothing dropped
+        assert_all_hits_exact(honest.get(keys, rows(out)), out, src)  # a client that reads: nothing dropped
         assert value(scrape(port), "kvtier_pool_replies_dropped_total", reason="not_reading") == 0
         flood = RawClient(p.ipc, rcvhwm=1)
         try:
@@ -114,7 +115,7 @@ def test_replies_a_client_does_not_read_are_dropped_counted_and_logged(tmp_path)
             line = next(x for x in p.log().splitlines() if "is not reading its replies" in x)
             assert line.split("client ")[1].split(" ")[0].endswith(f":{os.getpid()}"), line  # its account: its pid
             out[:] = 0
-            assert all(honest.get(keys, rows(out))) and (out == src).all()
+            assert_all_hits_exact(honest.get(keys, rows(out)), out, src)
         finally:
             flood.close()
             honest.close()
