@@ -1,5 +1,5 @@
 """Prefetch between turns in an engine's worker store (a vLLM worker's, connectors/vllm/worker.py; an SGLang rank's
-HiCache backend's, connectors/sglang/backend.py): the store runs a Prefetcher (kvtier/prefetch.py) moved by a
+HiCache backend's, connectors/sglang/backend.py): the store runs a Prefetcher (kvtier/prefetch/) moved by a
 PrefetchDriver thread, where a tier sits below DRAM (an SSD, a pool) and the connector's ``prefetch`` key is on
 (the default). One class for both engines: what differs is only how the store hears of requests.
 

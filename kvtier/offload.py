@@ -21,7 +21,7 @@ process (the count is logged).
 Promotion (``promote``): a block served by the lower tier is copied into DRAM as well, so the session's next
 turn finds it there; it stays on disk too, so evicting it again costs no write. The store does the copy, through
 its own put path (TieredStore._promote: one way into a tier); the offloader says whether and counts it.
-Prefetch (kvtier/prefetch.py, TieredStore.bring_up): with on_evict the two tiers hold distinct blocks, and a block
+Prefetch (kvtier/prefetch/, TieredStore.bring_up): with on_evict the two tiers hold distinct blocks, and a block
 a prefetch brings up *leaves* a private lower tier (``prefetched``; the SSD, a HandsUp tier; a pool other engines
 read keeps its copy): a copy in both spends a slot of the lower tier on what DRAM holds, and the full SSD then
 declined DRAM's later victims (replay, standard slice, ssd_promote false: 0.935 of input tokens served against

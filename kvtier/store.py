@@ -79,7 +79,7 @@ class TieredStore:
         self._dtypes = tuple(dtypes)
         self._lock = threading.Lock()
         self._inflight = InflightPuts()  # what put skips: keys another thread is writing now
-        self.demand_reads = 0  # gets under way: a prefetch driver yields to them (kvtier/prefetch.py)
+        self.demand_reads = 0  # gets under way: a prefetch driver yields to them (kvtier/prefetch/)
         self._listeners: list[Listener] = []
         self._reclaimers: list[Callable[[], int]] = []  # release stale pins (expired leases) when full
         # Named pins that expire: a connector's lookup-to-load pins, an agent's session hints (leases.py).
@@ -299,7 +299,7 @@ class TieredStore:
         the top tier's policy (``PrefetchTarget.prefetch_room``: never evicting what is predicted to be needed
         sooner) allow. Stops at the first key no tier holds (a prefix ends there). Copies through the
         promotion path (the claim: a key a demand read is promoting meanwhile is written once); a block that
-        went before it was read is skipped (a miss here, never wrong bytes). What kvtier/prefetch.py moves."""
+        went before it was read is skipped (a miss here, never wrong bytes). What kvtier/prefetch/ moves."""
         top = self.tiers[0]
         keys = chain[start:]
         if len(self.tiers) < 2 or not isinstance(top, PrefetchTarget) or not keys:

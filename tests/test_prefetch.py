@@ -1,4 +1,4 @@
-"""Prefetch between turns (kvtier/prefetch.py): a real store (DRAM over a real SSD tier), the session-aware policy
+"""Prefetch between turns (kvtier/prefetch/): a real store (DRAM over a real SSD tier), the session-aware policy
 on a hand-moved clock. The idle agent's prefix comes up into DRAM before it returns, with the right bytes; a
 prefetch never evicts a block predicted to be needed sooner (hypothesis); a prefetch that loses the race to its
 agent's return is cancelled and its blocks are loaded once, never twice, never wrong."""

@@ -3,7 +3,7 @@
 A router or an operator asks the master (``MasterClient.prefetch``, ``Router.prefetch``, ``kvtier prefetch``) that
 the node which will serve a prompt bring the prompt's prefix up into its top tier; the node's NodeAgent collects
 the order in its next heartbeat reply and calls ``apply`` on its own thread. Each order becomes an explicit job of
-the store's Prefetcher (kvtier/prefetch.py): ``Prefetcher.request`` for keys, ``request_session`` for a session
+the store's Prefetcher (kvtier/prefetch/): ``Prefetcher.request`` for keys, ``request_session`` for a session
 named alone. The Prefetcher copies from wherever the store reaches the blocks (its SSD, a pool through its pool
 tier), within the room the top tier's policy grants and the bandwidth its driver leaves after demand loads.
 

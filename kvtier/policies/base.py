@@ -6,7 +6,7 @@ A policy tracks keys; the tier owns the bytes, the slots and the pins. All metho
 Keys-only policies (lru, fifo, s3fifo, arc) implement insert / access / remove / victims. Policies that use
 what the engine knows (chains, agents, stop reasons: observations.py) also implement ``observe`` and
 ``admit``, and a predicting one ``predicted_back`` and ``prefetch_room`` (what a prefetch between turns may
-evict: kvtier/prefetch.py); ``Policy`` gives every method a default, so a policy overrides only what it uses. Time is read from
+evict: kvtier/prefetch/); ``Policy`` gives every method a default, so a policy overrides only what it uses. Time is read from
 an injectable clock (``clock``, a callable returning seconds), never from the wall directly, so a replay runs
 policies on its virtual clock and tests on a hand-moved one.
 """
@@ -68,7 +68,7 @@ class EvictionPolicy(Protocol):
     def prefetch_room(self, session: str, chain: Sequence[bytes], start: int, need: int, free: int) -> int:
         """How many of ``need`` blocks of agent ``session``'s chain (``chain``: its keys from depth ``start``
         on, root first) a prefetch may bring into the tier now: the ``free`` slots, plus what can be evicted
-        without evicting a block predicted to be needed sooner than these (kvtier/prefetch.py). A policy that
+        without evicting a block predicted to be needed sooner than these (kvtier/prefetch/). A policy that
         learns chains claims the keys for the agent here, so the put that follows files them under it."""
 
     def __len__(self) -> int:

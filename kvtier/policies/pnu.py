@@ -505,7 +505,7 @@ class PredictedNextUse(Policy):
         # Keys of no known agent are not worth an eviction where blocks of known ones are declined.
         return out
 
-    # ---- prefetch between turns (kvtier/prefetch.py) -----------------------------------------------------
+    # ---- prefetch between turns (kvtier/prefetch/) -----------------------------------------------------
 
     def predicted_back(self, session: str) -> float | None:
         agent = self._agents.get(session)

@@ -94,7 +94,7 @@ class ObservingTier(Protocol):
 
 @runtime_checkable
 class PrefetchTarget(Protocol):
-    """A tier a prefetch between turns can bring blocks up into (kvtier/prefetch.py): its policy says when an
+    """A tier a prefetch between turns can bring blocks up into (kvtier/prefetch/): its policy says when an
     agent is predicted back and how much room a prefetch may take without evicting what is needed sooner (the
     DRAM tier)."""
 

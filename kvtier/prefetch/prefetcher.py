@@ -22,20 +22,20 @@ Counted, in blocks: ``prefetched`` (copied up), ``used`` (the agent came back
 to them while they were on top), ``wasted`` (evicted from the top tier unused), ``cancelled`` (left undone when
 a job ended early: the rest of its prefix still below the top tier then).
 
-In a server the Prefetcher is moved by a PrefetchDriver (a thread: every ``tick_s`` each lower tier's budget is
-its read rate measured on the prefetches' own copies times the tick, and nothing moves while a demand read is
-under way in the store: demand first); in a replay by the virtual clock (kvtier/replay/prefetch.py).
-PrefetchCollector exposes the counts to Prometheus, in bytes.
+In a server the Prefetcher is moved by a PrefetchDriver (driver.py; a thread: every ``tick_s`` each lower tier's
+budget is its read rate measured on the prefetches' own copies times the tick, and nothing moves while a demand
+read is under way in the store: demand first); in a replay by the virtual clock (kvtier/replay/prefetch.py).
+PrefetchCollector (driver.py) exposes the counts to Prometheus, in bytes.
 
-Bounded: at most ``max_jobs`` jobs, and ``max_jobs`` parked holding ``max_parked_keys`` keys in all (a set of
-each parked chain's keys, ~40 bytes a key: 80 MiB at the default; the oldest dropped first), and ``max_chains`` remembered
-chains (least recently seen forgotten), and ``max_tracked`` prefetched keys waiting to be used (oldest forgotten).
+Bounded: at most ``max_jobs`` jobs, and ``max_jobs`` parked holding ``max_parked_keys`` keys in all (jobs.py
+ParkedJobs: an index from each key to its parked chains, ~56 bytes a key: ~110 MiB at the default; the oldest
+dropped first), and ``max_chains`` remembered chains (least recently seen forgotten), and ``max_tracked``
+prefetched keys waiting to be used (oldest forgotten).
 Thread-safe (one lock; the store calls run outside it only for the copies).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -43,28 +43,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from kvtier.policies import Observations
+from kvtier.prefetch.jobs import Job, ParkedJobs
 from kvtier.store import TieredStore
 from kvtier.store_types import StoreEvent
 from kvtier.tiers.base import PrefetchTarget
 
-log = logging.getLogger(__name__)
 
 COUNTS = ("prefetched", "used", "wasted", "cancelled")
-
-
-@dataclass
-class _Job:
-    """One agent's prefix to bring up: ``chain`` root first, ``pos`` how far along it is."""
-
-    session: str
-    chain: list[bytes]
-    pos: int = 0
-    explicit: bool = False  # asked for (``request``), not inferred from an idle agent
-    keys: frozenset[bytes] = frozenset()  # the chain's keys, while parked (to tell which evictions touch it)
 
 
 @dataclass
@@ -82,7 +68,8 @@ class Prefetcher:
     """See the module docstring. ``store``'s top tier must be a PrefetchTarget (else nothing is ever moved)."""
 
     def __init__(self, store: TieredStore, *, max_jobs: int = 1024, max_chains: int = 1 << 14,
-                 max_tracked: int = 1 << 18, max_parked_keys: int = 1 << 21, resident: Callable[[Sequence[bytes]], int] | None = None) -> None:
+                 max_tracked: int = 1 << 18, max_parked_keys: int = 1 << 21,
+                 resident: Callable[[Sequence[bytes]], int] | None = None) -> None:
         self.store = store
         # How many leading keys of a chain the engine holds above the store (its GPU prefix cache): those need
         # no prefetch. None: the store cannot tell, all of the chain is a candidate.
@@ -90,16 +77,15 @@ class Prefetcher:
         self.top = store.tiers[0] if isinstance(store.tiers[0], PrefetchTarget) else None
         self.max_jobs, self.max_chains, self.max_tracked = max_jobs, max_chains, max_tracked
         self.max_parked_keys = max_parked_keys
-        self._parked_keys = 0  # keys in the parked jobs' sets
         self.counts = PrefetchCounts()
         self._lock = threading.Lock()
-        self._jobs: dict[str, _Job] = {}
-        self._parked: OrderedDict[str, _Job] = OrderedDict()  # chains up, watched until their agent is back
+        self._jobs: dict[str, Job] = {}
+        self._parked = ParkedJobs()  # chains up, watched until their agent is back
         self._chains: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> its last chain
         self._inflight: dict[str, int] = {}  # session -> requests in flight
         self._requests: OrderedDict[str, str] = OrderedDict()  # request -> session, for completions
         self._brought: OrderedDict[bytes, None] = OrderedDict()  # prefetched, not used or evicted yet
-        self._dropped: list[_Job] = []  # jobs ended early, their undone part not counted yet (_settle)
+        self._dropped: list[Job] = []  # jobs ended early, their undone part not counted yet (_settle)
         self._top_name = store.tiers[0].name
         self.rates: dict[str, float] = {}  # bytes/s read per lower tier, measured on the prefetches' copies
         store.add_watcher(self.observe)
@@ -135,7 +121,7 @@ class Prefetcher:
                 if c.keys:
                     chain.extend(c.keys)
                 if left <= 0:
-                    self._enqueue(_Job(session, chain))
+                    self._enqueue(Job(session, chain))
             for h in batch.hints:
                 session = h.session or (self._requests.get(h.request) if h.request else None)
                 if session is not None and h.finished:
@@ -148,7 +134,7 @@ class Prefetcher:
         prefetch call); it replaces the session's job, if any."""
         with self._lock:
             self._cancel(session)
-            self._enqueue(_Job(session, list(chain), explicit=True))
+            self._enqueue(Job(session, list(chain), explicit=True))
         self._settle()
 
     def request_session(self, session: str) -> bool:
@@ -159,7 +145,7 @@ class Prefetcher:
             if chain is None:
                 return False
             self._cancel(session)
-            self._enqueue(_Job(session, list(chain), explicit=True))
+            self._enqueue(Job(session, list(chain), explicit=True))
         self._settle()
         return True
 
@@ -214,7 +200,7 @@ class Prefetcher:
         self._settle()
         return moved
 
-    def _order(self) -> list[_Job]:
+    def _order(self) -> list[Job]:
         """The jobs to move, soonest predicted back first; an agent predicted back never is dropped (an
         explicit request goes first, in the order asked)."""
         with self._lock:
@@ -249,41 +235,26 @@ class Prefetcher:
 
     # ---- bookkeeping (under the lock) ------------------------------------------------------------------------
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         self._jobs[job.session] = job
         if len(self._jobs) > self.max_jobs:  # bounded: the oldest job goes (its agent has waited longest)
             oldest = next(iter(self._jobs))
             self._cancel(oldest)
 
     def _cancel(self, session: str) -> None:
-        self._unpark(session)  # up: nothing left undone
+        self._parked.pop(session)  # up: nothing left undone
         job = self._jobs.pop(session, None)
         if job is not None:
             self._dropped.append(job)
 
-    def _park(self, job: _Job) -> None:
+    def _park(self, job: Job) -> None:
         """``job``'s chain is up (to its end, or to a key no tier holds): watch it until its agent is back."""
-        self._unpark(job.session)
-        job.keys = frozenset(job.chain[: job.pos])
-        self._parked[job.session] = job
-        self._parked_keys += len(job.keys)
-        while len(self._parked) > self.max_jobs or self._parked_keys > self.max_parked_keys:
-            self._unpark(next(iter(self._parked)))
-
-    def _unpark(self, session: str) -> _Job | None:
-        job = self._parked.pop(session, None)
-        if job is not None:
-            self._parked_keys -= len(job.keys)
-            job.keys = frozenset()
-        return job
+        self._parked.park(job, self.max_jobs, self.max_parked_keys)
 
     def _evicted(self, keys: Sequence[bytes]) -> None:
         """The top tier evicted ``keys``: a parked job whose chain lost one is queued again, from its root
         (what is still on top is skipped at no copy)."""
-        back = [job.session for job in self._parked.values() if not job.keys.isdisjoint(keys)]
-        for session in back:
-            job = self._unpark(session)
-            assert job is not None
+        for job in self._parked.touched(keys):
             job.pos = 0
             if job.session not in self._jobs:
                 self._enqueue(job)
@@ -330,69 +301,3 @@ class Prefetcher:
             self.counts.wasted += n - len(brought)
             if self._parked:
                 self._evicted(event.keys)
-
-
-class PrefetchDriver:
-    """Moves a Prefetcher's jobs in real time on a thread of its own: every ``tick_s``, unless a demand read is
-    under way in the store (``TieredStore.demand_reads``: demand first), each lower tier gets a budget of
-    ``share`` of its measured read rate times the tick (``probe_blocks`` until a rate is measured), at most
-    ``max_blocks``. ``close`` stops it (at most one step's copies later)."""
-
-    def __init__(self, prefetcher: Prefetcher, *, tick_s: float = 0.05, share: float = 0.5,
-                 probe_blocks: int = 16, max_blocks: int = 4096) -> None:
-        if not tick_s > 0 or not 0 < share <= 1:
-            raise ValueError(f"tick_s must be > 0 and share in (0, 1], got {tick_s}, {share}")
-        self.prefetcher, self.tick_s, self.share = prefetcher, tick_s, share
-        self.probe_blocks, self.max_blocks = probe_blocks, max_blocks
-        self.deferred = 0  # ticks skipped for demand reads
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
-        self._thread.start()
-
-    def budget(self) -> dict[str, int]:
-        store = self.prefetcher.store
-        out = {}
-        for tier in store.tiers[1:]:
-            rate = self.prefetcher.rates.get(tier.name)
-            n = self.probe_blocks if rate is None else int(rate * self.share * self.tick_s / store.block_bytes)
-            out[tier.name] = max(1, min(self.max_blocks, n))
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.tick_s):
-            if not self.prefetcher.pending():
-                continue
-            if self.prefetcher.store.demand_reads:
-                self.deferred += 1
-                continue
-            try:
-                self.prefetcher.step(self.budget())
-            except Exception:
-                log.exception("prefetch step failed; retrying at the next tick")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-class PrefetchCollector(Collector):
-    """Prometheus view of a Prefetcher: ``kvtier_prefetch_bytes_total{outcome}`` (prefetched, used, wasted,
-    cancelled) and ``kvtier_prefetch_jobs`` (agents waiting for their prefix). Register it in the process's
-    registry (``registry.register(PrefetchCollector(p))``)."""
-
-    def __init__(self, prefetcher: Prefetcher) -> None:
-        self.prefetcher = prefetcher
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        p = self.prefetcher
-        bb = p.store.block_bytes
-        c = CounterMetricFamily("kvtier_prefetch_bytes", "Bytes of prefetch between turns, by outcome: prefetched "
-                                "(copied up into DRAM), used (their agent came back to them), wasted (evicted "
-                                "unused), cancelled (left undone: the agent came back first or finished)",
-                                labels=["outcome"])
-        for outcome in COUNTS:
-            c.add_metric([outcome], getattr(p.counts, outcome) * bb)
-        yield c
-        g = GaugeMetricFamily("kvtier_prefetch_jobs", "Idle agents whose prefix is being brought up")
-        g.add_metric([], p.pending())
-        yield g
