@@ -63,6 +63,10 @@ def shutdown_and_kill(ctx, ssd: str, delay: float | None = None, stop: tuple[str
             return False, took
         p.kill()  # SIGKILL, in the middle of the write-down
         p.join(30)
+        if p.exitcode == 0 and stop is None:
+            # The close finished between the poll's timeout and the kill: a close that was not killed (the caller
+            # then requires every block on the SSD), not a failure.
+            return False, 0.0
         assert p.exitcode == -9, f"the engine ended with {p.exitcode} instead of being killed"
         return True, 0.0
     finally:
