@@ -6,7 +6,10 @@ The dict form is the one a vLLM user writes in ``kv_connector_extra_config`` and
 names it (and the closest known keys), so a typo never silently falls back to a default.
 
 Precedence, lowest first: defaults < file (``KVTIER_CONFIG`` or an explicit path) < ``KVTIER_*`` variables
-< the explicit dict.
+< the explicit dict. ``Config.load`` merges the layers first and validates the result once: a layer need not be
+valid alone (``KVTIER_POOL`` in the environment with ``{"mode": "standalone"}`` in the dict is one valid config),
+while an unknown key or a value of the wrong kind is refused naming the layer it came from. A process loads its
+config once and hands the Config object down (the connectors: ``split_extra_config``).
 """
 
 from __future__ import annotations
@@ -51,67 +54,72 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], base: Config | None = None) -> Config:
-        """A Config with ``values`` applied over ``base`` (or the defaults). Unknown keys are errors."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = [k for k in values if k not in known]
-        if unknown:
-            raise ConfigError("; ".join(_unknown_key_message(k, known) for k in unknown))
+        """A Config with ``values`` applied over ``base`` (or the defaults), validated. Unknown keys are errors."""
         config = dataclasses.replace(base) if base is not None else cls()
-        for key, raw in values.items():
-            setattr(config, key, coerce_value(key, field_kind(known[key]), raw))
+        config._apply(values)
         config.validate()
         return config
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], base: Config | None = None) -> Config:
-        """Load a .json or .toml file whose top level holds config keys (or a [kvtier] table)."""
-        p = Path(path)
-        try:
-            text = p.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
-        try:
-            data = tomllib.loads(text.decode()) if p.suffix == ".toml" else json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'JSON'}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {p}: the top level must be a table/object")
-        data = data.get("kvtier", data)
-        try:
-            return cls.from_dict(data, base)
-        except ConfigError as e:
-            raise ConfigError(f"config file {p}: {e}") from None
+        """Load a .json or .toml file whose top level holds config keys (or a [kvtier] table), validated."""
+        return cls._loaded([_file_layer(path)], base)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, base: Config | None = None) -> Config:
-        """Apply KVTIER_<KEY> variables (e.g. KVTIER_DRAM_CAPACITY=64GiB) over ``base``; the variables of
-        ENV_NOT_CONFIG (a file path, build and library switches) are not keys and are skipped."""
-        environ = os.environ if environ is None else environ
-        values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
-                  if k.startswith(ENV_PREFIX) and k not in ENV_NOT_CONFIG}
-        try:
-            return cls.from_dict(values, base)
-        except ConfigError as e:
-            raise ConfigError(f"environment: {e} (variables are {ENV_PREFIX}<KEY>)") from None
+        """Apply KVTIER_<KEY> variables (e.g. KVTIER_DRAM_CAPACITY=64GiB) over ``base``, validated; the variables
+        of ENV_NOT_CONFIG (a file path, build and library switches) are not keys and are skipped."""
+        return cls._loaded([_env_layer(os.environ if environ is None else environ)], base)
 
     @classmethod
     def load(
         cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> Config:
-        """Defaults < file < KVTIER_* variables < ``source`` (a dict, a file path, or a Config as is)."""
+        """Defaults < file < KVTIER_* variables < ``source`` (a dict, a file path, or a Config as is): the layers
+        merged, then validated once (ConfigError naming the layers the merged values came from)."""
         if isinstance(source, Config):
             return source
         environ = os.environ if environ is None else environ
-        config = cls()
+        layers = []
         if environ.get(ENV_CONFIG_FILE):
-            config = cls.from_file(environ[ENV_CONFIG_FILE], config)
+            layers.append(_file_layer(environ[ENV_CONFIG_FILE]))
         if isinstance(source, (str, os.PathLike)):
-            config = cls.from_file(source, config)
-        config = cls.from_env(environ, config)
+            layers.append(_file_layer(source))
+        layers.append(_env_layer(environ))
         if isinstance(source, Mapping):
-            config = cls.from_dict(source, config)
+            layers.append(Layer("the dict", dict(source)))
+        return cls._loaded(layers)
+
+    @classmethod
+    def _loaded(cls, layers: list[Layer], base: Config | None = None) -> Config:
+        """``layers`` applied over ``base`` (or the defaults) in order, then validated once. A layer's unknown key
+        or badly typed value is refused naming that layer; a merged config that fails validation (a value, or a
+        rule between keys that may come from different layers) is refused naming every layer and the keys it
+        set, so the source of each value is in the message."""
+        config = dataclasses.replace(base) if base is not None else cls()
+        for layer in layers:
+            try:
+                config._apply(layer.values)
+            except ConfigError as e:
+                raise ConfigError(f"{layer.name}: {e}{layer.hint}") from None
+        try:
+            config.validate()
+        except ConfigError as e:
+            named = [f"{layer.name} ({', '.join(layer.values)})" for layer in layers if layer.values]
+            raise ConfigError(f"{e} [keys set by: {'; '.join(named) or 'nothing: the defaults'}]") from None
         return config
+
+    def _apply(self, values: Mapping[str, Any]) -> None:
+        """Set ``values`` (coerced to each key's kind), unvalidated; ConfigError for an unknown key or a bad
+        value, before anything is set."""
+        known = {f.name: f for f in fields(self)}
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            raise ConfigError("; ".join(_unknown_key_message(k, known) for k in unknown))
+        coerced = {key: coerce_value(key, field_kind(known[key]), raw) for key, raw in values.items()}
+        for key, value in coerced.items():
+            setattr(self, key, value)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad value, so every mistake a tier would refuse when it is built
@@ -170,6 +178,43 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
     def describe(cls) -> list[tuple[str, str, str]]:
         """(key, default, help) for every key: what ``kvtier config`` prints."""
         return [(f.name, repr(f.default), f.metadata.get("help", "")) for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of config values (a file, the environment, a dict): what ``Config.load`` merges, named in its
+    errors."""
+
+    name: str
+    values: dict[str, Any]
+    hint: str = ""  # appended to an error of this layer (how its keys are spelled)
+
+
+def _file_layer(path: str | os.PathLike[str]) -> Layer:
+    """The keys of a .json or .toml file whose top level holds config keys (or a [kvtier] table)."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text.decode()) if p.suffix == ".toml" else json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} is not valid {p.suffix.lstrip('.') or 'JSON'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: the top level must be a table/object")
+    data = data.get("kvtier", data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: [kvtier] must be a table/object")
+    return Layer(f"config file {p}", data)
+
+
+def _env_layer(environ: Mapping[str, str]) -> Layer:
+    """The KVTIER_<KEY> variables, as keys; those of ENV_NOT_CONFIG (a file path, build and library switches)
+    are not keys and are skipped."""
+    values = {k[len(ENV_PREFIX):].lower(): v for k, v in environ.items()
+              if k.startswith(ENV_PREFIX) and k not in ENV_NOT_CONFIG}
+    return Layer("environment", values, f" (variables are {ENV_PREFIX}<KEY>)")
 
 
 def _unknown_key_message(key: str, known: Mapping[str, Any]) -> str:

@@ -65,6 +65,37 @@ def test_env_and_precedence(tmp_path):
         Config.load(None, environ={"KVTIER_DRAM_CAPACTY": "1GiB"})
 
 
+def test_layers_are_merged_before_the_config_is_validated(tmp_path, monkeypatch):
+    """A layer need not be valid alone: the pool endpoint from the environment and the mode from the dict make one
+    valid standalone config, and a dict may clear a file's ssd_path for it (each failed at load before: the
+    environment's or the file's layer was validated before the dict was applied)."""
+    pool = "ipc:///run/kvtier/pool.sock"
+    c = Config.load({"mode": "standalone"}, environ={"KVTIER_POOL": pool})
+    assert (c.mode, c.pool) == ("standalone", pool)
+    f = tmp_path / "c.toml"
+    f.write_text(f'ssd_path = "{tmp_path / "ssd"}"\nmode = "standalone"\n')
+    c = Config.load({"ssd_path": ""}, environ={"KVTIER_CONFIG": str(f), "KVTIER_POOL": pool})
+    assert (c.mode, c.ssd_path, c.pool) == ("standalone", "", pool)
+    # ... and validated once, whole
+    calls = []
+    real = Config.validate
+    monkeypatch.setattr(Config, "validate", lambda self: calls.append(1) or real(self))
+    Config.load({"mode": "standalone"}, environ={"KVTIER_CONFIG": str(f), "KVTIER_POOL": pool,
+                                                 "KVTIER_SSD_PATH": ""})
+    assert len(calls) == 1
+
+
+def test_a_merged_config_that_breaks_a_rule_names_the_layers_and_their_keys(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"ssd_path": str(tmp_path / "ssd")}))
+    with pytest.raises(ConfigError, match=r"mode 'standalone' keeps no SSD tier .*\[keys set by: config file "
+                                          r".*c\.json \(ssd_path\); environment \(pool\); the dict \(mode\)\]"):
+        Config.load({"mode": "standalone"}, environ={"KVTIER_CONFIG": str(f), "KVTIER_POOL": "ipc:///p.sock"})
+    with pytest.raises(ConfigError, match=r"^dram_capacity must be > 0, got 0 \[keys set by: environment "
+                                          r"\(dram_capacity\); the dict \(dram_capacity\)\]"):
+        Config.load({"dram_capacity": 0}, environ={"KVTIER_DRAM_CAPACITY": "1GiB"})
+
+
 def test_non_config_variables_are_not_keys():
     # The build and library switches live in the same KVTIER_ namespace; a store must still start with them set.
     env = {"KVTIER_CACHE_DIR": "/tmp/x", "KVTIER_CUDA_ARCH": "90", "KVTIER_NATIVE_CPU": "0",
@@ -155,6 +186,14 @@ def test_sglang_backend_keys_use_the_store_coercion():
         split_extra_config({"hint_max_fraction": True})
 
 
+def test_sglang_extra_config_is_merged_with_the_environment_before_it_is_validated(monkeypatch):
+    from kvtier.connectors.sglang.settings import split_extra_config
+
+    monkeypatch.setenv("KVTIER_POOL", "ipc:///run/kvtier/pool.sock")
+    _, _, config = split_extra_config({"mode": "standalone", "staging_bytes": "32MiB"})
+    assert (config.mode, config.pool) == ("standalone", "ipc:///run/kvtier/pool.sock")
+
+
 # ---- values a tier would refuse fail at load time, with the key named (issue 16) -------------------------------
 
 
@@ -186,11 +225,13 @@ def test_an_unknown_policy_fails_in_the_connectors_settings_before_any_tier_is_b
 
 
 def test_an_unknown_policy_in_the_environment_or_a_file_is_named(tmp_path):
-    with pytest.raises(ConfigError, match="environment: eviction: unknown eviction policy 'lfu'"):
+    with pytest.raises(ConfigError, match=r"eviction: unknown eviction policy 'lfu'.*\[keys set by: environment "
+                                          r"\(eviction\)\]"):
         Config.from_env({"KVTIER_EVICTION": "lfu"})
     f = tmp_path / "c.toml"
     f.write_text('ssd_eviction = "belady"\n')
-    with pytest.raises(ConfigError, match=r"c.toml: ssd_eviction: unknown eviction policy 'belady'"):
+    with pytest.raises(ConfigError, match=r"ssd_eviction: unknown eviction policy 'belady'.*\[keys set by: config "
+                                          r"file .*c\.toml \(ssd_eviction\)\]"):
         Config.from_file(f)
 
 

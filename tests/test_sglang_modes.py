@@ -117,7 +117,6 @@ def test_readme_sglang_commands_parse_with_sglangs_and_kvtiers_own_parsers():
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.server_args import ServerArgs
 
-    from kvtier.config import Config
     from kvtier.connectors.sglang.settings import split_extra_config
 
     parser = argparse.ArgumentParser()
@@ -131,7 +130,7 @@ def test_readme_sglang_commands_parse_with_sglangs_and_kvtiers_own_parsers():
         extra, *_ = HybridCacheController.parse_storage_backend_extra_config(args.hicache_storage_backend_extra_config)
         assert (extra["backend_name"], extra["module_path"], extra["class_name"], extra["interface_v1"]) == \
             ("kvtier", "kvtier.connectors.sglang", "KVTierHiCacheStorage", 1)
-        _, interface_v1, store_keys = split_extra_config(extra)  # unknown keys raise
+        _, interface_v1, config = split_extra_config(extra)  # unknown keys raise
         assert interface_v1
-        modes.add(Config.from_dict(store_keys).mode)
+        modes.add(config.mode)
     assert modes == {"embedded", "standalone", "distributed"}

@@ -196,7 +196,6 @@ def test_readme_vllm_commands_parse_with_vllms_and_kvtiers_own_parsers():
 
     from vllm.config import KVTransferConfig
 
-    from kvtier.config import Config
     from kvtier.connectors.vllm.settings import split_extra_config
 
     commands = readme_commands("vllm")
@@ -205,8 +204,8 @@ def test_readme_vllm_commands_parse_with_vllms_and_kvtiers_own_parsers():
         transfer = KVTransferConfig(**json.loads(words[words.index("--kv-transfer-config") + 1]))
         assert transfer.kv_connector == "KVTierConnector"
         assert transfer.kv_connector_module_path == "kvtier.connectors.vllm"
-        _, store_keys = split_extra_config(transfer.kv_connector_extra_config)  # unknown keys raise
-        modes.add(Config.from_dict(store_keys).mode)
+        _, config = split_extra_config(transfer.kv_connector_extra_config)  # unknown keys raise
+        modes.add(config.mode)
     assert modes == {"embedded", "standalone", "distributed"}
 
 

@@ -168,7 +168,7 @@ def test_reply_counts_by_tier():
 def test_extra_config_splits_connector_and_store_keys():
     settings, store = split_extra_config({"dram_capacity": "8GiB", "ssd_path": "/nvme/x", "load_mode": "layerwise",
                                           "staging_bytes": "32MiB", "save_decode": "false", "lookup_timeout_s": 2})
-    assert store == {"dram_capacity": "8GiB", "ssd_path": "/nvme/x"}
+    assert (store.dram_capacity, store.ssd_path) == (8 << 30, "/nvme/x")
     assert settings.load_mode == "layerwise" and not settings.load_async
     assert settings.staging_bytes == 32 << 20 and settings.save_decode is False and settings.lookup_timeout_s == 2.0
     assert set(CONNECTOR_KEYS) >= {"load_mode", "save_decode", "lease_ttl_s", "ipc_dir"}
@@ -185,6 +185,17 @@ def test_extra_config_splits_connector_and_store_keys():
 def test_bad_extra_config_is_named(extra, message):
     with pytest.raises(ConfigError, match=message):
         split_extra_config(extra)
+
+
+def test_extra_config_is_merged_with_the_environment_before_it_is_validated(monkeypatch):
+    """The pool from KVTIER_POOL and the mode from kv_connector_extra_config are one valid config (the dict alone
+    was validated before, and failed: standalone without a pool)."""
+    monkeypatch.setenv("KVTIER_POOL", "ipc:///run/kvtier/pool.sock")
+    _, config = split_extra_config({"mode": "standalone", "load_mode": "async"})
+    assert (config.mode, config.pool) == ("standalone", "ipc:///run/kvtier/pool.sock")
+    monkeypatch.delenv("KVTIER_POOL")
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: mode 'standalone' needs exactly one 'pool'"):
+        split_extra_config({"mode": "standalone"})
 
 
 # ---- agent hints ------------------------------------------------------------------------------------------

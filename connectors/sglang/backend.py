@@ -43,7 +43,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from kvtier.config import Config
 from kvtier.connectors.hints import AgentHints, parse_hints
 from kvtier.connectors.paths import PER_WORKER_KEYS, model_dir, per_worker
 from kvtier.connectors.prefetching import WorkerPrefetch
@@ -71,8 +70,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     (closed by ``close``). Lifecycle and failure contract: the module docstring."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
-        settings, interface_v1, store_keys = split_extra_config(storage_config.extra_config)
-        config = Config.load(store_keys)  # also KVTIER_* variables and KVTIER_CONFIG
+        settings, interface_v1, config = split_extra_config(storage_config.extra_config)
         self.identity = StorageIdentity.from_storage_config(storage_config, config.model)
         check_sharing(self.identity, config)
         self.settings: BackendSettings = settings

@@ -71,16 +71,18 @@ class BackendSettings:
 BACKEND_KEYS = tuple(f.name for f in fields(BackendSettings))
 
 
-def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendSettings, bool, dict[str, Any]]:
-    """(backend settings, interface_v1, store keys) from SGLang's extra config; ConfigError names a bad key."""
+def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[BackendSettings, bool, Config]:
+    """(backend settings, interface_v1, the store's Config) from SGLang's extra config: its store keys over
+    KVTIER_CONFIG and the KVTIER_* variables, merged and validated once (Config.load), so a typo fails at start-up
+    with the key named. ConfigError names a bad key."""
     extra = dict(extra or {})
     sglang = {k: extra.pop(k) for k in SGLANG_KEYS if k in extra}
     own = {k: extra.pop(k) for k in BACKEND_KEYS if k in extra}
     try:
         settings = BackendSettings(**coerce_fields(BackendSettings, own))
-        Config.from_dict(extra)  # a typo fails at start-up, with the key named
+        config = Config.load(extra)
     except ConfigError as e:
         raise ConfigError(f"--hicache-storage-backend-extra-config: {e} (kvtier backend keys: "
                           f"{', '.join(BACKEND_KEYS)}; SGLang's own: {', '.join(SGLANG_KEYS)})") from None
-    return settings, bool(sglang.get("interface_v1", 0)), extra
+    return settings, bool(sglang.get("interface_v1", 0)), config
 

@@ -36,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.config import Config
 
 from .compat import prefix_cache_retention_interval
 from .events import EventQuorum, KVTierKVEvents
@@ -82,7 +81,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
-        settings, store_config = split_extra_config(transfer.kv_connector_extra_config)
+        settings, config = split_extra_config(transfer.kv_connector_extra_config)
         if transfer.kv_load_failure_policy != "recompute":
             log.warning("kvtier: kv_load_failure_policy is %r: a block evicted between lookup and load fails its "
                         "request instead of being recomputed; set \"kv_load_failure_policy\": \"recompute\"",
@@ -107,7 +106,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                             load=transfer.is_kv_consumer, save=transfer.is_kv_producer, groups=groups,
                                             retention_interval=prefix_cache_retention_interval(vllm_config))
             self._quorum = EventQuorum(ranks) if events else None
-            if Config.load(store_config).mode == "standalone":
+            if config.mode == "standalone":
                 self._tier_source["pool"] = CacheHitSource.HOST
         else:
             model = vllm_config.model_config
@@ -118,7 +117,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 weights=weights.value, weights_source=weights.source,
                 hash_algo=str(vllm_config.cache_config.prefix_caching_hash_algo),
                 tp_size=parallel.tp_size, pcp_size=parallel.pcp_size, dp_size=parallel.dp_size)
-            self._worker = WorkerSide(settings, store_config, identity, groups, events=events)
+            self._worker = WorkerSide(settings, config, identity, groups, events=events)
         self._events: list[KVCacheEvent] = []
 
     # ---- vLLM's contract ---------------------------------------------------------------------------------

@@ -79,15 +79,16 @@ class ConnectorSettings:
 CONNECTOR_KEYS = tuple(f.name for f in fields(ConnectorSettings))
 
 
-def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
-    """(connector settings, store keys) from ``kv_connector_extra_config``; ConfigError names a bad key."""
+def split_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, Config]:
+    """(connector settings, the store's Config) from ``kv_connector_extra_config``: its store keys over KVTIER_CONFIG
+    and the KVTIER_* variables, merged and validated once (Config.load), in both roles, so a typo fails at start-up
+    with the key named; the process hands this Config down. ConfigError names a bad key."""
     extra = dict(extra or {})
     own = {k: extra.pop(k) for k in CONNECTOR_KEYS if k in extra}
     try:
         settings = ConnectorSettings(**coerce_fields(ConnectorSettings, own))
-        # Validate the store keys now, in both roles, so a typo fails at start-up with the key named.
-        Config.from_dict(extra)
+        config = Config.load(extra)
     except ConfigError as e:
         raise ConfigError(f"kv_connector_extra_config: {e} (connector keys: {', '.join(CONNECTOR_KEYS)})") from None
-    return settings, extra
+    return settings, config
 

@@ -77,13 +77,13 @@ class WorkerIdentity:
 
 
 class WorkerSide:
-    """See the module docstring. ``store_config``: the store keys of kv_connector_extra_config."""
+    """See the module docstring. ``config``: the store's Config, loaded once by the connector (split_extra_config)."""
 
-    def __init__(self, settings: ConnectorSettings, store_config: Mapping[str, Any], identity: WorkerIdentity,
+    def __init__(self, settings: ConnectorSettings, config: Config, identity: WorkerIdentity,
                  groups: Sequence[GroupSpec], *, events: bool = False) -> None:
         self.settings = settings
         self.identity = identity
-        self._store_config = dict(store_config)
+        self.config = config
         self.groups = tuple(groups)
         self._events_enabled = events
         self.kv: PagedKV | None = None  # group 0's (the only group of a uniform model)
@@ -128,7 +128,7 @@ class WorkerSide:
         if len(sizes) > 1:
             raise ValueError(f"kvtier: the KV cache groups' blocks differ in size ({[kv.layout.nbytes for kv in self.kvs]}"
                              " bytes); kvtier's store holds one block size. Run this model without kvtier")
-        config = Config.load(self._store_config)  # also reads KVTIER_* variables and KVTIER_CONFIG
+        config = self.config
         model = config.model or ident.model
         # A group's keys are its own: the group's layout and index (and, in a hybrid model, its kind) are in the
         # namespace, so a block of another group, shape or dtype is a miss, never bytes of the wrong layer.
