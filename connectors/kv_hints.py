@@ -169,7 +169,7 @@ def _prefetch(store: Any, session: str | None, keys: Sequence[bytes], prefetcher
     agent = store.sessions.resolve(Observations((), (), [Hint(request=request, session=session)])).hints[0].session
     if agent is None or not keys:
         return Applied("Prefetch", "deferred", "the request's agent or blocks are not known to the store yet")
-    room = store.tiers[0].stats().capacity_bytes // store.block_bytes
+    room = store.capacity_blocks
     prefetcher.request(agent, list(keys[:room]))
     if len(keys) > room:
         return Applied("Prefetch", "clipped", f"{len(keys)} blocks cut to the {room} DRAM holds")

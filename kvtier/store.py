@@ -51,7 +51,7 @@ from kvtier.policies.sessions import SessionTracker
 from kvtier.store_build import offloads_between, tiers_from_config
 from kvtier.store_types import BroughtUp, Fill, Listener, PutResult, StoreEvent, StoreLookup
 from kvtier.store_writes import PutPlan, TopWrites
-from kvtier.tiers.base import ObservingTier, PrefetchTarget, RemoteTier, Tier
+from kvtier.tiers.base import ListsKeys, ObservingTier, PrefetchTarget, RemoteTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,34 @@ class TieredStore:
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
         with self.prepare_put(keys) as plan:  # checks the keys
             return plan.skipping(plan.put(plan.fresh, rows.take(plan.fresh)))
+
+    # ---- what the store's callers ask about its tiers (declared by the tiers: kvtier/tiers/base.py) -------------
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks the top tier holds at most (DRAM's slots; a standalone store's node pool): what hint leases,
+        prefetch requests and a put's batches are bounded by."""
+        return self.tiers[0].stats().capacity_bytes // self.block_bytes
+
+    @property
+    def pinned_memory(self) -> bool:
+        """Whether the top tier's memory is page-locked (AddressableSlots.pinned): a GPU then copies to and from
+        its slots directly; False for a top tier without addressable slots."""
+        return self._slots is not None and self._slots.pinned
+
+    @property
+    def local_tiers(self) -> list[Tier]:
+        """The tiers in this process's own memory and disk (not a RemoteTier: the pools report their blocks
+        themselves)."""
+        return [t for t in self.tiers if not isinstance(t, RemoteTier)]
+
+    def local_keys(self) -> list[bytes]:
+        """Every key the local tiers that list their keys (ListsKeys: DRAM, SSD) hold now, each once (a snapshot)."""
+        keys: dict[bytes, None] = {}
+        for tier in self.local_tiers:
+            if isinstance(tier, ListsKeys):
+                keys.update(dict.fromkeys(tier.keys()))
+        return list(keys)
 
     @property
     def writes_in_place(self) -> bool:

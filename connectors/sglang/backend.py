@@ -131,8 +131,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         except DirectoryInUse as e:
             raise DirectoryInUse(f"kvtier rank {ident.rank_dir}: {e}; is another SGLang server of this model on this "
                                  "host using the same ssd_path? Give each server its own ssd_path") from None
-        dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
-        self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
+        self.store.leases.max_keys = max(1, int(self.store.capacity_blocks * self.settings.hint_max_fraction))
         naming = None
         if self.settings.kv_events_endpoint and ident.events_publisher:
             from .events import L3Events

@@ -34,8 +34,6 @@ from kvtier.hostmem import HostBuffer
 from kvtier.keys import Namespace
 from kvtier.leases import session_lease
 from kvtier.store import TieredStore
-from kvtier.tiers.dram import DramTier
-from kvtier.tiers.ssd import DiskTier
 
 from kvtier.connectors.hints import AgentHints
 
@@ -181,10 +179,7 @@ class PageStore:
     def clear(self) -> int:
         """Remove every page this process's private tiers list (DRAM, SSD), from every tier of the store, and
         return how many blocks went. Pages only a shared pool holds stay (other servers' too)."""
-        keys: set[bytes] = set()
-        for tier in self.store.tiers:
-            if isinstance(tier, (DramTier, DiskTier)):
-                keys.update(tier.keys())
+        keys = self.store.local_keys()
         return self.store.remove(sorted(keys)) if keys else 0
 
     def take_counts(self) -> dict[str, int]:

@@ -130,8 +130,7 @@ class Transfers:
         # KV only when the DRAM buffer is page-locked (then the GPU reads it over PCIe directly). Saves then
         # write them in place too, if the top tier has slots (``save_in_place`` False: always staged, to
         # compare the two in ``kvtier bench vllm``).
-        top = store.stats()["tiers"][store.tiers[0].name]["extra"]
-        self._direct = not gpu or bool(top.get("pinned_memory"))
+        self._direct = not gpu or store.pinned_memory
         self._save_in_place = save_in_place and self._direct and store.writes_in_place
         rows = self._chunk_rows = max(1, staging_bytes // kv.layout.nbytes)
         self._buffers = [HostBuffer(rows * kv.layout.nbytes) for _ in range(1 if self._save_in_place else 2)]

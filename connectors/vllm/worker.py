@@ -149,8 +149,7 @@ class WorkerSide:
         except DirectoryInUse as e:
             raise DirectoryInUse(f"kvtier worker {ident.rank_dir}: {e}; is another vLLM server of this model "
                                  "on this host using the same ssd_path? Give each server its own ssd_path") from None
-        dram_blocks = self.store.tiers[0].stats().capacity_bytes // self.store.block_bytes
-        self.store.leases.max_keys = max(1, int(dram_blocks * self.settings.hint_max_fraction))
+        self.store.leases.max_keys = max(1, int(self.store.capacity_blocks * self.settings.hint_max_fraction))
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
         self.lookup_leases = LeaseTable(self.store)
         self.prefetch = WorkerPrefetch.for_store(self.store, self.settings.prefetch)

@@ -134,9 +134,7 @@ class NodeAgent:
         agent's ``store_prefetch``). Attaches to the store's events; call ``start()`` next.
         Remote tiers (a PoolTier: blocks in kvtier-pool daemons, which report them themselves) are not the
         node's own."""
-        from kvtier.tiers.base import RemoteTier  # here: a router importing kvtier.client needs no tier code
-
-        local = [t for t in store.tiers if not isinstance(t, RemoteTier)]
+        local = store.local_tiers
         by_name = {t.name: t for t in local}
         on_hints = kw.pop("on_hints", None)
         if on_hints is None:

@@ -52,8 +52,7 @@ class StoreHints:
         self._contains: Callable[[list[bytes]], list[bool]] = store.contains
         self._wall = wall
         if self.leases.max_keys <= 0 and hint_max_fraction > 0:
-            blocks = store.tiers[0].stats().capacity_bytes // store.block_bytes
-            self.leases.max_keys = max(1, int(blocks * hint_max_fraction))
+            self.leases.max_keys = max(1, int(store.capacity_blocks * hint_max_fraction))
         self._given: dict[str, set[bytes]] = {}  # pin lease -> the keys given to it (held at the time)
         self._sessions: set[str] = set()  # sessions holding their lease
 

@@ -89,7 +89,7 @@ class HybridCache:
         self._candidates = np.zeros(max(unique_blocks, 1), bool)
         self._min_tail = min((t for t in self.obj.tails if t), default=1)  # a tail of 0 needs nothing
         self._rows = np.zeros((0, store.block_bytes if store else 1), np.uint8)
-        self._put_limit = store.tiers[0].stats().capacity_bytes // store.block_bytes if store else 0
+        self._put_limit = store.capacity_blocks if store else 0
         res = self.result
         groups = [FULL, *(g.name for g in model.windows), *([STATE_NAME] if model.recurrent else [])]
         res.group_bytes_stored = dict.fromkeys(groups, 0)

@@ -193,7 +193,7 @@ class Replayer:
         self._bt = workload.block_tokens
         max_blocks = max((len(r.blocks) for t in workload.traces for r in t.iter_requests()), default=0)
         self._rows = np.zeros((max(max_blocks, 1), store.block_bytes if store else 1), dtype=np.uint8)
-        self._put_limit = store.tiers[0].stats().capacity_bytes // store.block_bytes if store else 0
+        self._put_limit = store.capacity_blocks if store else 0
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._runs = 0

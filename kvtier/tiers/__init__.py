@@ -2,11 +2,11 @@
 
 from typing import Any
 
-from kvtier.tiers.base import (AddressableSlots, EvictListener, RemoteTier, Reservation, Tier, TierStats,
-                               WriteBehindStaging)
+from kvtier.tiers.base import (AddressableSlots, EvictListener, ListsKeys, RemoteTier, Reservation, Tier,
+                               TierStats, WriteBehindStaging)
 
-__all__ = ["AddressableSlots", "DramTier", "EvictListener", "RemoteTier", "Reservation", "Tier", "TierStats",
-           "WriteBehindStaging"]
+__all__ = ["AddressableSlots", "DramTier", "EvictListener", "ListsKeys", "RemoteTier", "Reservation", "Tier",
+           "TierStats", "WriteBehindStaging"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,8 +6,10 @@ the calling thread until the bytes are copied (the store runs them on its I/O th
 
 What a tier can do beyond ``Tier`` is declared by the classes it derives from, never found by probing for a
 method: ``AddressableSlots`` (host-memory slots a caller fills or reads in place: DramTier),
-``WriteBehindStaging`` (stages blocks and writes them in the background: DiskTier, PoolTier) and ``RemoteTier``
-(its blocks live in other processes: PoolTier). The store and its offloaders check them once when built.
+``WriteBehindStaging`` (stages blocks and writes them in the background: DiskTier, PoolTier), ``RemoteTier``
+(its blocks live in other processes: PoolTier) and ``ListsKeys`` (lists every key it holds: DramTier, DiskTier).
+The store and its offloaders check them once when built; the store answers its callers' questions about them
+(``TieredStore.capacity_blocks``, ``pinned_memory``, ``local_tiers``, ``local_keys``).
 """
 
 from __future__ import annotations
@@ -131,6 +133,15 @@ class Reservation:
     addresses: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
 
 
+class ListsKeys(ABC):
+    """Declares a tier that can list every key it holds, from its own memory or disk (DramTier, DiskTier): a
+    node's inventory for the master, a clear of one server's blocks."""
+
+    @abstractmethod
+    def keys(self) -> list[bytes]:
+        """Every key held now (a snapshot)."""
+
+
 class AddressableSlots(ABC):
     """Declares a tier whose blocks sit in fixed-size slots of host memory a caller can address (DramTier).
 
@@ -152,9 +163,10 @@ class AddressableSlots(ABC):
     def acquire(self, keys: Sequence[bytes]) -> AbstractContextManager[list[int | None]]:
         """Addresses of held blocks (None for misses), readable until the context exits."""
 
+    @property
     @abstractmethod
-    def keys(self) -> list[bytes]:
-        """Every key held now (a snapshot)."""
+    def pinned(self) -> bool:
+        """Whether the slots' memory is page-locked: a GPU copies to and from it directly over PCIe."""
 
 
 class WriteBehindStaging(ABC):

@@ -31,13 +31,13 @@ from kvtier.hostcopy import CopyThreads
 from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
-from kvtier.tiers.base import AddressableSlots, EvictListener, PrefetchTarget, Reservation, TierStats
+from kvtier.tiers.base import AddressableSlots, EvictListener, ListsKeys, PrefetchTarget, Reservation, TierStats
 from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
 
-class DramTier(AddressableSlots, PrefetchTarget):
+class DramTier(AddressableSlots, ListsKeys, PrefetchTarget):
     """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here.
 
     ``policy`` (a name or import path, ``default`` by default) decides evictions and, with ``admission``, which
@@ -251,6 +251,10 @@ class DramTier(AddressableSlots, PrefetchTarget):
         """Every key held now (a snapshot: an inventory for the master, without mirroring keys elsewhere)."""
         with self._lock:
             return list(self._slot_of)
+
+    @property
+    def pinned(self) -> bool:
+        return self._buffer.pinned
 
     @property
     def buffer(self) -> HostBuffer:

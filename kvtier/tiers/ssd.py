@@ -49,7 +49,7 @@ from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
 from kvtier.policies.guard import GuardedPolicy
 from kvtier.private import private_dir
-from kvtier.tiers.base import EvictListener, TierStats, WriteBehindStaging
+from kvtier.tiers.base import EvictListener, ListsKeys, TierStats, WriteBehindStaging
 from kvtier.tiers.ssd_index import DiskIndex, IndexFault
 from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
                                  probe_direct_io, round_up)
@@ -62,7 +62,7 @@ from kvtier.tiers.writebehind import Event, WriteBehind
 log = logging.getLogger(__name__)
 
 
-class DiskTier(WriteBehindStaging):
+class DiskTier(WriteBehindStaging, ListsKeys):
     """SSD tier over the directory ``path``: at most ``capacity_bytes`` of block data on disk.
 
     One DiskTier per directory (a lock file enforces it, across processes too). All methods are thread-safe
