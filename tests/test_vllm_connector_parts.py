@@ -278,6 +278,21 @@ def test_per_worker_moves_only_the_paths_that_are_set():
     assert set(PER_WORKER_KEYS) <= {f for f in Config.__dataclass_fields__}
 
 
+def test_a_rank_store_names_the_rank_when_another_server_holds_its_ssd_and_bounds_hint_leases(tmp_path):
+    from kvtier.connectors.rank_store import open_rank_store
+    from kvtier.tiers.ssd import DirectoryInUse
+
+    config = per_worker(Config.from_dict({"dram_capacity": 64 * 4096, "ssd_path": str(tmp_path)}), "m", "tp0of1")
+    first = open_rank_store(config, 4096, rank="tp0of1", engine="vLLM", hint_max_fraction=0.25)
+    try:
+        assert first.leases.max_keys == 16  # a quarter of DRAM's 64 blocks
+        with pytest.raises(DirectoryInUse, match=r"kvtier vLLM rank tp0of1: .*in use.*is another vLLM server of "
+                                                 r"this model on this host using the same ssd_path"):
+            open_rank_store(config, 4096, rank="tp0of1", engine="vLLM", hint_max_fraction=0.25)
+    finally:
+        first.close()
+
+
 def test_per_worker_refuses_a_path_that_is_a_file_naming_it(tmp_path):
     old = tmp_path / "kvtier"
     old.write_bytes(b"")  # e.g. the DRAM file of an embedded store that took dram_shm_path as its file

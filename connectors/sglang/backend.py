@@ -46,9 +46,9 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 from kvtier.connectors.hints import AgentHints, parse_hints
 from kvtier.connectors.paths import PER_WORKER_KEYS, model_dir, per_worker
 from kvtier.connectors.prefetching import WorkerPrefetch
+from kvtier.connectors.rank_store import open_rank_store
 from kvtier.ratelog import RateLimitedLog
 from kvtier.store import TieredStore
-from kvtier.tiers.ssd import DirectoryInUse
 
 from . import hints as kv_hints
 from .identity import StorageIdentity, check_sharing
@@ -126,12 +126,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         namespace = ident.namespace(self.pages.fingerprint)
         share = self.settings.sidecar_share if self._extra_pools else 0.0
         kv_config = pool_config(self.config, KV, 1 - share) if share else self.config
-        try:
-            self.store = TieredStore.from_config(kv_config, self.pages.block_bytes)
-        except DirectoryInUse as e:
-            raise DirectoryInUse(f"kvtier rank {ident.rank_dir}: {e}; is another SGLang server of this model on this "
-                                 "host using the same ssd_path? Give each server its own ssd_path") from None
-        self.store.leases.max_keys = max(1, int(self.store.capacity_blocks * self.settings.hint_max_fraction))
+        self.store = open_rank_store(kv_config, self.pages.block_bytes, rank=ident.rank_dir, engine="SGLang",
+                                     hint_max_fraction=self.settings.hint_max_fraction)
         naming = None
         if self.settings.kv_events_endpoint and ident.events_publisher:
             from .events import L3Events

@@ -29,11 +29,11 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors.kv_hints import HintOutcomes, apply_kv_hints
 from kvtier.connectors.prefetching import WorkerPrefetch
+from kvtier.connectors.rank_store import open_rank_store
 from kvtier.hashers import vllm_namespace
 from kvtier.keys import Namespace
 from kvtier.leases import LeaseTable
 from kvtier.store import TieredStore
-from kvtier.tiers.ssd import DirectoryInUse
 
 from .events import EventRecorder, event_group
 from .groups import FULL, MAMBA, GroupSpec, is_hybrid, needed_blocks, restorable
@@ -144,12 +144,8 @@ class WorkerSide:
                         "no fingerprint", model)
         # Every rank is its own process with its own store: paths a store owns get the rank's subdirectory.
         config = per_worker(config, model_dir(model, ident.revision), ident.rank_dir)
-        try:
-            self.store = TieredStore.from_config(config, self.kv.layout)
-        except DirectoryInUse as e:
-            raise DirectoryInUse(f"kvtier worker {ident.rank_dir}: {e}; is another vLLM server of this model "
-                                 "on this host using the same ssd_path? Give each server its own ssd_path") from None
-        self.store.leases.max_keys = max(1, int(self.store.capacity_blocks * self.settings.hint_max_fraction))
+        self.store = open_rank_store(config, self.kv.layout, rank=ident.rank_dir, engine="vLLM",
+                                     hint_max_fraction=self.settings.hint_max_fraction)
         # Lookup pins have their own table: the hint budget must never drop the pins of a load in flight.
         self.lookup_leases = LeaseTable(self.store)
         self.prefetch = WorkerPrefetch.for_store(self.store, self.settings.prefetch)
