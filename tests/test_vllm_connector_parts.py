@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvtier import wire
 from kvtier.config import Config, ConfigError
-from kvtier.connectors.vllm.hints import AgentHints, hints_of
+from kvtier.connectors.vllm.hints import AgentHints, pin_of, request_hints
 from kvtier.connectors.vllm.lookup import LookupClient, LookupServer, RankLookupReply, endpoint
 from kvtier.connectors.vllm.paths import PER_WORKER_KEYS, model_dir, per_worker, rank_dir
 from kvtier.connectors.vllm.settings import CONNECTOR_KEYS, split_extra_config
@@ -205,18 +205,43 @@ def _req(params, session_id=None):
     return SimpleNamespace(request_id="r1", kv_transfer_params=params, session_id=session_id)
 
 
+def hints_of(request):
+    return pin_of(request, request_hints(request))
+
+
 def test_hints_from_kv_transfer_params():
     assert hints_of(_req({"kvtier": {"ttl_s": 600, "session": "s", "priority": 2}})) == AgentHints("s", 600.0, 2.0)
     assert hints_of(_req({"kvtier": {"ttl_s": 5}}, session_id="vllm-session")) == AgentHints("vllm-session", 5.0, 0.0)
     assert hints_of(_req({"kvtier": {"ttl_s": 5}})) == AgentHints("r1", 5.0, 0.0)
     assert hints_of(_req(None)) is None and hints_of(_req({"do_remote_prefill": True})) is None
+    # hints for the policy only (no ttl_s): no pin, and nothing to complain about
+    assert hints_of(_req({"kvtier": {"session": "s", "finished": True}})) is None
 
 
-@pytest.mark.parametrize("raw", [{"ttl_s": -1}, {"ttl_s": "soon"}, {"ttl_s": 5, "priority": float("nan")},
-                                 {"ttl_s": 5, "session": 7}, {}])
-def test_bad_hints_are_ignored_not_fatal(raw, caplog):
-    assert hints_of(_req({"kvtier": raw})) is None
-    assert "ignoring hints of request r1" in caplog.text
+@pytest.mark.parametrize("raw, pin", [
+    ({"ttl_s": -1}, None), ({"ttl_s": "soon"}, None),
+    ({"ttl_s": 5, "priority": float("nan")}, AgentHints("r1", 5.0, 0.0)),  # the bad value dropped, the rest kept
+    ({"ttl_s": 5, "session": 7}, AgentHints("r1", 5.0, 0.0)),
+])
+def test_bad_hints_are_dropped_and_logged_not_fatal(raw, pin, caplog):
+    assert hints_of(_req({"kvtier": raw})) == pin
+    assert "request r1: ignoring hint" in caplog.text
+
+
+def test_each_hint_is_checked_once_for_the_pin_and_the_policy(caplog):
+    """One reading of a request's hints serves its pin, the policy's notes and the envelope's note: a bad value
+    is logged once (the scheduler read the dict three times, with two validators that disagreed, before)."""
+    from kvtier.connectors.vllm.observe import Notebook
+
+    req = _req({"kvtier": {"ttl_s": 30, "session": "agent-1", "subagents": -1, "finished": True}})
+    hints = request_hints(req)
+    book = Notebook(clock=lambda: 1.0)
+    book.arrived(req, [b"h" * 16], hints)
+    notes = book.take()
+    assert pin_of(req, hints) == AgentHints("agent-1", 30.0, 0.0)
+    assert notes.arrivals[0].session == "agent-1"
+    assert [(h.finished, h.subagents, h.ttl_s) for h in notes.hints] == [(True, 0, 30.0)]
+    assert caplog.text.count("ignoring hint subagents=-1") == 1
 
 
 # ---- the benchmark --------------------------------------------------------------------------------------------

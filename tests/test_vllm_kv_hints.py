@@ -113,9 +113,9 @@ def test_requests_without_an_envelope_send_none():
     from kvtier.connectors.vllm.hints import kv_hints_note
 
     req = make_request("R", PREFIX)
-    assert req.kv_hints is None and kv_hints_note(req, ()) is None
+    assert req.kv_hints is None and kv_hints_note(req, (), None) is None
     req.kv_hints = envelope(("Share", {}))
-    note = kv_hints_note(req, (b"h",))
+    note = kv_hints_note(req, (b"h",), None)
     assert note is not None and note.req_id == "R" and note.session is None and note.envelope is req.kv_hints
 
 

@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (tests/run.sh installs it from tests/requirements-vllm.txt)")
 
-from kvtier.connectors.vllm.observe import Notebook, RequestNotes, policy_hints, stop_reason  # noqa: E402
+from kvtier.connectors.hints import RequestHints, read_hints  # noqa: E402
+from kvtier.connectors.vllm.observe import Notebook, RequestNotes, stop_reason  # noqa: E402
 from vllm_engine import (  # noqa: E402
     BLOCK,
     PREFIX,
@@ -70,9 +71,9 @@ def test_every_rank_learns_the_same_requests_chains_stops_and_hints(engine):
 
 def test_bad_hints_are_ignored_not_fatal(caplog):
     bad = {"kvtier": {"session": 5, "finished": "yes", "subagents": -1, "ttl_s": float("inf"), "priority": 2}}
-    assert policy_hints(bad, "request r") == {"priority": 2.0}
+    assert read_hints(bad, "request r") == RequestHints(priority=2.0)
     assert sum("request r: ignoring hint" in r.getMessage() for r in caplog.records) == 4
-    assert policy_hints({"do_remote_prefill": True}, "request r") is None and policy_hints(None, "r") is None
+    assert read_hints({"do_remote_prefill": True}, "request r") is None and read_hints(None, "r") is None
 
 
 def test_notes_travel_as_ages_and_land_on_the_workers_clock(engine):
@@ -80,7 +81,7 @@ def test_notes_travel_as_ages_and_land_on_the_workers_clock(engine):
     t = [100.0]
     book = Notebook(clock=lambda: t[0])
     req = make_request("Z", [4] * (2 * BLOCK))
-    book.arrived(req, req.block_hashes)
+    book.arrived(req, req.block_hashes, None)
     t[0] = 103.0
     notes = book.take()
     assert notes.arrivals[0].age_s == 3.0 and not book.take()

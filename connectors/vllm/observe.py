@@ -18,24 +18,23 @@ Client hints (all optional; a bad value is logged and ignored, never fails a req
 ``session``: the agent (default: vLLM's ``session_id``, else inferred from the chains); ``finished``: this is
 the session's last request (its blocks are not worth keeping); ``subagents``: after this request the agent
 waits for that many subagents; ``ttl_s`` / ``priority``: as for the pins (hints.py), also inputs to the policy.
+The scheduler reads them once per request (hints.request_hints: kvtier.connectors.hints.read_hints) and hands
+them to ``Notebook.arrived``.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.connectors.hints import RequestHints
 from kvtier.keys import Namespace
 from kvtier.policies import Arrival, Completion, Hint
 from kvtier.store import TieredStore
 
-from .compat import request_session_id, request_stop_reason, request_transfer_params
-
-log = logging.getLogger(__name__)
+from .compat import request_session_id, request_stop_reason
 
 
 @dataclass(frozen=True)
@@ -108,17 +107,18 @@ class Notebook:
         self._completions: list[tuple[str, str | None, tuple[bytes, ...], float]] = []
         self._hints: list[tuple[str, str | None, bool, int, float | None, float | None, float]] = []
 
-    def arrived(self, request: Any, hashes: Sequence[bytes], checkpoints: Sequence[int] = ()) -> None:
-        """``request`` was admitted with these full blocks (root first) and, for a hybrid model, these
-        checkpoint boundaries (ArrivalNote); its hints go with it."""
-        hint = policy_hints(request_transfer_params(request), f"request {request.request_id}")
-        session = (hint.get("session") if hint else None) or request_session_id(request)
+    def arrived(self, request: Any, hashes: Sequence[bytes], hints: RequestHints | None,
+                checkpoints: Sequence[int] = ()) -> None:
+        """``request`` was admitted with these full blocks (root first), its ``hints`` (read once by the
+        scheduler: hints.request_hints) and, for a hybrid model, these checkpoint boundaries (ArrivalNote); its
+        hints go with it."""
+        session = (hints.session if hints is not None else None) or request_session_id(request)
         now = self.clock()
         self._arrivals.append((request.request_id, tuple(hashes), session if isinstance(session, str) else None,
                                now, tuple(checkpoints)))
-        if hint and any(k in hint for k in ("finished", "subagents", "ttl_s", "priority")):
-            self._hints.append((request.request_id, None, bool(hint.get("finished", False)),
-                                int(hint.get("subagents", 0)), hint.get("ttl_s"), hint.get("priority"), now))
+        if hints is not None and hints.for_policy:
+            self._hints.append((request.request_id, None, bool(hints.finished), hints.subagents or 0, hints.ttl_s,
+                                hints.priority, now))
 
     def finished(self, request: Any, added: Sequence[bytes]) -> None:
         """``request`` finished; ``added``: the full blocks its output added after its arrival's."""
@@ -143,26 +143,3 @@ def stop_reason(request: Any) -> str | None:
     name = str(reason)
     stop = request_stop_reason(request)
     return f"{name}:{stop}" if name == "stop" and stop is not None else name
-
-
-def policy_hints(params: Any, owner: str) -> dict[str, Any] | None:
-    """The policy's inputs among ``params["kvtier"]`` (vLLM's ``kv_transfer_params``; any connector's dict of
-    the same shape), validated: bad ones dropped and logged naming ``owner``; None if there is no such dict."""
-    raw = params.get("kvtier") if isinstance(params, dict) else None
-    if not isinstance(raw, dict):
-        return None
-    out: dict[str, Any] = {}
-    checks = {
-        "session": lambda v: isinstance(v, str) and v != "",
-        "finished": lambda v: isinstance(v, bool),
-        "subagents": lambda v: type(v) is int and 0 <= v < 1 << 20,  # noqa: E721 - not a bool
-        "ttl_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf,
-        "priority": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-    }
-    for name, ok in checks.items():
-        if name in raw:
-            if ok(raw[name]):
-                out[name] = float(raw[name]) if name in ("ttl_s", "priority") else raw[name]
-            else:
-                log.warning("kvtier: %s: ignoring hint %s=%r", owner, name, raw[name])
-    return out

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from .compat import boundary_state_offloads, request_shared_prefix_boundary, resumed_req_ids
 from .groups import FULL, MAMBA, GroupSpec, hit_boundaries, is_hybrid, save_mask
 from .lookup import ConnectorLookup
-from .hints import AgentHints, KvHintsNote, hints_of, kv_hints_note
+from .hints import AgentHints, KvHintsNote, kv_hints_note, pin_of, request_hints
 from .metadata import KVTierMetadata, LoadPlan, SavePlan
 from .observe import Notebook
 from .settings import ConnectorSettings
@@ -167,12 +167,14 @@ class SchedulerSide:
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            tracked = self._tracked[req_id] = _Tracked(request, stored=[0] * len(self.groups), hints=hints_of(request))
+            hints = request_hints(request)  # read once: the pin, the policy's notes, the envelope's note
+            tracked = self._tracked[req_id] = _Tracked(request, stored=[0] * len(self.groups),
+                                                       hints=pin_of(request, hints))
             tracked.arrival_blocks = self.num_hashed_blocks(request)
             arrival = self.block_hashes(request, 0, tracked.arrival_blocks)
-            self.notes.arrived(request, arrival,
+            self.notes.arrived(request, arrival, hints,
                                self._checkpoints(request, tracked.arrival_blocks, num_external_tokens))
-            note = kv_hints_note(request, tuple(arrival))
+            note = kv_hints_note(request, tuple(arrival), hints)
             if note is not None:
                 self._kv_hints.append(note)
         tracked.tables = [list(t) for t in block_ids]
