@@ -1,6 +1,6 @@
 """The Mooncake Store rows of ``kvtier bench tiers --tier pool``: the peer measured in the same run, when installed.
 
-Recipe (/work/shared/reference/MEASURED.md): ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`` plus
+Recipe: ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1`` plus
 the distribution's libibverbs1 and ibverbs-providers. Two-process TCP as Mooncake's own docs set it up: a
 ``mooncake_master`` (with its HTTP metadata server), a ``mooncake_client`` process that holds the memory
 segment, and this process as a client with no segment of its own, moving registered buffers with

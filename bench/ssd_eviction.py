@@ -1,6 +1,6 @@
 """Why the SSD tier evicts per block: a key-level simulation of its eviction choices on the agentic-cc traces.
 
-``kvtier bench ssd-eviction --traces /work/shared/traces/agentic-cc [--conversations 120 --lanes 64
+``kvtier bench ssd-eviction --traces kvtier/sample-traces/agentic-cc [--conversations 120 --lanes 64
 --ssd 0.05,0.1,0.2]`` replays conversations (lanes play one conversation each, requests ordered by their
 think time plus a nominal second of API time, subagents inline) through an LRU DRAM tier of 10% of the
 working set with an SSD tier under it (on_evict offload, promotion on hit), and prints, per SSD size and
@@ -146,7 +146,7 @@ def simulate(convs: list[Conversation], lanes: int, dram: int, ssd: Any) -> dict
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
-                   help="agentic-cc trace files or directories (e.g. /work/shared/traces/agentic-cc)")
+                   help="agentic-cc trace files or directories (e.g. kvtier/sample-traces/agentic-cc, the sample shipped)")
     p.add_argument("--conversations", type=int, default=60, help="conversations (a fixed random sample)")
     p.add_argument("--lanes", type=int, default=32, help="conversations in flight at once")
     p.add_argument("--ssd", default="0.05,0.1,0.2", help="SSD sizes as fractions of the working set")

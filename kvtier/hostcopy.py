@@ -62,7 +62,7 @@ _lib = _load_native()
 NATIVE = _lib is not None
 
 # The batch size from which two copy threads may beat one (UMBP's two-thread copy beats one thread 1.2-1.4x at
-# 1-4 MiB blocks on a quiet 2-core machine: /work/shared/reference/MEASURED.md); below it a batch is a few blocks
+# 1-4 MiB blocks on a quiet 2-core machine: the peer bench, README "Benchmarks"); below it a batch is a few blocks
 # and the second thread's start (~30-60 us) eats the gain, so it always gets one thread and is not timed.
 PARALLEL_MIN_BYTES = 1 << 20
 AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate the memory bus

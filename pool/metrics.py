@@ -4,8 +4,8 @@ Requests are counted as they are served (per op and status; op labels only the k
 cannot blow up the label cardinality) with a latency histogram per op. Everything else is read from the
 pool's state when Prometheus scrapes (a collector): bytes in and out per path, slots used / free / held by
 clients, evictions, hits and misses, connections per port and stage, refused connections per reason, the
-memory and held budgets, leases, requests waiting in the dispatcher, errors per code. README "Metrics of
-kvtier-pool" lists every name.
+memory and held budgets, leases, requests waiting in the dispatcher, errors per code. The metrics table of
+README "Node pool and remote DRAM: kvtier-pool" lists every name.
 
 Thread-safe: the workers observe requests, the metrics port's thread (kvtier/metrics_http.py: bounded
 connections and deadlines, its refusals counted here with port="metrics") collects.

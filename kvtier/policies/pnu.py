@@ -2,8 +2,8 @@
 
 Agentic traffic is a set of interleaved loops: each turn of an agent re-reads its whole context and appends a
 little. A block's next use is its agent's next request, so the policy ranks agents, not blocks, by when each is
-predicted back, using only what a server knows online (observations.py; the study behind it:
-/work/shared/reference/POLICY-STUDY.md; the README's "Eviction policies" has the measurements):
+predicted back, using only what a server knows online (observations.py; the README's "Eviction policies" has
+the measurements that chose it):
 
 * learned, no priors (returns.py): service times, and per stop reason the gaps until the agent's next request
   and the share of completions after which it comes back at all;

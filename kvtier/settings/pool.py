@@ -1,5 +1,6 @@
 """PoolKeys: the mode (where the store's DRAM lives) and the pool tier's keys (kvtier/tiers/pool.py): the node
-pool, remote pools, kvtier-master; their checks and the PoolTier they describe (README "Modes")."""
+pool, remote pools, kvtier-master; their checks and the PoolTier they describe (README "Node pool and remote
+DRAM: kvtier-pool")."""
 
 from __future__ import annotations
 
