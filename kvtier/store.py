@@ -16,13 +16,13 @@ falls through the tiers in order, and what a lower tier served is promoted into 
 reference counts) keep blocks from being evicted in every tier, and leases are pins that expire
 (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners hear
 which keys each tier gained and lost (the engines' KV events and the master's directory feed on them). Which
-tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload.py's.
+tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload/'s.
 
 Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
 and the bookkeeping every call shares (the one tier walk, counters, events; ``bring_up``, the copy a prefetch
 between turns makes, and its hand-off to the offloaders that move blocks up, ``_moved_up``, are here because they
 are that walk, the promotion claim and the store's pins and events); its parts with a role of their own
-live beside it (store_build.py, store_writes.py, inflight.py, offload.py, leases.py).
+live beside it (store_build.py, store_writes.py, inflight.py, offload/, leases.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from kvtier.inflight import InflightPuts
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
 from kvtier.leases import LeaseTable
-from kvtier.offload import write_down
+from kvtier.offload import OffloadPolicy, write_down
 from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
@@ -60,7 +60,8 @@ class TieredStore:
     """The embedded store. Build with ``TieredStore.from_config(config, layout)`` or from tier objects."""
 
     def __init__(self, tiers: Sequence[Tier], *, io_threads: int = 4, dtypes: Sequence[str] = (),
-                 offload: str | Sequence[str] = "on_evict", promote: bool | Sequence[bool] = True,
+                 offload: str | OffloadPolicy | Sequence[str | OffloadPolicy] = "on_evict",
+                 promote: bool | Sequence[bool] = True,
                  close_timeout_s: float = 30.0, clock: Clock | None = None) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -89,7 +90,7 @@ class TieredStore:
         self.close_timeout_s = close_timeout_s
         self.counters = {"put_stored": 0, "put_skipped": 0, "put_rejected": 0, "get_hits": 0, "get_misses": 0,
                          "promoted": 0, "prefetched": 0}
-        # Between the top tier and each one under it: what goes down when, and what comes back up (offload.py);
+        # Between the top tier and each one under it: what goes down when, and what comes back up (offload/);
         # second_hit's memory of puts and hits is one for all lower tiers (recorded here, once per call).
         self._offloads, self._sightings = offloads_between(self.tiers, offload, promote, self._emit)
         # Writes into the top tier (copied, or filled in place where it declares addressable slots: a DramTier,

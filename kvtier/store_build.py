@@ -1,7 +1,7 @@
 """A TieredStore's parts: which tiers a Config describes (with each lower tier's offload policy and promote
 switch), and the offloaders between the top tier and each lower one.
 
-The half of TieredStore's construction that knows which tiers a mode stacks and offload.py's pieces (the store
+The half of TieredStore's construction that knows which tiers a mode stacks and offload/'s pieces (the store
 itself composes whatever it is given): where a new tier's keys meet the store, each tier's arguments asked of
 its config section (kvtier/settings/: ``cfg.dram_args``, ``cfg.ssd_args``, ``cfg.pool_args``). Assembly only, in the caller's
 thread; building a tier may open its files or connect its pool, and what is built here is owned by the store
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvtier.config import Config
 from kvtier.layout import BlockLayout
-from kvtier.offload import Emit, Offloader, Sightings
+from kvtier.offload import Emit, OffloadPolicy, Offloader, Sightings, offload_policy
 from kvtier.policies import Clock
 from kvtier.tiers.base import Tier
 
@@ -64,19 +64,21 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
     return parts
 
 
-def offloads_between(tiers: Sequence[Tier], offload: str | Sequence[str], promote: bool | Sequence[bool],
-                     emit: Emit) -> tuple[list[Offloader], Sightings | None]:
+def offloads_between(tiers: Sequence[Tier], offload: str | OffloadPolicy | Sequence[str | OffloadPolicy],
+                     promote: bool | Sequence[bool], emit: Emit) -> tuple[list[Offloader], Sightings | None]:
     """One Offloader from ``tiers[0]`` to each lower tier, in order, and the Sightings they share (None unless some
-    policy is second_hit). ``offload``, ``promote``: one answer for every lower tier, or one per lower tier in
-    order (a pool's, the SSD's); ValueError for a count that does not match."""
-    policies = [offload] * (len(tiers) - 1) if isinstance(offload, str) else list(offload)
+    policy counts sightings: second_hit). ``offload`` (policies or their registered names), ``promote``: one
+    answer for every lower tier, or one per lower tier in order (a pool's, the SSD's); ValueError for a count
+    that does not match, or an unknown policy."""
+    one = isinstance(offload, (str, OffloadPolicy))
+    policies = [offload_policy(p) for p in ([offload] * (len(tiers) - 1) if one else offload)]
     if len(policies) != len(tiers) - 1:
         raise ValueError(f"{len(tiers) - 1} lower tiers but {len(policies)} offload policies")
     promotes = [promote] * len(policies) if isinstance(promote, bool) else list(promote)
     if len(promotes) != len(policies):
         raise ValueError(f"{len(policies)} lower tiers but {len(promotes)} promote switches")
     sightings = (Sightings(4 * tiers[0].stats().capacity_bytes // tiers[0].block_bytes)
-                 if "second_hit" in policies else None)
+                 if any(p.counts_sightings for p in policies) else None)
     offloads = [Offloader(tiers[0], lower, policy, promote=up, emit=emit, sightings=sightings, index=i)
                 for i, (lower, policy, up) in enumerate(zip(tiers[1:], policies, promotes), 1)]
     return offloads, sightings

@@ -25,6 +25,7 @@ from typing import Any
 from kvtier.config import Config, ConfigError
 from kvtier.hashers import sglang_namespace
 from kvtier.keys import Namespace
+from kvtier.offload import offload_policy
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ def check_sharing(identity: StorageIdentity, config: Config) -> None:
             "hit of zero. Let the ranks share a tier: mode 'standalone' (a kvtier-pool on this host) or "
             "'distributed' (pools, kvtier-master)")
     private_top = config.mode == "distributed" or config.standalone_dram_capacity > 0
-    if private_top and config.pool_offload != "write_through":
+    offload = offload_policy(config.pool_offload)
+    if private_top and not offload.on_put:
         log.warning("kvtier: MLA model with TP %d: TP rank 0 writes pages to its private DRAM and to the shared pool "
                     "only %s; the other ranks miss them until then (set pool_offload write_through)",
-                    identity.tp_size, "on eviction" if config.pool_offload == "on_evict" else "on a second hit")
+                    identity.tp_size, offload.when)

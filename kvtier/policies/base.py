@@ -61,7 +61,7 @@ class EvictionPolicy(Protocol):
 
     def handed_up(self, session: str, keys: Sequence[bytes], depths: Sequence[int]) -> None:
         """``keys`` (at ``depths`` of agent ``session``'s chain) just left this tier for the one above (a prefetch
-        moved them up: kvtier/offload.py). A policy that learns chains remembers they are the agent's, so that
+        moved them up: kvtier/offload/). A policy that learns chains remembers they are the agent's, so that
         when they come back down (the tier above evicts them) they are admitted as its blocks, not as blocks
         of no known agent."""
 

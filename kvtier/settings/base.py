@@ -13,8 +13,6 @@ from typing import Any
 from kvtier.units import parse_bytes
 from kvtier.wire.pool import ENDPOINT_SCHEMES
 
-OFFLOADS = ("write_through", "on_evict", "second_hit")  # when a lower tier gets DRAM's blocks (offload.py)
-
 # (key, its value, the bytes it must hold at least): a size that depends on the block, known with the layout.
 BlockSize = tuple[str, int, int]
 
@@ -60,6 +58,15 @@ def endpoint_list(key: str, value: str) -> list[str]:
     if bad:
         raise ConfigError(f"{key}: {bad[0]!r} is not a tcp://host:port or ipc:///path endpoint")
     return endpoints
+
+
+def check_offload_name(key: str, name: Any) -> None:
+    """ConfigError naming ``key`` unless ``name`` is a registered offload policy (kvtier/offload/policies.py:
+    write_through, on_evict, second_hit, or one registered before the config is loaded)."""
+    from kvtier.offload.policies import known_offloads  # here: importing config must stay light
+
+    if name not in known_offloads():
+        raise ConfigError(f"{key}: {name!r} is not one of {', '.join(known_offloads())}")
 
 
 def check_policy_name(key: str, spec: Any) -> None:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.settings.base import (OFFLOADS, BlockSize, ConfigError, bytes_field, check_range, endpoint_list, key_field,
-                                  switch_field)
+from kvtier.settings.base import (BlockSize, ConfigError, bytes_field, check_offload_name, check_range, endpoint_list,
+                                  key_field, switch_field)
 
 MODES = ("embedded", "standalone", "distributed")
 
@@ -44,7 +44,8 @@ class PoolKeys:
     # dropped it since).
     pool_offload: str = key_field("write_through", "when blocks go from private DRAM to the pool: write_through "
                                                    "(every put: other nodes see them at once; measured best for "
-                                                   "one engine too), on_evict, second_hit", OFFLOADS)
+                                                   "one engine too), on_evict, second_hit, or one registered "
+                                                   "by name")
     pool_promote: str = switch_field("auto", "copy a block served from a pool into private DRAM too: true, "
                                              "false, or auto (as ssd_promote, which also switched this before "
                                              "pool_promote existed)")
@@ -64,6 +65,7 @@ class PoolKeys:
         """ConfigError naming the first pool or mode key a PoolTier would refuse, or a mode its keys contradict
         (the SSD's part of a mode's rules is Config's, which holds both sections)."""
         check_range("pool_timeout_ms", self.pool_timeout_ms, 1, 60_000)
+        check_offload_name("pool_offload", self.pool_offload)
         check_range("pool_connections", self.pool_connections, 1, 64)
         check_range("pool_copy_threads", self.pool_copy_threads, 0, 16, " (0: by measured rate)")
         pools = self.pool_endpoints()

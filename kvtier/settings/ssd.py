@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.settings.base import (OFFLOADS, BlockSize, bytes_field, check_policy_name, check_positive, check_range,
-                                  key_field, switch_field)
+from kvtier.settings.base import (BlockSize, bytes_field, check_offload_name, check_policy_name, check_positive,
+                                  check_range, key_field, switch_field)
 
 if TYPE_CHECKING:  # kvtier.policies loads every policy module: only when a check needs it
     from kvtier.policies import Clock
@@ -24,8 +24,8 @@ class SsdKeys:
                                   "reopened after a restart, its blocks are served again); empty: no SSD tier")
     ssd_capacity: int = bytes_field("64GiB", "most bytes of block data the SSD tier keeps on disk")
     ssd_offload: str = key_field("on_evict", "when blocks go from DRAM to SSD: write_through (every put), on_evict "
-                                             "(when DRAM evicts them), second_hit (on eviction, if seen twice)",
-                                 OFFLOADS)
+                                             "(when DRAM evicts them), second_hit (on eviction, if seen twice), or "
+                                             "a policy registered by name (kvtier.offload.register_offload)")
     ssd_promote: bool = key_field(True, "copy a block served from SSD into DRAM too (off served more on the "
                                         "standard replay slice but cost hit rate with prefetch on the sample's "
                                         "traces: README 'Between turns')")
@@ -47,6 +47,7 @@ class SsdKeys:
         check_positive("ssd_segment_bytes", self.ssd_segment_bytes)
         check_range("ssd_io_threads", self.ssd_io_threads, 1, 64)
         check_policy_name("ssd_eviction", self.ssd_eviction)
+        check_offload_name("ssd_offload", self.ssd_offload)
 
     def ssd_block_sizes(self, block_bytes: int) -> list[BlockSize]:
         """The SSD sizes that must hold a block of ``block_bytes``: none while there is no SSD tier."""

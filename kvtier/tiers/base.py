@@ -109,7 +109,7 @@ class PrefetchTarget(Protocol):
 
 @runtime_checkable
 class HandsUp(Protocol):
-    """A private lower tier a prefetch may move blocks out of, into the tier above (the SSD: kvtier/offload.py
+    """A private lower tier a prefetch may move blocks out of, into the tier above (the SSD: kvtier/offload/
     says when). A shared one (a pool other engines read) keeps its copy."""
 
     def hand_up(self, keys: Sequence[bytes], session: str, depths: Sequence[int]) -> None:

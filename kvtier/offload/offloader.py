@@ -4,13 +4,8 @@ Runs inside TieredStore, in the caller's process, on the threads of the store ca
 no bytes itself: the lower tier's ``put_later`` copies what is offloaded into its own staging memory before it
 returns, so a DRAM slot can be reused at once and a write queued before DRAM evicts its block still lands.
 
-One policy, by name:
-  write_through  every block put into DRAM is also queued for the disk (the put waits for staging memory, so
-                 under sustained load puts run at disk speed: that is what write-through means)
-  on_evict       a block is written when DRAM evicts it, unless the disk holds it already
-  second_hit     like on_evict, but only blocks seen at least twice (a put and a hit, or put again after it was
-                 dropped): one-shot blocks, such as a subagent's private suffix, never cost a disk write
-Every policy also writes, on eviction, a block that should be on the disk but is not (its write-through copy
+One offload policy per lower tier (policies.py: write_through, on_evict, second_hit, or one registered by name)
+says when blocks go down. Every policy also writes, on eviction, a block that should be on the disk but is not (its write-through copy
 was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM did not
 take (its policy declined it: admission; full of pinned blocks; a batch larger than DRAM) goes down as if DRAM
 had evicted it at once (an in-place put fills it into scratch rows for that: store_writes.TopWrites.fill): with
@@ -42,11 +37,10 @@ from typing import Any
 import numpy as np
 
 from kvtier.blocks import BlockRows
+from kvtier.offload.policies import OffloadPolicy, offload_policy
 from kvtier.tiers.base import AddressableSlots, HandsUp, RemoteTier, Tier, WriteBehindStaging
 
 log = logging.getLogger(__name__)
-
-OFFLOAD_POLICIES = ("write_through", "on_evict", "second_hit")
 
 Emit = Callable[[str, str, list[bytes]], None]  # (kind, tier name, keys): the store's event hook
 
@@ -77,22 +71,22 @@ class Sightings:
 
 
 class Offloader:
-    """Moves blocks between ``top`` and ``lower`` by ``policy``. Thread-safe. Every hook runs on the store caller's
+    """Moves blocks between ``top`` and ``lower`` by ``policy`` (an OffloadPolicy, or its registered name).
+    Thread-safe. Every hook runs on the store caller's
     thread, outside the top tier's lock: ``on_top_evict`` inside the reserve that evicted (the victims stay readable
     in the top tier, and their slots unwritten, until it returns), so it may write to a lower tier that stages
     nothing, but only waits for staging memory where the policy says so (never on eviction)."""
 
-    def __init__(self, top: Tier, lower: Tier, policy: str = "on_evict", *, promote: bool = True,
+    def __init__(self, top: Tier, lower: Tier, policy: str | OffloadPolicy = "on_evict", *, promote: bool = True,
                  emit: Emit | None = None, sightings: Sightings | None = None, index: int = 1) -> None:
-        if policy not in OFFLOAD_POLICIES:
-            raise ValueError(f"unknown offload policy {policy!r}; known: {', '.join(OFFLOAD_POLICIES)}")
-        self.top, self.lower, self.policy, self.promote = top, lower, policy, promote
+        self.policy: OffloadPolicy = offload_policy(policy)  # ValueError naming the known ones
+        self.top, self.lower, self.promote = top, lower, promote
         self.index = index  # the lower tier's position in the store (the ``served`` value after_get sees)
         # What the two tiers declare (kvtier.tiers.base), decided once here.
         self._staging: WriteBehindStaging | None = lower if isinstance(lower, WriteBehindStaging) else None
         self._remote: RemoteTier | None = lower if isinstance(lower, RemoteTier) else None
         self._top_slots: AddressableSlots | None = top if isinstance(top, AddressableSlots) else None
-        self._hands_up: HandsUp | None = lower if isinstance(lower, HandsUp) and policy == "on_evict" else None
+        self._hands_up: HandsUp | None = lower if isinstance(lower, HandsUp) and self.policy.moves_up else None
         self._emit = emit or (lambda kind, tier, keys: None)
         # second_hit's memory: the store's (it records each put, get and borrow there once), else an empty one.
         self._sightings = sightings if sightings is not None else Sightings()
@@ -106,7 +100,7 @@ class Offloader:
         """``keys`` were just stored in the top tier from ``rows``; ``refused`` (from ``refused_rows``) were
         offered by the same put but the top tier had no room for them (rows valid during this call). The store
         has recorded both as sightings already."""
-        if self.policy == "write_through" and keys:
+        if self.policy.on_put and keys:
             self._offload(list(keys), rows, wait=True)
         if refused and refused_rows is not None:
             self._refused_by_top(refused, refused_rows)
@@ -117,7 +111,7 @@ class Offloader:
         wanted = self.due_on_eviction(keys)
         if wanted:
             sub = rows if len(wanted) == len(keys) else BlockRows(rows.ptrs[wanted], rows.owners)
-            self._offload([keys[i] for i in wanted], sub, wait=self.policy == "write_through")
+            self._offload([keys[i] for i in wanted], sub, wait=self.policy.on_put)
 
     def on_top_evict(self, keys: Sequence[bytes], views: Sequence[Any]) -> None:
         """The top tier evicts ``keys``; ``views`` of their bytes are valid during this call only."""
@@ -127,19 +121,16 @@ class Offloader:
 
     def due_on_eviction(self, keys: Sequence[bytes], *, count: bool = True) -> list[int]:
         """Positions of ``keys`` the policy writes down when they leave the top tier (or the top tier does not
-        take them): those the lower tier lacks (second_hit: and seen at least twice). ``count`` False: a question
+        take them): those the lower tier lacks, as the policy's ``due`` picks them. ``count`` False: a question
         only (an in-place put asks which of its refused blocks to fill into scratch rows), nothing counted."""
         # This runs on every eviction, inside the put that evicted: a remote tier's contains is a network round
         # trip, so it answers from what it knows locally (``held_locally``: sent or fetched recently); the pool
         # skips the rest if held.
-        held = self._lower_holds(keys)
-        if self.policy != "second_hit":
-            return [i for i, h in enumerate(held) if not h]
-        seen = self._sightings.counts(keys)
-        wanted = [i for i in range(len(keys)) if not held[i] and seen[i] >= 2]
-        if count:
+        lacking = [i for i, h in enumerate(self._lower_holds(keys)) if not h]
+        wanted = self.policy.due(keys, lacking, lambda: self._sightings.counts(keys))
+        if count and len(wanted) < len(lacking):  # the policy passed over some (second_hit: seen once)
             with self._lock:
-                self._counts["skipped_seen_once"] += len(keys) - sum(held) - len(wanted)
+                self._counts[self.policy.skipped] += len(lacking) - len(wanted)
         return wanted
 
     def prefetched(self, keys: Sequence[bytes], session: str, depths: Sequence[int]) -> bool:
@@ -209,7 +200,7 @@ class Offloader:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"policy": self.policy, "promote": self.promote, **self._counts}
+            return {"policy": self.policy.name, "promote": self.promote, **self._counts}
 
     # ---- internals ----------------------------------------------------------------------------------
 
