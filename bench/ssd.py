@@ -25,7 +25,7 @@ from kvtier.config import Config
 from kvtier.keys import Namespace
 from kvtier.pins import PinTable
 from kvtier.tiers.ssd import DiskTier
-from kvtier.tiers.ssd_io import aligned_blocks, probe_direct_io, raw_view
+from kvtier.tiers.ssd.io import aligned_blocks, probe_direct_io, raw_view
 
 DEFAULT_SIZES = "1MiB,4MiB"
 

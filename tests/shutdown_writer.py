@@ -21,8 +21,8 @@ import torch
 from conftest import blocks_for
 from kvtier import TieredStore
 from kvtier.keys import Namespace
-from kvtier.tiers.ssd_index import DiskIndex
-from kvtier.tiers.ssd_io import SegmentFiles
+from kvtier.tiers.ssd.index import DiskIndex
+from kvtier.tiers.ssd.io import SegmentFiles
 
 BB = 32 << 10
 BLOCKS = 256  # 8 MiB of DRAM to write down

@@ -16,7 +16,7 @@ from kvtier.iothreads import IoThreads
 from kvtier.keys import Namespace
 from kvtier.pins import PinTable
 from kvtier.tiers.ssd import DirectoryInUse, DiskTier
-from kvtier.tiers.ssd_io import ALIGN, aligned_blocks, probe_direct_io
+from kvtier.tiers.ssd.io import ALIGN, aligned_blocks, probe_direct_io
 from ssd_helpers import mounted, open_tier
 
 BB = 16384

@@ -1,4 +1,4 @@
-"""SsdKeys: the local SSD tier's keys (kvtier/tiers/ssd.py), their checks and the DiskTier they describe."""
+"""SsdKeys: the local SSD tier's keys (kvtier/tiers/ssd/tier.py), their checks and the DiskTier they describe."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvtier.settings.base import (BlockSize, bytes_field, check_offload_name, ch
 if TYPE_CHECKING:  # kvtier.policies loads every policy module: only when a check needs it
     from kvtier.policies import Clock
 
-DIRECT_IO_ALIGN = 4096  # O_DIRECT slots are rounded up to this (kvtier/tiers/ssd_io.py)
+DIRECT_IO_ALIGN = 4096  # O_DIRECT slots are rounded up to this (kvtier/tiers/ssd/io.py)
 
 
 @dataclass

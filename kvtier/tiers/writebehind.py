@@ -1,7 +1,7 @@
 """Write-behind, the one mechanism behind the pool tier's and the SSD tier's ``put_later``: ``WriteBehind`` (staging
 and bookkeeping) in front of a ``WriteQueue`` (the queue and its writer thread).
 
-``WriteBehind.submit`` copies blocks into chunks of a ssd_io.StagingPool before it returns (the caller's memory,
+``WriteBehind.submit`` copies blocks into chunks of a ssd.io.StagingPool before it returns (the caller's memory,
 e.g. a DRAM slot being evicted, is free again at once), records each in a staged map (key -> staging address,
 readable until the block is down, so a block on its way down is never in neither place) and queues them. When
 staging is short it waits (``wait=True``, at most ``stage_timeout_s`` per wait) or drops the rest (counted).
@@ -41,7 +41,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 import numpy as np
 
 from kvtier.hostcopy import copy_rows
-from kvtier.tiers.ssd_io import STAGE_TIMEOUT_S, StagingPool
+from kvtier.tiers.ssd.io import STAGE_TIMEOUT_S, StagingPool
 
 log = logging.getLogger(__name__)
 

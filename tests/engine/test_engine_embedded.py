@@ -89,7 +89,7 @@ def test_dram_hit_equals_engine_without_connector(st: State, engines: Engines, r
 def _corrupt_one_block_of_c(ssd: Path) -> int:
     """Flip a byte in C's 11th block on disk (C's blocks are the second 31 the first engine wrote, in save
     order: the index's ``seq``). Returns the block's position in C's prefix."""
-    from kvtier.tiers.ssd_index import DiskIndex
+    from kvtier.tiers.ssd.index import DiskIndex
 
     (rank_dir,) = [p.parent for p in ssd.glob("*/*/index")]
     index = DiskIndex(rank_dir / "index", sync=False, map_size=64 << 20)

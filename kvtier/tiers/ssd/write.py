@@ -1,7 +1,7 @@
 """The SSD tier's write path: the batch pipeline, parallel vectored writes, and write-behind from staging memory.
 
 ``DiskWriter`` is DiskTier's pipeline for one batch, from slot reservation to the published index entries
-(it works on the tier's shared ``DiskSlots``, ssd_slots.py).
+(it works on the tier's shared ``DiskSlots``, slots.py).
 ``write_slots`` writes a batch's blocks (already given slots) with one pwritev per run of consecutive slots,
 the runs spread over the tier's I/O threads, and returns each block's checksum. Write-behind (``put_later``:
 blocks copied into aligned staging memory, drained by one thread in batches, so many small offloads cost one
@@ -26,10 +26,10 @@ from concurrent.futures import wait as wait_all
 import numpy as np
 
 from kvtier.hostcopy import copy_rows
-from kvtier.tiers.ssd_index import DiskIndex, IndexEntry, block_checksum
-from kvtier.tiers.ssd_io import ALIGN, STAGE_TIMEOUT_S, StagingPool, raw_view
-from kvtier.tiers.ssd_read import RUN_BYTES
-from kvtier.tiers.ssd_slots import DiskSlots, SlotDevice
+from kvtier.tiers.ssd.index import DiskIndex, IndexEntry, block_checksum
+from kvtier.tiers.ssd.io import ALIGN, STAGE_TIMEOUT_S, StagingPool, raw_view
+from kvtier.tiers.ssd.read import RUN_BYTES
+from kvtier.tiers.ssd.slots import DiskSlots, SlotDevice
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _write_run(dev: SlotDevice, keys: list[bytes], first_slot: int, ptrs: np.nda
 
 
 class DiskWriter:
-    """A DiskTier's write pipeline and, once the tier is open (ssd_restore.py prunes it before), the only code
+    """A DiskTier's write pipeline and, once the tier is open (restore.py prunes it before), the only code
     that changes its index. Thread-safe: it works on the tier's DiskSlots under their lock, and does its I/O
     outside it.
 

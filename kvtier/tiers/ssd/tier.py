@@ -4,7 +4,7 @@ Runs in the engine process (embedded mode), under DRAM in a TieredStore. Thread-
 lock; reads and writes run outside it on a pool of I/O threads doing preadv/pwritev (which release the GIL), so
 a batch's blocks move in parallel. Blocks all have one size, so space is managed per block: a block's slot is
 freed the moment it is evicted or removed and reused by the next write; the eviction policy (lru, s3fifo, ...)
-is the same pluggable one the DRAM tier uses (why not log-structured segments with reinsertion: ssd_write.py).
+is the same pluggable one the DRAM tier uses (why not log-structured segments with reinsertion: write.py).
 
 Durability and crash safety (kill -9 or power loss at any moment never serves wrong bytes):
   * a block's entry is committed to the index only after its bytes are written and fdatasync'ed;
@@ -23,8 +23,8 @@ through an aligned bounce copy) and returns when they are durable; ``get`` reads
 before it returns and writes them in the background (writebehind.py's WriteBehind, with this tier's hooks).
 
 Composition: DiskTier owns the slot bookkeeping (``DiskSlots``) and the files and I/O threads (``SlotDevice``),
-both in ssd_slots.py, and hands them to the ``DiskWriter`` (writes, index updates, ssd_write.py) and
-``WriteBehind`` (writebehind.py) it composes and to ``read_slots`` (ssd_read.py).
+both in slots.py, and hands them to the ``DiskWriter`` (writes, index updates, write.py) and
+``WriteBehind`` (writebehind.py) it composes and to ``read_slots`` (read.py).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from kvtier.policies import Clock, Observations
 from kvtier.policies.guard import GuardedPolicy
 from kvtier.private import private_dir
 from kvtier.tiers.base import EvictListener, ListsKeys, TierStats, WriteBehindStaging
-from kvtier.tiers.ssd_index import DiskIndex, IndexFault
-from kvtier.tiers.ssd_io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
+from kvtier.tiers.ssd.index import DiskIndex, IndexFault
+from kvtier.tiers.ssd.io import (ALIGN, DirectoryInUse, SegmentFiles, StagingPool, lock_directory,
                                  probe_direct_io, round_up)
-from kvtier.tiers.ssd_read import ReadFailure, read_slots
-from kvtier.tiers.ssd_restore import restore_index
-from kvtier.tiers.ssd_slots import DiskSlots, SlotDevice
-from kvtier.tiers.ssd_write import DiskWriter
+from kvtier.tiers.ssd.read import ReadFailure, read_slots
+from kvtier.tiers.ssd.restore import restore_index
+from kvtier.tiers.ssd.slots import DiskSlots, SlotDevice
+from kvtier.tiers.ssd.write import DiskWriter
 from kvtier.tiers.writebehind import Event, WriteBehind
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class DiskTier(WriteBehindStaging, ListsKeys):
             raise ValueError(f"direct_io must be auto, true or false, got {direct_io!r}")
         self.block_bytes = block_bytes
         self.path = Path(path)
-        private_dir(self.path)  # segment files hold KV blocks (users' prompts), 0600 each (ssd_io.py)
+        private_dir(self.path)  # segment files hold KV blocks (users' prompts), 0600 each (io.py)
         self._dir_lock = lock_directory(self.path)
         try:
             self.direct = self._choose_direct_io(direct_io)

@@ -12,8 +12,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvtier.tiers.ssd_index import FORMAT_VERSION, DiskIndex, IndexEntry
-from kvtier.tiers.ssd_io import SegmentFiles
+from kvtier.tiers.ssd.index import FORMAT_VERSION, DiskIndex, IndexEntry
+from kvtier.tiers.ssd.io import SegmentFiles
 
 log = logging.getLogger(__name__)
 

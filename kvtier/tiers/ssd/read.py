@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.tiers.ssd_index import block_checksum
-from kvtier.tiers.ssd_io import aligned_empty, raw_view
-from kvtier.tiers.ssd_slots import SlotDevice
+from kvtier.tiers.ssd.index import block_checksum
+from kvtier.tiers.ssd.io import aligned_empty, raw_view
+from kvtier.tiers.ssd.slots import SlotDevice
 
 RUN_BYTES = 8 << 20  # one I/O call moves at most this much: enough to stream, small enough to spread
 

@@ -1,7 +1,7 @@
 """The SSD tier's shared state: the slot bookkeeping (``DiskSlots``) and what moves a block (``SlotDevice``).
 
-DiskTier owns one of each and hands them to the parts it composes: ``DiskWriter`` (ssd_write.py) writes
-batches and updates the index, ``WriteBehind`` (writebehind.py) stages blocks, ``read_slots`` (ssd_read.py)
+DiskTier owns one of each and hands them to the parts it composes: ``DiskWriter`` (write.py) writes
+batches and updates the index, ``WriteBehind`` (writebehind.py) stages blocks, ``read_slots`` (read.py)
 reads them. So the state that reads, writes and removals share is declared once, here, and each part names
 what it uses.
 """
@@ -21,7 +21,7 @@ from kvtier.iothreads import IoThreads
 from kvtier.policies import Clock
 from kvtier.tiers.base import EvictListener, TierStats
 from kvtier.tiers.slots import SlotTable
-from kvtier.tiers.ssd_io import ALIGN, SegmentFiles
+from kvtier.tiers.ssd.io import ALIGN, SegmentFiles
 
 log = logging.getLogger(__name__)
 
