@@ -146,7 +146,8 @@ def simulate(convs: list[Conversation], lanes: int, dram: int, ssd: Any) -> dict
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
-                   help="agentic-cc trace files or directories (e.g. kvtier/sample-traces/agentic-cc, the sample shipped)")
+                   help="agentic-cc trace files or directories (e.g. kvtier/sample-traces/agentic-cc, the shipped "
+                        "sample)")
     p.add_argument("--conversations", type=int, default=60, help="conversations (a fixed random sample)")
     p.add_argument("--lanes", type=int, default=32, help="conversations in flight at once")
     p.add_argument("--ssd", default="0.05,0.1,0.2", help="SSD sizes as fractions of the working set")

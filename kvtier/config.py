@@ -81,7 +81,7 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
         if isinstance(source, Config):
             return source
         environ = os.environ if environ is None else environ
-        layers = []
+        layers: list[Layer] = []
         if environ.get(ENV_CONFIG_FILE):
             layers.append(_file_layer(environ[ENV_CONFIG_FILE]))
         if isinstance(source, (str, os.PathLike)):

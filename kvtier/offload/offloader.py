@@ -5,8 +5,8 @@ no bytes itself: the lower tier's ``put_later`` copies what is offloaded into it
 returns, so a DRAM slot can be reused at once and a write queued before DRAM evicts its block still lands.
 
 One offload policy per lower tier (policies.py: write_through, on_evict, second_hit, or one registered by name)
-says when blocks go down. Every policy also writes, on eviction, a block that should be on the disk but is not (its write-through copy
-was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM did not
+says when blocks go down. Every policy also writes, on eviction, a block that should be on the disk but is not
+(its write-through copy was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM did not
 take (its policy declined it: admission; full of pinned blocks; a batch larger than DRAM) goes down as if DRAM
 had evicted it at once (an in-place put fills it into scratch rows for that: store_writes.TopWrites.fill): with
 write_through the whole batch reaches the disk, as far as the disk has room.

@@ -142,8 +142,9 @@ class ListsKeys(ABC):
         """Every key held now (a snapshot)."""
 
 
-class AddressableSlots(ABC):
-    """Declares a tier whose blocks sit in fixed-size slots of host memory a caller can address (DramTier).
+class AddressableSlots(ListsKeys):
+    """Declares a tier whose blocks sit in fixed-size slots of host memory a caller can address (DramTier); it
+    lists its keys too (a closing store reads them in place to write them down: kvtier/offload/).
 
     Two-phase writes: ``reserve`` takes slots and returns their addresses, the caller fills them, ``commit``
     publishes the keys (or gives the slots back). Zero-copy reads: ``acquire`` lends the addresses of held

@@ -31,13 +31,13 @@ from kvtier.hostcopy import CopyThreads
 from kvtier.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
-from kvtier.tiers.base import AddressableSlots, EvictListener, ListsKeys, PrefetchTarget, Reservation, TierStats
+from kvtier.tiers.base import AddressableSlots, EvictListener, PrefetchTarget, Reservation, TierStats
 from kvtier.tiers.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
 
-class DramTier(AddressableSlots, ListsKeys, PrefetchTarget):
+class DramTier(AddressableSlots, PrefetchTarget):
     """Host DRAM tier. ``capacity_bytes // block_bytes`` slots; the buffer is allocated once here.
 
     ``policy`` (a name or import path, ``default`` by default) decides evictions and, with ``admission``, which
