@@ -75,6 +75,34 @@ def test_a_get_of_what_the_connection_put_asks_nothing_and_the_pool_counts_it(tm
         c.close()
 
 
+def test_gets_of_located_blocks_from_many_threads_at_once_all_read_their_bytes(tmp_path):
+    """Each such get asks whether the pool's process still lives (a pidfd polled); a select.poll object refuses
+    a second poll() while one runs: 4 threads' gets on one connection failed with "concurrent poll() invocation"."""
+    import threading
+
+    with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB) as p:
+        c = connect(p.ipc, BB, timeout_s=5.0)
+        keys = ns.keys(range(8))
+        src = filled(8, 0x3C)
+        assert c.put(keys, rows(src)) == [True] * 8
+        errors: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                for _ in range(300):
+                    out = filled(8, 0)
+                    assert_all_hits_exact(c.get(keys, rows(out)), out, 0x3C)
+            except BaseException as e:  # reported below
+                errors.append(e)
+        threads = [threading.Thread(target=reader) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[:3]
+        c.close()
+
+
 def test_what_an_acquire_found_is_read_in_place_the_next_time(tmp_path):
     with PoolProcess(tmp_path, ipc=True, tcp=False, capacity="4MiB", block_bytes=BB) as p:
         writer, reader = connect(p.ipc, BB, timeout_s=5.0), connect(p.ipc, BB, timeout_s=5.0)

@@ -64,6 +64,9 @@ class Mapping:
                  uid: int | None, pid: int | None = None) -> None:
         self.path, self.nbytes, self.epoch = path, nbytes, epoch
         self._process = _watch(self, pid)
+        # A select.poll object refuses a second poll() while one runs ("concurrent poll() invocation"): the
+        # connection's calls ask ``serving`` from many threads at once.
+        self._process_lock = threading.Lock()
         fd = open_peers_file(path, os.O_RDWR, uid, "the pool's shared file")
         try:
             st = os.fstat(fd)
@@ -99,8 +102,11 @@ class Mapping:
         a killed pool leaves its file behind) and the file is still the one at its path (a restarted pool
         removes its predecessor's, and a mapping outlives that). A few microseconds; False when the pool's
         process cannot be watched (another pid namespace)."""
-        if self._process is None or self._process.poll(0):
+        if self._process is None:
             return False
+        with self._process_lock:
+            if self._process.poll(0):
+                return False
         try:
             st = os.stat(self.path)
         except OSError:
