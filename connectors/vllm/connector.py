@@ -36,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-
 from .compat import prefix_cache_retention_interval
 from .events import EventQuorum, KVTierKVEvents
 from .groups import describe_groups

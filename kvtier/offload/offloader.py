@@ -6,10 +6,10 @@ returns, so a DRAM slot can be reused at once and a write queued before DRAM evi
 
 One offload policy per lower tier (policies.py: write_through, on_evict, second_hit, or one registered by name)
 says when blocks go down. Every policy also writes, on eviction, a block that should be on the disk but is not
-(its write-through copy was dropped: staging full, or the disk stopped admitting then). A block a put offered that DRAM did not
-take (its policy declined it: admission; full of pinned blocks; a batch larger than DRAM) goes down as if DRAM
-had evicted it at once (an in-place put fills it into scratch rows for that: store_writes.TopWrites.fill): with
-write_through the whole batch reaches the disk, as far as the disk has room.
+(its write-through copy was dropped: staging full, or the disk stopped admitting then). A block a put offered
+that DRAM did not take (its policy declined it: admission; full of pinned blocks; a batch larger than DRAM)
+goes down as if DRAM had evicted it at once (an in-place put fills it into scratch rows for that:
+store_writes.TopWrites.fill): with write_through the whole batch reaches the disk, as far as the disk has room.
 On close (``write_down``) DRAM is about to vanish as if evicted whole: every block the policy would write on
 eviction and the lower tier lacks is written, until a deadline; what is left when it passes is lost with the
 process (the count is logged).
@@ -72,10 +72,10 @@ class Sightings:
 
 class Offloader:
     """Moves blocks between ``top`` and ``lower`` by ``policy`` (an OffloadPolicy, or its registered name).
-    Thread-safe. Every hook runs on the store caller's
-    thread, outside the top tier's lock: ``on_top_evict`` inside the reserve that evicted (the victims stay readable
-    in the top tier, and their slots unwritten, until it returns), so it may write to a lower tier that stages
-    nothing, but only waits for staging memory where the policy says so (never on eviction)."""
+    Thread-safe. Every hook runs on the store caller's thread, outside the top tier's lock: ``on_top_evict``
+    inside the reserve that evicted (the victims stay readable in the top tier, and their slots unwritten, until
+    it returns), so it may write to a lower tier that stages nothing, but only waits for staging memory where the
+    policy says so (never on eviction)."""
 
     def __init__(self, top: Tier, lower: Tier, policy: str | OffloadPolicy = "on_evict", *, promote: bool = True,
                  emit: Emit | None = None, sightings: Sightings | None = None, index: int = 1) -> None:
