@@ -1,5 +1,6 @@
-"""Extension points used from outside kvtier: a module under tests/ registers its own offload policy, and a store
-built by ``TieredStore.from_config`` puts, evicts and gets through it, with no edit under kvtier/."""
+"""Extension points used from outside kvtier: a module under tests/ registers its own offload policy and its own pool
+transport, and stores built by ``TieredStore.from_config`` put, evict and get through them, with no edit under
+kvtier/."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from conftest import blocks_for
 from kvtier import TieredStore
 from kvtier.config import Config, ConfigError
 from kvtier.offload import OffloadPolicy, known_offloads, register_offload
+from kvtier.pool.process import PoolDaemon
+from kvtier.transport import Transport, register_transport
+from kvtier.transport.tcp import TcpConnection
 
 BB = 4096
 
@@ -53,3 +57,42 @@ def test_a_registered_offload_policy_is_a_config_value_and_decides_what_goes_dow
 def test_an_unregistered_offload_policy_is_refused_at_load_naming_the_known_ones():
     with pytest.raises(ConfigError, match=r"ssd_offload: 'test_nope' is not one of .*on_evict.*test_even_keys"):
         Config.from_dict({"ssd_path": "/nvme/x", "ssd_offload": "test_nope"})
+
+
+class CountedFrames(TcpConnection):
+    """Block bytes in zmq frames (tcp.py), counting the calls that move them."""
+
+    transport = "test_counted"
+    calls: dict[str, int] = {"put": 0, "get": 0}
+
+    def put(self, keys, rows):
+        CountedFrames.calls["put"] += 1
+        return super().put(keys, rows)
+
+    def get(self, keys, rows):
+        CountedFrames.calls["get"] += 1
+        return super().get(keys, rows)
+
+
+register_transport(Transport("test_counted", f"{__name__}:CountedFrames", offer="tcp"))
+
+
+def test_a_registered_transport_is_a_config_value_and_moves_the_blocks(make_keys):
+    with PoolDaemon(16 * BB, BB, ipc=True) as pool:
+        config = {"mode": "standalone", "pool": pool.endpoint("ipc"), "standalone_dram_capacity": 0,
+                  "pool_transport": "test_counted"}
+        with TieredStore.from_config(config, BB) as store:
+            keys = make_keys(24)
+            for a in range(0, 24, 4):  # the pool holds 16: the first blocks are evicted there
+                assert store.put(keys[a:a + 4], blocks_for(keys[a:a + 4], BB)).stored == 4
+            assert CountedFrames.calls["put"] >= 6
+            recent = keys[-8:]
+            out = torch.zeros(len(recent), BB, dtype=torch.uint8)
+            assert_all_hits_exact(store.get(recent, out), out, blocks_for(recent, BB))
+            assert CountedFrames.calls["get"] >= 1
+            assert not all(store.contains(keys[:8])), "the pool evicted nothing"
+
+
+def test_an_unregistered_transport_is_refused_at_load_naming_the_known_ones():
+    with pytest.raises(ConfigError, match=r"pool_transport: 'test_nope' is not one of auto, .*test_counted"):
+        Config.from_dict({"mode": "standalone", "pool": "ipc:///p.sock", "pool_transport": "test_nope"})

@@ -7,6 +7,7 @@ the field's type). Pure functions; importing this module imports no tier.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import field
 from typing import Any
 
@@ -67,6 +68,22 @@ def check_offload_name(key: str, name: Any) -> None:
 
     if name not in known_offloads():
         raise ConfigError(f"{key}: {name!r} is not one of {', '.join(known_offloads())}")
+
+
+def check_transport_name(key: str, name: Any, endpoints: Sequence[str]) -> None:
+    """ConfigError naming ``key`` unless ``name`` is auto or a registered pool transport (kvtier/transport/
+    registry.py: shm, rdma, stream, tcp, or one registered before the config is loaded), and one that maps the
+    pool's memory (shm) is given only pools on this host (ipc:// endpoints)."""
+    if name == "auto":
+        return
+    from kvtier.transport.registry import known_transports, transport  # here: importing config must stay light
+
+    if name not in known_transports():
+        raise ConfigError(f"{key}: {name!r} is not one of auto, {', '.join(known_transports())}")
+    remote = [e for e in endpoints if not e.startswith("ipc://")]
+    if transport(name).maps_memory and remote:
+        raise ConfigError(f"{key}: {name!r} maps a pool on this host, reached at an ipc:///path endpoint; pool lists "
+                          f"{remote[0]!r} (use auto or a transport that crosses hosts for it)")
 
 
 def check_policy_name(key: str, spec: Any) -> None:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.settings.base import (BlockSize, ConfigError, bytes_field, check_offload_name, check_range, endpoint_list,
-                                  key_field, switch_field)
+from kvtier.settings.base import (BlockSize, ConfigError, bytes_field, check_offload_name, check_range,
+                                  check_transport_name, endpoint_list, key_field, switch_field)
 
 MODES = ("embedded", "standalone", "distributed")
 
@@ -30,8 +30,8 @@ class PoolKeys:
     node_id: str = key_field("", "this engine's name with the master (default host-pid)")
     pool_transport: str = key_field("auto", "how blocks move to and from pools: auto (shm for ipc://; for tcp:// "
                                             "rdma when both ends have a device, else stream), stream (raw TCP "
-                                            "received in place), tcp (zmq frames), rdma, shm",
-                                    ("auto", "stream", "tcp", "rdma", "shm"))
+                                            "received in place), tcp (zmq frames), rdma, shm, or one registered "
+                                            "by name (kvtier.transport.registry)")
     pool_timeout_ms: int = key_field(500, "a pool silent this long turns the call's blocks into misses (the "
                                           "engine recomputes) and is skipped for a back-off")
     pool_connections: int = key_field(4, "parallel connections per pool for big batches")
@@ -70,10 +70,7 @@ class PoolKeys:
         check_range("pool_copy_threads", self.pool_copy_threads, 0, 16, " (0: by measured rate)")
         pools = self.pool_endpoints()
         endpoint_list("master", self.master)  # else the workers' zmq connect fails when the pool tier is built
-        remote = [e for e in pools if not e.startswith("ipc://")]
-        if self.pool_transport == "shm" and remote:  # a pool offers shared memory only on an ipc:// endpoint
-            raise ConfigError(f"pool_transport: 'shm' maps a pool on this host, reached at an ipc:///path endpoint; "
-                              f"pool lists {remote[0]!r} (use auto, stream, tcp or rdma for it)")
+        check_transport_name("pool_transport", self.pool_transport, pools)
         if self.mode == "embedded" and (pools or self.master):
             raise ConfigError("pool/master are set but mode is 'embedded' (set mode to standalone or distributed)")
         if self.mode == "standalone" and len(pools) != 1:

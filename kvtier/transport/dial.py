@@ -2,17 +2,16 @@
 construction, kept apart from ConnectionBase in connection.py so that the base imports none of the transports
 built on it: connection <- onesided <- rdma was an import circle while connect() lived there).
 
-Transport choice (``transport="auto"``): an ipc:// endpoint means the pool runs on this host: shared memory
-(shm.py). A tcp:// endpoint: RDMA (rdma.py) when pyverbs imports, this host has an RDMA device and the pool
-offers RDMA; else raw TCP data sockets received straight into place (stream.py) when the pool has a data
-port; else block bytes in zmq frames (tcp.py). ``transport`` names one to insist on it; a path the pool
-or this host cannot do is an error naming why. The transports are imported when first chosen (rdma pulls in
-nothing of pyverbs until then either).
+Transport choice: from the transports' table (registry.py). ``transport="auto"``: an ipc:// endpoint means the
+pool runs on this host: shared memory (shm.py). A tcp:// endpoint: RDMA (rdma.py) when pyverbs imports, this host
+has an RDMA device and the pool offers RDMA; else raw TCP data sockets received straight into place (stream.py)
+when the pool has a data port; else block bytes in zmq frames (tcp.py), which every pool serves.
+``transport`` names one to insist on it; a path the pool or this host cannot do is an error naming why. The
+transports are imported when first chosen (rdma pulls in nothing of pyverbs until then either).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from typing import Any
@@ -24,12 +23,9 @@ from kvtier.auth import ClientKeys
 from kvtier.transport.base import PoolConnection, PoolError, PoolInfo, PoolRefused
 from kvtier.transport.channel import Channel
 from kvtier.transport.connection import hello
-from kvtier.wire.verbs import unavailable_reason
+from kvtier.transport.registry import Transport, auto_order, known_transports, transport as registered
 
 log = logging.getLogger(__name__)
-
-TRANSPORTS = {"tcp": "kvtier.transport.tcp:TcpConnection", "stream": "kvtier.transport.stream:StreamConnection",
-              "shm": "kvtier.transport.shm:ShmConnection", "rdma": "kvtier.transport.rdma:RdmaConnection"}
 
 
 _shared: zmq.Context[Any] | None = None
@@ -54,55 +50,47 @@ def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout
     the shm transport (0: by measured rate, kvtier.hostcopy.CopyThreads; the other transports copy no host
     memory themselves). ``shared_memory`` False: never map a file the pool names (a daemon dialing a pool: the
     blocks come as bytes on a socket; "auto" picks tcp on an ipc:// endpoint, "shm" is refused). Raises
-    PoolError (unreachable, refused, another protocol version) or ValueError (an unknown transport, or "shm"
-    without shared memory)."""
-    if transport != "auto" and transport not in TRANSPORTS:
-        raise ValueError(f"unknown pool transport {transport!r}; known: auto, {', '.join(TRANSPORTS)}")
-    if transport == "shm" and not shared_memory:
-        raise ValueError("transport 'shm' maps the pool's memory, and this connection may not (shared_memory "
-                         "False)")
+    PoolError (unreachable, refused, another protocol version) or ValueError (an unknown transport, or one that
+    maps the pool's memory without shared memory)."""
+    named = None if transport == "auto" else registered(transport)  # ValueError naming the known ones
+    if named is not None and named.maps_memory and not shared_memory:
+        raise ValueError(f"transport {transport!r} maps the pool's memory, and this connection may not "
+                         "(shared_memory False)")
     channel = Channel(endpoint, shared_context(), max_lanes=2 * lanes, timeout_s=timeout_s, auth=auth)
     try:
         info = hello(channel, block_bytes)
-        kind = choose_transport(transport, endpoint, info, shared_memory)
-        module, _, name = TRANSPORTS[kind].partition(":")
-        cls = getattr(importlib.import_module(module), name)
-        extra = {"copy_threads": copy_threads} if kind == "shm" else {}
-        conn: PoolConnection = cls(channel, info, lanes=lanes, **extra)
+        chosen = choose_transport(transport, endpoint, info, shared_memory)
+        extra = {"copy_threads": copy_threads} if chosen.copy_threads else {}
+        conn: PoolConnection = chosen.connection_class()(channel, info, lanes=lanes, **extra)
     except BaseException:
         channel.close()
         raise
-    log.info("pool %s (%s): connected over %s%s; %d B blocks, capacity %d B", endpoint, info.node, kind,
+    log.info("pool %s (%s): connected over %s%s; %d B blocks, capacity %d B", endpoint, info.node, chosen.name,
              " (CurveZMQ)" if auth is not None else "", info.block_bytes, info.capacity)
     return conn
 
 
-def choose_transport(transport: str, endpoint: str, info: PoolInfo, shared_memory: bool = True) -> str:
+def choose_transport(transport: str, endpoint: str, info: PoolInfo, shared_memory: bool = True) -> Transport:
+    """The transport for ``endpoint`` (registry.py): ``auto``, the first of the table's order that the endpoint,
+    the pool's offer (``info.transports``) and this host allow; a named one, or an error naming why it cannot be."""
+    scheme = "ipc" if endpoint.startswith("ipc://") else "tcp"
     offered = info.transports
     if transport == "auto":
-        if endpoint.startswith("ipc://"):
-            transport = "shm" if shared_memory else "tcp"  # tcp: block bytes in zmq frames, over the ipc socket
-        elif "rdma" in offered and _rdma_reason() is None:
-            transport = "rdma"
-        elif "stream" in offered:
-            transport = "stream"
-        else:
-            transport = "tcp"
-    if transport == "shm" and "shm" not in offered:
-        raise PoolRefused(endpoint, "the pool offers no shared memory (it does so on an ipc:// endpoint it binds)",
-                          wire.ERR_BAD_REQUEST)
-    if transport == "stream" and "stream" not in offered:
-        raise PoolRefused(endpoint, "the pool offers no stream data port (started with --stream off?)",
-                          wire.ERR_BAD_REQUEST)
-    if transport == "rdma":
-        reason = _rdma_reason() or (None if "rdma" in offered else "the pool serves no RDMA")
-        if reason:
-            raise PoolError(endpoint, f"RDMA is not possible: {reason}", "no_rdma")
-    return transport
+        for t in auto_order():
+            if scheme in t.schemes and t.offer in offered and (shared_memory or not t.maps_memory) \
+                    and t.cannot_here() is None:
+                return t
+        raise PoolRefused(endpoint, f"no transport fits: the pool offers {sorted(offered)}, this host knows "
+                                    f"{known_transports()}", wire.ERR_BAD_REQUEST)
+    chosen = registered(transport)
+    reason = chosen.cannot_here()
+    if reason is None and chosen.offer not in offered:
+        reason = chosen.not_offered or f"the pool does not offer {chosen.offer!r}"
+    if reason is not None:
+        if chosen.host_reason is not None:  # a path this host or the pool lacks (rdma): the caller may fall back
+            raise PoolError(endpoint, f"{chosen.name.upper()} is not possible: {reason}", f"no_{chosen.name}")
+        raise PoolRefused(endpoint, reason, wire.ERR_BAD_REQUEST)
+    return chosen
 
 
-def _rdma_reason() -> str | None:
-    return unavailable_reason()
-
-
-__all__ = ["TRANSPORTS", "choose_transport", "connect", "shared_context"]
+__all__ = ["choose_transport", "connect", "shared_context"]

@@ -1,0 +1,90 @@
+"""The pool transports, one table: each data path a PoolConnection class registered by name, with what it needs of
+the endpoint, the pool's hello and this host, and its place in ``transport="auto"`` (``connect`` in dial.py picks
+from this table; ``pool_transport`` names one of it). A new transport is one module and one
+``register_transport`` call, in kvtier or in a module of your own imported before the connection is made.
+
+    name    auto  endpoints  pool must offer  this host must
+    shm     0     ipc://     shm              map the pool's file (a connection that may: ``shared_memory``)
+    rdma    1     tcp://     rdma             have pyverbs and an RDMA device
+    stream  2     tcp://     stream           -
+    tcp     3     both       tcp (always)     -
+
+``auto`` takes the lowest-ranked transport that the endpoint, the pool's offer and this host all allow; naming
+one insists on it, and what it cannot do here is an error naming why. Importing this module imports no
+transport: a class is imported when first chosen (rdma pulls in nothing of pyverbs until then either).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Transport:
+    """One data path to a pool."""
+
+    name: str
+    target: str  # "package.module:Class", a PoolConnection subclass, imported when first chosen
+    offer: str  # the key the pool's hello must list under "transports"
+    schemes: tuple[str, ...] = ("ipc", "tcp")  # endpoint schemes it runs over
+    auto: int | None = None  # rank in transport="auto" (the lowest possible wins); None: only when named
+    maps_memory: bool = False  # maps the pool's memory: never on a connection that may not (shared_memory False)
+    copy_threads: bool = False  # copies host memory itself: takes connect()'s copy_threads
+    host_reason: Callable[[], str | None] | None = None  # why this host cannot use it (None: it can)
+    not_offered: str = ""  # what to tell a caller who named it when the pool does not offer it
+
+    def connection_class(self) -> type[Any]:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def cannot_here(self) -> str | None:
+        return self.host_reason() if self.host_reason is not None else None
+
+
+_TABLE: dict[str, Transport] = {}
+
+
+def register_transport(transport: Transport) -> Transport:
+    """Add ``transport`` to the table (ValueError if its name is taken, or is "auto")."""
+    if transport.name == "auto" or transport.name in _TABLE and _TABLE[transport.name] != transport:
+        raise ValueError(f"pool transport {transport.name!r} is registered already (or reserved)")
+    _TABLE[transport.name] = transport
+    return transport
+
+
+def known_transports() -> list[str]:
+    return list(_TABLE)
+
+
+def transport(name: str) -> Transport:
+    """The transport registered as ``name``; ValueError naming the known ones."""
+    found = _TABLE.get(name)
+    if found is None:
+        raise ValueError(f"unknown pool transport {name!r}; known: auto, {', '.join(_TABLE)}")
+    return found
+
+
+def auto_order() -> list[Transport]:
+    """The transports ``auto`` may pick, most preferred first."""
+    ranked = [(t.auto, i, t) for i, t in enumerate(_TABLE.values()) if t.auto is not None]
+    return [t for _, _, t in sorted(ranked)]
+
+
+def _rdma_reason() -> str | None:
+    from kvtier.wire.verbs import unavailable_reason
+
+    return unavailable_reason()
+
+
+register_transport(Transport("shm", "kvtier.transport.shm:ShmConnection", "shm", ("ipc",), auto=0, maps_memory=True,
+                             copy_threads=True,
+                             not_offered="the pool offers no shared memory (it does so on an ipc:// endpoint it "
+                                         "binds)"))
+register_transport(Transport("rdma", "kvtier.transport.rdma:RdmaConnection", "rdma", ("tcp",), auto=1,
+                             host_reason=_rdma_reason, not_offered="the pool serves no RDMA"))
+register_transport(Transport("stream", "kvtier.transport.stream:StreamConnection", "stream", ("tcp",), auto=2,
+                             not_offered="the pool offers no stream data port (started with --stream off?)"))
+register_transport(Transport("tcp", "kvtier.transport.tcp:TcpConnection", "tcp", auto=3))
