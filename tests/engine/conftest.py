@@ -62,3 +62,21 @@ def engines(engine_py: Path, work: Path) -> Iterator[Engines]:
     e.close_all()
 
 
+
+
+LOG_TAIL = 40  # lines per log in a failed test's report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed real-engine test's report carries the last kvtier lines of every engine's and daemon's log (CI
+    keeps no files): what timed out, went into a back-off or was refused is then in the CI output."""
+    report = yield
+    work = item.funcargs.get("work") if isinstance(item, pytest.Function) else None
+    if report.failed and isinstance(work, Path):
+        for log in sorted(work.rglob("*.log")):
+            lines = [ln for ln in log.read_text(errors="replace").splitlines()
+                     if "kvtier" in ln or " pool " in ln or "WARNING" in ln or "ERROR" in ln]
+            if lines:
+                report.sections.append((f"kvtier lines of {log.relative_to(work)}", "\n".join(lines[-LOG_TAIL:])))
+    return report

@@ -80,8 +80,13 @@ def cluster(work):
 
 
 def test_distributed_node2_loads_what_node1_saved(engines: Engines, model, reference: Reference, work, cluster):
+    # pool_timeout_ms: this test is about what node 2 finds, not about deadlines (tests/test_pool_master_down.py and
+    # tests/test_pool_netns.py test those).
+    # With the default 0.5 s, a busy 2-core CI machine (four engines, a master and a pool) timed out node 2's
+    # first connection to the pool or a call to the master: the pool went into its back-off, node 2's lookup
+    # found nothing (cached 0), and the fault test below then saw no load go to the dead pool.
     base = {"mode": "distributed", "master": cluster.master.endpoint, "dram_capacity": "64MiB",
-            "ipc_dir": str(work / "distributed")}
+            "ipc_dir": str(work / "distributed"), "pool_timeout_ms": 4000}
     node1 = engines.start("node-1", model, connector({**base, "node_id": "node-1"}))
     node2 = engines.start("node-2", model, connector({**base, "node_id": "node-2"}))
     with MasterClient(cluster.master.endpoint) as m:
