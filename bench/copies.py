@@ -6,7 +6,7 @@ same round and on the same bytes (src -> out, both caller-owned):
 
   np.copyto            one thread, one memmove of the whole batch
   np.copyto 2 threads  the batch's two halves, one np.copyto each, on two threads (numpy releases the GIL)
-  copy_rows 1 thread   kvtier.hostcopy.copy_rows, one row per block, on one thread
+  copy_rows 1 thread   kvtier.memory.hostcopy.copy_rows, one row per block, on one thread
   copy_rows 2 threads  the same on two threads
 
 and the baseline of a round's figures is the fastest candidate's median (``best``).
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.common import gbps, median, row
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 
 CANDIDATES = ("np.copyto", "np.copyto 2 threads", "copy_rows 1 thread", "copy_rows 2 threads")
 

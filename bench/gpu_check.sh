@@ -29,7 +29,7 @@ sys.exit(0 if torch.cuda.is_available() else "torch sees no CUDA GPU: nothing to
 
 echo "== install kvtier (editable, offline, no dependencies) and build the CUDA kernels"
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-"$PY" -m kvtier.native_build
+"$PY" -m kvtier.kernels.native_build
 
 echo "== kernel tests on the GPU"
 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -ra tests/test_kernels_copy.py tests/test_kernels_map.py \
@@ -37,7 +37,7 @@ echo "== kernel tests on the GPU"
 
 echo "== benchmarks"
 for engine in vllm sglang; do
-  "$PY" -m kvtier.cli bench kernels --engine "$engine" --block-sizes 16,64 --total 256MiB --gpu-total 2GiB \
+  "$PY" -m kvtier.tools.cli bench kernels --engine "$engine" --block-sizes 16,64 --total 256MiB --gpu-total 2GiB \
     --rounds 5 --threads 4 --json "$out/bench-$engine.json" || echo "!! bench --engine $engine FAILED"
 done
 echo "== done: $out"

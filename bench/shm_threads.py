@@ -3,7 +3,7 @@
 The copy the pool's shared-memory transport makes (kvtier.transport.shm): a batch of blocks between this
 process's buffer and a file mapped from /dev/shm, one native ``copy_rows`` call, on 1 and on 2 threads, per
 block size and batch size, beside np.copyto of the same bytes in the same round (the physical baseline). Rounds
-interleave the three so machine noise hits all alike; figures are medians. kvtier.hostcopy.PARALLEL_MIN_BYTES
+interleave the three so machine noise hits all alike; figures are medians. kvtier.memory.hostcopy.PARALLEL_MIN_BYTES
 is the smallest batch where the 2-thread column wins.
 """
 
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 
 BLOCKS = (64 << 10, 1 << 20, 4 << 20)
 BATCHES = (64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20)

@@ -9,7 +9,7 @@ the write amplification a log-structured design pays for reinsertion.
 
 Schemes: per-block slots with a policy from kvtier.policies (what DiskTier does), and segment FIFO (CacheLib
 Navy-style regions of ``--segment`` blocks reclaimed oldest first) with and without reinsertion of blocks hit
-since they were written. A study, not a speed benchmark: no bytes move. Traces are read by kvtier.replay's
+since they were written. A study, not a speed benchmark: no bytes move. Traces are read by kvtier.tools.replay's
 reader (agentic-cc format; the replay tool is the general simulator).
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.policies import make_policy
-from kvtier.replay.traces import TraceError, expand_paths, inline, read_trace
+from kvtier.tools.replay.traces import TraceError, expand_paths, inline, read_trace
 
 API_TIME_S = 1.0  # a request's service time in the lane schedule (the parsed trace keeps think times only)
 MAX_THINK_S = 60.0  # longer pauses only reorder lanes; capped as in the first study

@@ -26,7 +26,7 @@ from kvtier.bench.common import gbps, median, print_rows, row, time_once, write_
 from kvtier.connectors.vllm.pagedkv import PagedKV
 from kvtier.connectors.vllm.transfer import LoadJob, SaveJob, Transfers
 from kvtier.keys import Namespace
-from kvtier.leases import LeaseTable
+from kvtier.store.leases import LeaseTable
 from kvtier.layout import MODELS
 from kvtier.store import TieredStore
 from kvtier.units import format_bytes, parse_bytes

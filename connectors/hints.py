@@ -4,7 +4,7 @@
     {"kvtier": {"ttl_s": 600, "session": "agent-42", "priority": 1, "finished": false, "subagents": 3}}
 
 ``ttl_s`` keeps the request's blocks pinned in the store for ``ttl_s`` seconds under one lease per session (each turn
-of the session extends it; ``TieredStore.leases``, lease ``kvtier.leases.session_lease(session)``: the one a
+of the session extends it; ``TieredStore.leases``, lease ``kvtier.store.leases.session_lease(session)``: the one a
 kvtier-master session pin holds), so the next turn finds its prefix even if DRAM is busy; ``priority``
 decides which sessions keep their pins when hints pin more than the connector's ``hint_max_fraction`` of the
 DRAM blocks. ``session`` names the agent, ``finished`` says this is its last request and ``subagents`` that it

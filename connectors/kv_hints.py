@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.leases import session_lease
+from kvtier.store.leases import session_lease
 from kvtier.policies import Hint, Observations
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kvtier.store_types import StoreEvent
+from kvtier.store.types import StoreEvent
 
 # (kind "stored" or "removed", tier name, the engine hashes of the event's keys that have one)
 Emit = Callable[[str, str, list[Any]], None]

@@ -15,7 +15,7 @@ import sys
 import zmq
 
 from kvtier.auth.exposure import check_binds
-from kvtier.daemon_cli import add_start_options, parse_and_log, start_error
+from kvtier.daemon.startup import add_start_options, parse_and_log, start_error
 from kvtier.master.cost import DEFAULT_TIER_BW, CostDefaults
 from kvtier.master.persist import DiskError
 from kvtier.master.placement import known_placements, make_placement

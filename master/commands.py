@@ -34,7 +34,7 @@ from kvtier.master.hints import HintTable
 from kvtier.master.nodes import DEAD
 from kvtier.master.persist import _hint_entry, _hint_value
 from kvtier.master.service import MasterSettings, MasterState
-from kvtier.keytable import as_key_array
+from kvtier.keys.table import as_key_array
 
 OPS = {**ops_router.OPS, **ops_node.OPS}
 EXPIRE, EXPIRE_HINTS, FORGET_DEAD, HEAT, PROMISE = "_expire", "_expire_hints", "_forget_dead", "_heat", "_promise"

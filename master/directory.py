@@ -4,7 +4,7 @@ A *location* is one tier of one node incarnation, numbered 0, 1, 2, ... by the n
 placements are one bit per location in a per-slot mask of ``words`` uint64 words (64 locations per word; the
 mask widens when a cluster needs more). Per slot the master pays 16 B of key, 8 B per mask word, 4 B each of
 block bytes, heat score, access count and last access (unix seconds), and 1 B of slot state: 41 B with one
-word, 60-120 B per key at the table's 0.35-0.7 load. See kvtier.keytable for the layout.
+word, 60-120 B per key at the table's 0.35-0.7 load. See kvtier.keys.table for the layout.
 
 Dead placements vanish from answers at once without touching the table: callers AND masks with the live
 mask of the registry. ``retire`` queues a dead location's bits for clearing; ``sweep`` clears them a chunk at
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.master.heat import HeatClock
-from kvtier.keytable import LIVE, KeyTable
+from kvtier.keys.table import LIVE, KeyTable
 
 WORD_BITS = 64
 

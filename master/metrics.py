@@ -5,7 +5,7 @@ per op, keys per op, nodes per state, directory size and memory, and per node an
 utilization, measured bandwidth, plus per node RPC latency and resyncs. Op labels are only the known op
 names ("unknown" otherwise): a client must not be able to blow up label cardinality.
 
-Updated from the master's event loop; the metrics port's own thread serves them (kvtier/metrics_http.py:
+Updated from the master's event loop; the metrics port's own thread serves them (kvtier/daemon/metrics_http.py:
 bounded connections and deadlines; prometheus_client's metric objects are thread-safe).
 """
 
@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtier import wire
 from kvtier.auth.gate import REASONS as GATE_REASONS
-from kvtier.metrics_http import REASONS as HTTP_REASONS
-from kvtier.metrics_http import MetricsServer
+from kvtier.daemon.metrics_http import REASONS as HTTP_REASONS
+from kvtier.daemon.metrics_http import MetricsServer
 
 KNOWN_OPS = frozenset({
     wire.PING, wire.LOOKUP, wire.COST, wire.ROUTE_PUT, wire.HEAT, wire.TOP, wire.NODES, wire.PIN, wire.UNPIN,

@@ -16,7 +16,7 @@ import sys
 import zmq
 
 from kvtier.auth.exposure import check_binds
-from kvtier.daemon_cli import add_start_options, parse_and_log, start_error
+from kvtier.daemon.startup import add_start_options, parse_and_log, start_error
 from kvtier.policies import make_policy
 from kvtier.pool.server import PoolServer
 from kvtier.pool.sizing import block_size_problem

@@ -1,6 +1,6 @@
 """ClientLeases: what one-sided clients (shared memory, RDMA) hold in the pool between two requests.
 
-(Not kvtier.leases.LeaseTable, which pins a store's blocks by name: these are slot reservations and
+(Not kvtier.store.leases.LeaseTable, which pins a store's blocks by name: these are slot reservations and
 acquisitions of remote clients, identified by number and given back by a callback.)
 
 A ``reserve`` hands a client slots to write into until its ``commit``; an ``acquire`` keeps blocks from being

@@ -7,7 +7,7 @@ clients, evictions, hits and misses, connections per port and stage, refused con
 memory and held budgets, leases, requests waiting in the dispatcher, errors per code. The metrics table of
 README "Node pool and remote DRAM: kvtier-pool" lists every name.
 
-Thread-safe: the workers observe requests, the metrics port's thread (kvtier/metrics_http.py: bounded
+Thread-safe: the workers observe requests, the metrics port's thread (kvtier/daemon/metrics_http.py: bounded
 connections and deadlines, its refusals counted here with port="metrics") collects.
 """
 
@@ -22,8 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtier.auth.gate import REASONS as GATE_REASONS
-from kvtier.metrics_http import REASONS as HTTP_REASONS
-from kvtier.metrics_http import MetricsServer
+from kvtier.daemon.metrics_http import REASONS as HTTP_REASONS
+from kvtier.daemon.metrics_http import MetricsServer
 from kvtier.pool.ops import OPS
 from kvtier.pool.replicas import REFUSALS
 from kvtier.pool.state import PoolState

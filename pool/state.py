@@ -38,7 +38,7 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.auth import ClientKeys, DataTokens
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.keys import KEY_BYTES
 from kvtier.pins import PinTable
 from kvtier.pool.budget import Budget
@@ -47,7 +47,7 @@ from kvtier.pool.leases import ClientLeases
 from kvtier.pool.rdma import RdmaServer
 from kvtier.pool.replicas import Copier
 from kvtier.pool.sizing import METADATA_SHARE, MIN_BLOCK_BYTES, block_size_problem, max_slots
-from kvtier.store_types import StoreEvent
+from kvtier.store.types import StoreEvent
 from kvtier.tiers.dram import DramTier, Reservation
 from kvtier.units import format_bytes
 from kvtier.wire import WireError
@@ -321,7 +321,7 @@ class PoolState:
 
     def _page_label(self) -> dict[str, str]:
         """What ``kvtier status`` shows of the DRAM's pages (label PAGES_LABEL): the page size the kernel put the
-        buffer on (kvtier.hostmem), known from the start for a pool sized there (--block-bytes)."""
+        buffer on (kvtier.memory.hostmem), known from the start for a pool sized there (--block-bytes)."""
         return {PAGES_LABEL: self.tier.buffer.pages()} if self.tier is not None else {}
 
     def _start_agent(self) -> None:

@@ -8,13 +8,13 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kvtier.replay.hybrid import HybridModel
-from kvtier.replay.replayer import ReplayConfig
-from kvtier.replay.service import ServiceModel
-from kvtier.replay.sizing import model_layout, parse_capacity
-from kvtier.replay.sweep import PolicyRun, Sweep
-from kvtier.replay.traces import Trace, parse_agentic
-from kvtier.replay.workload import Workload
+from kvtier.tools.replay.hybrid import HybridModel
+from kvtier.tools.replay.replayer import ReplayConfig
+from kvtier.tools.replay.service import ServiceModel
+from kvtier.tools.replay.sizing import model_layout, parse_capacity
+from kvtier.tools.replay.sweep import PolicyRun, Sweep
+from kvtier.tools.replay.traces import Trace, parse_agentic
+from kvtier.tools.replay.workload import Workload
 
 BT = 64  # tokens per block in agentic-cc traces
 # A tiny explicit model: 1 layer, 1 KV head, head dim 8, bf16 -> 2 KiB per 64-token block.

@@ -285,7 +285,7 @@ class RadixServer:
 
     def backend_keys(self, tokens: list[int]) -> list[str]:
         """SGLang's page keys of a plain prompt (kvtier's SglangPageHasher, checked against SGLang's by use)."""
-        from kvtier.hashers import SglangPageHasher
+        from kvtier.keys.hashers import SglangPageHasher
 
         return SglangPageHasher(self.page_size).hashes(tokens)
 

@@ -20,7 +20,7 @@ import torch
 from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier.auth import ClientKeys, DataTokens, TOKEN_BYTES, generate
-from kvtier.cli import main as kvtier_main
+from kvtier.tools.cli import main as kvtier_main
 from kvtier.client import MasterClient, MasterTimeout
 from kvtier.store import TieredStore
 from kvtier.transport import connect

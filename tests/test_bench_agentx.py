@@ -21,7 +21,7 @@ from kvtier.bench.agentx.report import modeled, summarize
 from kvtier.bench.agentx.loop import LoopConfig, run_loop
 from kvtier.bench.agentx.workload import (SAMPLE_TRACES, PromptBuilder, Scaled, Scaling, TraceOrder,
                                           load_traces)
-from kvtier.replay.traces import inline, parse_agentic
+from kvtier.tools.replay.traces import inline, parse_agentic
 
 
 def trace(requests: list[list[int]], name: str = "t", think: float = 0.0) -> Scaled:

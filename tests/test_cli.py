@@ -6,7 +6,7 @@ import pytest
 
 
 def kvtier(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True, **kw)
 
 
 def test_help_lists_subcommands():
@@ -18,7 +18,7 @@ def test_help_lists_subcommands():
 
 _PROBE = """
 import json, sys
-from kvtier.cli import build_parser
+from kvtier.tools.cli import build_parser
 args = build_parser().parse_args(sys.argv[1:]) if len(sys.argv) > 1 else build_parser()
 benches = sorted(m for m in sys.modules if m.startswith("kvtier.bench.") and m != "kvtier.bench.cli")
 print(json.dumps({"torch": "torch" in sys.modules, "benches": benches, "keys": getattr(args, "keys", None)}))

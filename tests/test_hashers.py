@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.hashers import SglangPageHasher, VllmBlockHasher, vllm_none_hash, vllm_sha256
+from kvtier.keys.hashers import SglangPageHasher, VllmBlockHasher, vllm_none_hash, vllm_sha256
 from kvtier.keys import Namespace
 
 

@@ -4,7 +4,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvtier import hostcopy
+from kvtier.memory import hostcopy
 
 
 @pytest.mark.parametrize("threads", [0, 1, 2, 3])
@@ -35,7 +35,7 @@ def test_native_library_is_built():
 
 
 def test_fallback_without_native_library():
-    code = ("import numpy as np; from kvtier import hostcopy; assert not hostcopy.NATIVE;"
+    code = ("import numpy as np; from kvtier.memory import hostcopy; assert not hostcopy.NATIVE;"
             "a=np.arange(100000,dtype=np.uint8); b=np.zeros_like(a);"
             "hostcopy.copy_rows(np.array([b.ctypes.data],np.uint64), np.array([a.ctypes.data],np.uint64), 100000);"
             "assert (a==b).all(); print('ok')")

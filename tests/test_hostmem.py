@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import hostmem
-from kvtier.hostmem import HostBuffer
+from kvtier.memory import hostmem
+from kvtier.memory.hostmem import HostBuffer
 
 MIB = 1 << 20
 
@@ -30,14 +30,14 @@ def _setting(tmp_path: Path, name: str, text: str | None) -> str:
 
 
 def _huge_logs(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvtier.hostmem"]
+    return [r.getMessage() for r in caplog.records if r.name == "kvtier.memory.hostmem"]
 
 
 @pytest.mark.parametrize("setting,advised", [("always [madvise] never", True), ("[always] madvise never", True),
                                              ("always madvise [never]", False), (None, False)])
 def test_private_buffer_is_advised_huge_only_where_thp_allows(tmp_path, monkeypatch, caplog, setting, advised):
     monkeypatch.setattr(hostmem, "THP_ENABLED", _setting(tmp_path, "enabled", setting))
-    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    caplog.set_level(logging.INFO, "kvtier.memory.hostmem")
     buf = HostBuffer(8 * MIB, prefault=True)
     try:
         assert ("hg" in _vm_flags(buf.ptr)) == advised
@@ -66,7 +66,7 @@ def test_huge_pages_off_by_the_caller_advises_nothing(tmp_path, monkeypatch):
 def test_shared_file_is_advised_huge_where_shmem_allows_and_collapsed_unless_it_denies(
         tmp_path, monkeypatch, caplog, setting, advised, collapsed):
     monkeypatch.setattr(hostmem, "THP_SHMEM", _setting(tmp_path, "shmem_enabled", setting))
-    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    caplog.set_level(logging.INFO, "kvtier.memory.hostmem")
     path = Path("/dev/shm") / f"kvtier-test-hostmem-{id(caplog)}"
     try:
         buf = HostBuffer(4 * MIB + 4096, shm_path=path, prefault=True)
@@ -93,7 +93,7 @@ def test_shared_file_is_advised_huge_where_shmem_allows_and_collapsed_unless_it_
 def test_a_missing_hugetlbfs_or_mount_table_never_fails_a_start(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(hostmem, "MOUNTS", str(tmp_path / "no-mounts"))  # a container without /proc/self/mounts
     monkeypatch.setattr(hostmem, "THP_SHMEM", str(tmp_path / "no-thp"))
-    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    caplog.set_level(logging.INFO, "kvtier.memory.hostmem")
     path = tmp_path / "not-yet" / "hugepages" / "pool.dram"  # the configured directory does not exist yet
     buf = HostBuffer(2 * MIB, shm_path=path)
     assert path.stat().st_size == 2 * MIB
@@ -178,7 +178,7 @@ def test_a_shared_file_on_a_disk_file_system_is_not_collapsed(tmp_path, monkeypa
     monkeypatch.setattr(hostmem, "MOUNTS", str(mounts))
     monkeypatch.setattr(hostmem, "THP_SHMEM", _setting(tmp_path, "shmem_enabled", "always advise [never] deny"))
     assert hostmem.collapsible("/dev/shm/kvtier") and not hostmem.collapsible(tmp_path / "pool")
-    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    caplog.set_level(logging.INFO, "kvtier.memory.hostmem")
     buf = HostBuffer(2 * MIB, shm_path=tmp_path / "pool" / "dram")
     buf.tensor.fill_(3)
     assert buf.populated is None and int(buf.tensor.sum()) == 3 * 2 * MIB

@@ -4,11 +4,11 @@ import sys
 
 import pytest
 
-from kvtier.cli import main as kvtier_main
+from kvtier.tools.cli import main as kvtier_main
 
 
 def kvtier(*args):
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True)
 
 
 @pytest.mark.slow  # a benchmark

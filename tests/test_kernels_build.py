@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from kvtier import native_build
+from kvtier.kernels import native_build
 from kvtier.kernels import cuda
 
 needs_nvcc = pytest.mark.skipif(native_build.find_nvcc() is None, reason="nvcc is not installed here")
@@ -123,7 +123,7 @@ def test_the_wheel_ships_the_cuda_sources_and_finds_them(tmp_path):
         z.extractall(tmp_path / "site")
     assert {f"kvtier/_cuda_src/{name}" for name in native_build.CUDA_SOURCES} <= names
     # The extracted wheel first on the path (as an installed one would be), run from elsewhere.
-    probe = "from kvtier import native_build as n; print(n.source_dir())"
+    probe = "from kvtier.kernels import native_build as n; print(n.source_dir())"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
     assert r.returncode == 0, r.stderr[-3000:]

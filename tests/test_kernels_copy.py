@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 
 import kv_engines  # noqa: E402
 
-from kvtier import hostcopy, kernels  # noqa: E402
+from kvtier import kernels  # noqa: E402
+from kvtier.memory import hostcopy  # noqa: E402
 from kvtier.blocks import block_rows  # noqa: E402
 from kvtier.kernels import dispatch  # noqa: E402
 from kvtier.layout import BlockLayout, CacheGroup  # noqa: E402

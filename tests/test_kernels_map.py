@@ -9,7 +9,7 @@ import torch
 
 from kvtier import kernels
 from kvtier.blocks import block_rows
-from kvtier.hostcopy import FRAGMENT_FIELDS
+from kvtier.memory.hostcopy import FRAGMENT_FIELDS
 from kvtier.layout import BlockLayout
 
 F = {name: i for i, name in enumerate(FRAGMENT_FIELDS)}

@@ -11,7 +11,7 @@ from conftest import blocks_for
 from kvtier.connectors.kv_hints import MAX_PIN_S, HintOutcomes, apply_kv_hints
 from kvtier.policies import Arrival, Completion
 from kvtier.prefetch import Prefetcher
-from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
+from kvtier.tools.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 
 BB = 4096

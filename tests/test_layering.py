@@ -3,7 +3,7 @@
     client side  kvtier.transport, kvtier.tiers, kvtier.client, kvtier.store*, kvtier.connectors
     daemons      kvtier.pool (folder pool/), kvtier.master (folder master/)
     shared       kvtier.wire (the formats both sides speak) and the neutral library rooms (kvtier.keys,
-                 kvtier.auth, kvtier.hostcopy, ...; kvtier.tiers.dram, the DRAM both use, and kvtier.store_types)
+                 kvtier.auth, kvtier.memory.hostcopy, ...; kvtier.tiers.dram, the DRAM both use, and kvtier.store.types)
 
 Rules (a violation is named file:line):
 * a client module never imports a daemon (kvtier.pool, kvtier.master);
@@ -12,7 +12,7 @@ Rules (a violation is named file:line):
   and ``from kvtier.transport import connect, PoolConnection, PoolError`` (a pool copying from another pool);
 * the two daemons never import each other (what they share is in kvtier.wire).
 
-Tools (kvtier.cli, kvtier.replay, bench) may start daemons (kvtier.pool.process, the pool launcher) and are no
+Tools (kvtier.tools.cli, kvtier.tools.replay, bench) may start daemons (kvtier.pool.process, the pool launcher) and are no
 side of the rule.
 """
 
@@ -32,7 +32,7 @@ DAEMONS = ("kvtier.pool", "kvtier.master")
 PUBLIC_ENTRIES = {"kvtier.client": {"NodeAgent"}, "kvtier.transport": {"connect", "PoolConnection", "PoolError"}}
 # Library rooms the client side holds and a daemon may use too: the DRAM tier the pool serves from (and its slot
 # bookkeeping), and the store's event vocabulary (what a pool's NodeAgent publishes).
-SHARED_LIBRARY = ("kvtier.tiers.dram", "kvtier.tiers.slots", "kvtier.store_types")
+SHARED_LIBRARY = ("kvtier.tiers.dram", "kvtier.tiers.slots", "kvtier.store.types")
 
 
 def _under(name: str, prefixes: tuple[str, ...]) -> str | None:
@@ -135,7 +135,7 @@ def test_the_rule_catches_each_kind(tmp_path: Path) -> None:
         ("kvtier.pool.x", "from kvtier.client import NodeAgent\n"): False,
         ("kvtier.pool.x", "from kvtier.tiers.dram import DramTier\n"): False,
         ("kvtier.pool.x", "from kvtier.store import StoreEvent\n"): True,
-        ("kvtier.pool.x", "from kvtier.store_types import StoreEvent\n"): False,
+        ("kvtier.pool.x", "from kvtier.store.types import StoreEvent\n"): False,
         ("kvtier.pool.x", "from kvtier.transport.connection import connect\n"): True,
         ("kvtier.pool.x", "import kvtier.transport\n"): True,
         ("kvtier.pool.x", "from kvtier import client\n"): True,

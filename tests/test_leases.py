@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from conftest import blocks_for
 from kvtier.keys import Namespace
-from kvtier.leases import LeaseTable, session_lease
+from kvtier.store.leases import LeaseTable, session_lease
 from kvtier.store import TieredStore
 
 BLOCK = 256

@@ -16,7 +16,7 @@ from kvtier import TieredStore
 from kvtier.client import (AsyncMasterClient, MasterClient, MasterError, MasterTimeout, MasterUnknownNode,
                            NodeAgent, Router)
 from kvtier.client import api
-from kvtier.hashers import VllmBlockHasher
+from kvtier.keys.hashers import VllmBlockHasher
 from kvtier.keys import Namespace
 from masterproc import MasterProcess
 from poolproc import until, wait_for

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.master.directory import Directory, location_words, mask_locations
 from kvtier.master.heat import HeatClock
-from kvtier.keytable import KeyTable, as_key_array, key_bytes
+from kvtier.keys.table import KeyTable, as_key_array, key_bytes
 from kvtier.keys import Namespace
 
 POOL = as_key_array(b"".join(Namespace("dir").keys(range(600))))

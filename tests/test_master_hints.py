@@ -11,7 +11,7 @@ from kvtier import TieredStore
 import kvtier.client
 from kvtier.client import MasterClient, MasterHints, NodeAgent, StoreHints
 from kvtier.keys import Namespace
-from kvtier.leases import LeaseTable, session_lease
+from kvtier.store.leases import LeaseTable, session_lease
 from masterproc import MasterProcess
 from poolproc import wait_for
 

@@ -17,7 +17,7 @@ from kvtier import wire
 from kvtier.master import commands
 from kvtier.master.directory import mask_locations
 from kvtier.master.service import MasterSettings, MasterState
-from kvtier.keytable import key_bytes
+from kvtier.keys.table import key_bytes
 
 NODES = ["a", "b", "c"]
 KEYS = [bytes([i]) * 16 for i in range(1, 25)]

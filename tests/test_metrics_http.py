@@ -1,4 +1,4 @@
-"""The daemons' Prometheus ports (kvtier/metrics_http.py) against slow and hostile HTTP clients (issue 23, 4).
+"""The daemons' Prometheus ports (kvtier/daemon/metrics_http.py) against slow and hostile HTTP clients (issue 23, 4).
 
 Real daemons (kvtier-pool and kvtier-master as subprocesses) and real sockets. Before the fix both ports were
 prometheus_client's ``start_http_server``: a thread per connection and no deadline, so 200 clients trickling
@@ -20,7 +20,7 @@ from poolproc import PoolProcess
 from prometheus_client.parser import text_string_to_metric_families
 from promkit import promtool_check
 
-from kvtier.metrics_http import HttpLimits
+from kvtier.daemon.metrics_http import HttpLimits
 
 SLOW_CLIENTS = 1000
 MAX_THREADS = 40  # "a few dozen": the daemon's own threads (pool: workers, dispatcher, ...) + the port's one
@@ -230,7 +230,7 @@ def _big_server(refused: list[str], limits: HttpLimits):
 
     from prometheus_client import CollectorRegistry
 
-    from kvtier.metrics_http import MetricsServer
+    from kvtier.daemon.metrics_http import MetricsServer
 
     registry = CollectorRegistry()
     registry.register(_Big())

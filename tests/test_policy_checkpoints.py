@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.policies.checkpoints import LIVE, MAX_AGENTS, SUPERSEDED, UNSEEN, CheckpointRule
-from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
+from kvtier.tools.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 
 
 def key(i: int) -> bytes:

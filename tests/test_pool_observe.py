@@ -12,7 +12,7 @@ from conftest import blocks_for
 from kvtier.client import MasterClient
 from kvtier.policies import Arrival, Completion
 from kvtier.pool.process import PoolDaemon
-from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
+from kvtier.tools.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 from kvtier.transport import connect
 from kvtier.transport.base import PoolError

@@ -11,8 +11,8 @@ import torch
 import kvtier
 from conftest import blocks_for
 from kvtier.blocks import block_rows
-from kvtier.cli import main
-from kvtier.replay.sweep import build_store
+from kvtier.tools.cli import main
+from kvtier.tools.replay.sweep import build_store
 from kvtier.transport import connect
 
 SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"

@@ -1,4 +1,4 @@
-"""The shm connection prefaults its mapping of the pool's file (kvtier.hostmem.populate): after attach, a put into
+"""The shm connection prefaults its mapping of the pool's file (kvtier.memory.hostmem.populate): after attach, a put into
 pages this process never touched costs no page faults. Counted with the kernel's minor-fault count of this
 process (getrusage), around a put into a real kvtier-pool process's file. And the mapping is on the file's huge
 pages where the kernel allows (MADV_COLLAPSE), read back from the kernel (/proc/self/smaps)."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier import hostmem
-from kvtier.hostmem import populate
+from kvtier.memory import hostmem
+from kvtier.memory.hostmem import populate
 from kvtier.keys import Namespace
 from kvtier.transport.dial import connect
 from poolproc import PoolProcess
@@ -79,7 +79,7 @@ def test_the_clients_mapping_of_the_pools_file_is_on_huge_pages_where_the_file_i
     """The pool collapses its file onto 2 MiB pages and the client maps them at an aligned address (one page-table
     entry each), under the shmem setting ``never`` too (MADV_COLLAPSE); a pool whose file is on a disk file system
     (``--shm-dir`` there) keeps 4 KiB pages."""
-    caplog.set_level(logging.INFO, "kvtier.hostmem")
+    caplog.set_level(logging.INFO, "kvtier.memory.hostmem")
     n = 8
     shm_dir = Path(tempfile.mkdtemp(prefix="kvtier-test-huge-", dir="/dev/shm" if where == "tmpfs" else tmp_path))
     if (hostmem.mount_of(shm_dir)[0] == "tmpfs") != (where == "tmpfs"):  # a machine whose /tmp is a tmpfs

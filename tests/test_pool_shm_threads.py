@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from bytecheck import assert_all_hits_exact
-from kvtier import TieredStore, hostcopy
+from kvtier import TieredStore
+from kvtier.memory import hostcopy
 from kvtier.config import Config, ConfigError
 from kvtier.keys import Namespace
 from kvtier.pool.process import PoolDaemon

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from conftest import blocks_for
 from kvtier.policies import Arrival, Completion, Hint
 from kvtier.prefetch import Prefetcher
-from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
+from kvtier.tools.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 
 BB = 4096

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.replay.replayer import HBM
+from kvtier.tools.replay.replayer import HBM
 from replaykit import BT, brute_force_opt, replay, req, sub, sweep, trace, workloads
 
 # ---- hand-made trace, hits computed by hand ------------------------------------------------------------

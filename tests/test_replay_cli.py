@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier.cli import main
+from kvtier.tools.cli import main
 
 SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"
 
 
 def kvtier_cli(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env)
 
 

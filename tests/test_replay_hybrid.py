@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 import kvtier
 from kvtier.keys import Namespace
 from kvtier.policies import Arrival
-from kvtier.replay.hbm import HbmPrefixCache
-from kvtier.replay.hybrid import STATE, HYBRID_MODELS, HybridModel, WindowGroup, checkpoints, restorable_depth
-from kvtier.replay.hybrid_replay import HybridCache
-from kvtier.replay.replayer import HBM, ReplayResult
-from kvtier.replay.sizing import model_layout
-from kvtier.replay.sweep import SIM_BLOCK_BYTES, build_store
+from kvtier.tools.replay.hbm import HbmPrefixCache
+from kvtier.tools.replay.hybrid import STATE, HYBRID_MODELS, HybridModel, WindowGroup, checkpoints, restorable_depth
+from kvtier.tools.replay.hybrid_replay import HybridCache
+from kvtier.tools.replay.replayer import HBM, ReplayResult
+from kvtier.tools.replay.sizing import model_layout
+from kvtier.tools.replay.sweep import SIM_BLOCK_BYTES, build_store
 from replaykit import BT, replay, req, sub, sweep, trace, workloads
 
 # Full history 32 B/token: a 2 KiB block, one store slot. The state is two slots; a window block is one.
@@ -224,7 +224,7 @@ def test_checkpoint_interval_is_a_multiple_of_the_block():
 def test_replay_cli_reports_a_hybrid_model_per_group(tmp_path, capsys):
     """One sample trace through `kvtier replay --model qwen3-next-80b-a3b`: the JSON has the bytes per group and
     against every group whole; `--store-groups whole` replays packed blocks, which store far more per token."""
-    from kvtier.cli import main
+    from kvtier.tools.cli import main
 
     sample = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc" / "trace_0427.json.gz"
     common = [str(sample), "--lanes", "1", "--hbm", "5%", "--dram", "25%", "--policy", "lru", "--no-progress",

@@ -5,8 +5,8 @@ and the session-aware default against LRU on agent loops, with a control where n
 import pytest
 
 from kvtier.policies.lru import LRUPolicy
-from kvtier.replay.opt import belady_hits
-from kvtier.replay.traces import TraceError, parse_agentic
+from kvtier.tools.replay.opt import belady_hits
+from kvtier.tools.replay.traces import TraceError, parse_agentic
 from replaykit import BT, replay, req, sub, sweep, trace
 
 

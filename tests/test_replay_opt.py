@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.replay import opt
-from kvtier.replay.opt import LimitsCache, belady_hits, infinite_hits, next_use, peak_reuse
+from kvtier.tools.replay import opt
+from kvtier.tools.replay.opt import LimitsCache, belady_hits, infinite_hits, next_use, peak_reuse
 from replaykit import brute_force_opt
 
 

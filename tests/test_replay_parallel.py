@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier.replay.replayer import ReplayConfig
-from kvtier.replay.service import ServiceModel
-from kvtier.replay.sizing import model_layout, parse_capacities, parse_capacity
-from kvtier.replay.sweep import PolicyRun, RunPool, Sweep, run_pool
-from kvtier.replay.workload import load_workload
+from kvtier.tools.replay.replayer import ReplayConfig
+from kvtier.tools.replay.service import ServiceModel
+from kvtier.tools.replay.sizing import model_layout, parse_capacities, parse_capacity
+from kvtier.tools.replay.sweep import PolicyRun, RunPool, Sweep, run_pool
+from kvtier.tools.replay.workload import load_workload
 
 SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"
 

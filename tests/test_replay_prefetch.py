@@ -1,4 +1,4 @@
-"""``kvtier replay --prefetch``: prefetch between turns modeled on the virtual clock (kvtier/replay/prefetch.py)
+"""``kvtier replay --prefetch``: prefetch between turns modeled on the virtual clock (kvtier/tools/replay/prefetch.py)
 over the real store and SSD tier, on the shipped sample traces."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
-from kvtier.cli import main
-from kvtier.replay.prefetch import _Channel
+from kvtier.tools.cli import main
+from kvtier.tools.replay.prefetch import _Channel
 
 SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kvtier.replay.traces import Subagents, TraceError, TraceRequest, read_agentic, read_mooncake, read_trace
-from kvtier.replay.workload import Workload, load_workload
+from kvtier.tools.replay.traces import Subagents, TraceError, TraceRequest, read_agentic, read_mooncake, read_trace
+from kvtier.tools.replay.workload import Workload, load_workload
 from replaykit import req, sub
 
 

@@ -225,7 +225,7 @@ def test_a_key_in_the_wrong_roles_directory_stops_the_daemon(tmp_path, keys):
 
 def test_keys_generate_writes_the_role_and_says_where_the_key_goes(tmp_path, capsys):
     from kvtier.auth.roles import declared_role
-    from kvtier.cli import main as kvtier_main
+    from kvtier.tools.cli import main as kvtier_main
 
     assert kvtier_main(["keys", "generate", str(tmp_path / "ops"), "--role", "operator"]) == 0
     out = capsys.readouterr().out

@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
 from kvtier.config import ConfigError  # noqa: E402
 from kvtier.connectors.sglang import KVTierHiCacheStorage  # noqa: E402
-from kvtier.hashers import SglangPageHasher  # noqa: E402
+from kvtier.keys.hashers import SglangPageHasher  # noqa: E402
 
 LAYOUTS = [("mha", layout) for layout in MHA_LAYOUTS] + [("mla", layout) for layout in MLA_LAYOUTS]
 SEGMENTS = {("mha", "layer_first"): 6, ("mla", "layer_first"): 3, ("mla", "page_first"): 1,
@@ -372,11 +372,11 @@ def test_segment_tables_follow_the_pools_own_meta(backends):
 
 
 def test_a_router_computes_the_backends_keys_from_token_ids(backends):
-    """kvtier.hashers: SglangPageHasher gives SGLang's own page keys (salted too), and sglang_namespace with the
+    """kvtier.keys.hashers: SglangPageHasher gives SGLang's own page keys (salted too), and sglang_namespace with the
     fingerprint the backend logs folds them into the keys the backend stores."""
     from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
 
-    from kvtier.hashers import sglang_namespace
+    from kvtier.keys.hashers import sglang_namespace
 
     tokens = list(range(7, 7 + 4 * 5)) + [2**33] * 4
     assert SglangPageHasher(4).hashes(tokens) == get_hash_str(tokens, None, page_size=4)

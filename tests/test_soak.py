@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.tools.cli import main
 
 
 @pytest.mark.slow

@@ -20,14 +20,14 @@ from kvtier import TieredStore
 from kvtier.client import MasterClient, NodeAgent
 from kvtier.client.master import MasterError
 from kvtier.keys import Namespace
-from kvtier.status import render
+from kvtier.tools.status import render
 
 BB = 4096
 KEYS = Namespace("status-test").keys(range(64))
 
 
 def status(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", "status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "status", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "120"})
 
 
@@ -78,7 +78,7 @@ def test_status_screen_shows_nodes_tiers_hits_and_errors(cluster):
     assert "GB/s" in gpu  # the measured bandwidth the agent reported
     pool_line = next(line for line in screen.splitlines() if "pool-a" in line)
     assert "8 MiB" in pool_line
-    # the pool's DRAM page size, as the kernel reports it (kvtier.hostmem): huge pages where THP allows them
+    # the pool's DRAM page size, as the kernel reports it (kvtier.memory.hostmem): huge pages where THP allows them
     assert re.search(r"pages (4 KiB|2 MiB \(THP[^)]*\))$", pool_line), pool_line
     assert "pages" not in gpu  # an engine's node registers no page size
     assert "52 keys asked: 44 hits, 8 misses (84.6% hit)" in screen
@@ -117,7 +117,7 @@ def test_status_flags_a_dead_node(cluster):
 
 def test_status_watch_redraws(cluster):
     master, _, _ = cluster
-    p = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "status", "--master", master.endpoint, "--watch",
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.tools.cli", "status", "--master", master.endpoint, "--watch",
                           "0.2"], stdout=subprocess.PIPE, text=True)
     try:
         seen = ""

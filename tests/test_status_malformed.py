@@ -26,8 +26,8 @@ from kvtier import wire
 from kvtier.auth import forget_tokens
 from kvtier.client.master import MasterError
 from kvtier.keys import Namespace
-from kvtier.status import EXIT_MALFORMED, gather, render
-from kvtier.status_shape import MalformedStatus
+from kvtier.tools.status import EXIT_MALFORMED, gather, render
+from kvtier.tools.status_shape import MalformedStatus
 
 KEYS = Namespace("status-malformed").keys(range(3))
 NOW = 1_760_000_000.0
@@ -89,7 +89,7 @@ def fake():
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", "status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "status", *args], capture_output=True, text=True,
                           timeout=60)
 
 

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from conftest import block_for, blocks_for
 import kvtier
 from kvtier import Namespace, StoreEvent, StoreLookup, TieredStore
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.tiers.dram import DramTier
 
 BB = 256

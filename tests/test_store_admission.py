@@ -17,7 +17,7 @@ import torch
 from conftest import block_for, blocks_for
 from kvtier.policies import Arrival, Completion
 from kvtier.pool.process import PoolDaemon
-from kvtier.replay.replayer import VirtualClock  # a settable clock the store's policy reads
+from kvtier.tools.replay.replayer import VirtualClock  # a settable clock the store's policy reads
 from kvtier.store import TieredStore
 
 BB = 4096
@@ -147,7 +147,7 @@ def test_a_block_dram_declines_is_admitted_by_the_pool_under_it(in_place):
 def test_the_replays_store_follows_the_same_rule(tmp_path):
     """kvtier replay measures the store it builds (sweep.build_store: the real TieredStore from a Config): what
     DRAM declines reaches its SSD there too, so the replay's rows are what a live store does."""
-    from kvtier.replay.sweep import build_store
+    from kvtier.tools.replay.sweep import build_store
 
     clock = VirtualClock()
     with build_store("default", {"dram_capacity": DRAM, "ssd_capacity": 64}, {"ssd_path": str(tmp_path), "dram_admission": "every"},

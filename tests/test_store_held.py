@@ -16,9 +16,9 @@ from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier.blocks import block_rows
 from kvtier.client import MasterClient
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.keys import Namespace
-from kvtier.leases import LeaseTable
+from kvtier.store.leases import LeaseTable
 from kvtier.store import TieredStore
 from kvtier.tiers.dram import DramTier
 from kvtier.tiers.ssd import DiskTier

@@ -10,7 +10,7 @@ import torch
 from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import Namespace, StoreEvent, TieredStore
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.tiers.ssd import DiskTier
 
 BB = 4096

@@ -15,7 +15,7 @@ from conftest import blocks_for
 from kvtier.keys import Namespace
 from kvtier.pins import PinTable
 from kvtier.store import TieredStore
-from kvtier.store_types import StoreLookup
+from kvtier.store.types import StoreLookup
 from kvtier.tiers.dram import DramTier
 from kvtier.tiers.ssd import DiskTier
 

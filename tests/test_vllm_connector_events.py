@@ -213,7 +213,7 @@ def test_kv_events_report_ssd_blocks_with_default_offload(engine, tmp_path):
 
 def test_a_router_computes_the_keys_the_connector_stored(engine, model):
     """vllm_namespace + VllmBlockHasher from token ids alone give, for every rank, the keys in its store."""
-    from kvtier.hashers import VllmBlockHasher, vllm_namespace
+    from kvtier.keys.hashers import VllmBlockHasher, vllm_namespace
 
     eng = engine(tp=2)
     save_a_then_drop_hbm(eng)

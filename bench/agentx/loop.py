@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from kvtier.bench.agentx.client import Completion, Endpoint, StreamError, complete
 from kvtier.bench.agentx.workload import PromptBuilder, Scaled, Step, Subagents, TraceOrder
-from kvtier.replay.traces import inline
-from kvtier.replay.traces import TraceRequest
+from kvtier.tools.replay.traces import inline
+from kvtier.tools.replay.traces import TraceRequest
 
 
 @dataclass(frozen=True)

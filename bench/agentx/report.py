@@ -5,7 +5,7 @@ AIPerf's export files and the throughput-vs-interactivity plot.
 **Measured vs modeled hit rate.** The measured rate is the server's: prompt tokens cached (vLLM's
 ``prompt_tokens_cached_by_source``: device = its own prefix cache in HBM, host/disk = kvtier's tiers) over
 prompt tokens, in the window. The modeled one replays the exact requests this run sent, in the order they were
-sent, through the replay's HBM model (kvtier.replay.hbm.HbmPrefixCache, an LRU of blocks whose held prefix is
+sent, through the replay's HBM model (kvtier.tools.replay.hbm.HbmPrefixCache, an LRU of blocks whose held prefix is
 free) with the engine's real block count, and for a kvtier mode a second LRU of kvtier's DRAM size fed
 write-through. They differ where the model is simpler than the engine: the model admits a request's blocks at
 once, while the engine holds a running request's blocks (and its decode blocks) pinned and frees them only
@@ -24,7 +24,7 @@ import numpy as np
 
 from kvtier.bench.agentx.loop import LoopResult, Sent
 from kvtier.bench.serve_proc import labelled
-from kvtier.replay.hbm import HbmPrefixCache
+from kvtier.tools.replay.hbm import HbmPrefixCache
 
 PROMPT = "vllm:prompt_tokens_total"
 GENERATED = "vllm:generation_tokens_total"

@@ -1,4 +1,4 @@
-"""What ``kvtier bench agentx`` sends: agentic-cc traces (kvtier.replay.traces) turned into token-id prompts.
+"""What ``kvtier bench agentx`` sends: agentic-cc traces (kvtier.tools.replay.traces) turned into token-id prompts.
 
 **Tokens from block hashes.** A trace records each request as its 64-token blocks' hash ids (prefix-chained:
 equal ids, equal prefix). A prompt is built block by block: each engine block's ``block_tokens`` token ids are
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.replay.traces import Step, Subagents, Trace, TraceRequest, expand_paths, read_trace, sample_traces
+from kvtier.tools.replay.traces import Step, Subagents, Trace, TraceRequest, expand_paths, read_trace, sample_traces
 
 SAMPLE_TRACES = sample_traces()
 LOW_TOKEN = 3  # below: the tiny model's special tokens (<unk>, <s>, </s>)

@@ -18,7 +18,7 @@ learns which agents are idle from these arrivals and completions (through the st
 worker's does from its scheduler's notes. The cost, on the scheduler thread, is one hash per prompt page per
 request (what SGLang's HiCache hashes anyway) and one ``Req.finished()`` per request per decode step. A backend
 registers itself here (``attach``), so nothing of SGLang's is reached into to find it. The request's keys are
-SGLang's page keys of its prompt (kvtier.hashers.SglangPageHasher over ``origin_input_ids``, seeded by
+SGLang's page keys of its prompt (kvtier.keys.hashers.SglangPageHasher over ``origin_input_ids``, seeded by
 ``extra_key`` / ``cache_salt``), folded into the backend's namespace: the keys it stores.
 
 What it reads of SGLang: the Req constructor's parameters named in ``REQUIRED``, each kept as the attribute of that
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connectors.kv_hints import MAX_PIN_S, Applied, HintOutcomes, apply_kv_hints
-from kvtier.hashers import SglangPageHasher
+from kvtier.keys.hashers import SglangPageHasher
 from kvtier.policies import Arrival, Completion
 from kvtier.prefetch import Prefetcher
 from kvtier.ratelog import RateLimitedLog

@@ -2,7 +2,7 @@
 
 SGLang builds one storage backend per scheduler process (one per TP/PP/attention-CP rank) from a
 ``HiCacheStorageConfig``. Its page keys carry no rank, model or layout; the backend adds them
-(``kvtier.hashers.sglang_namespace``):
+(``kvtier.keys.hashers.sglang_namespace``):
 
 * MHA pages hold one TP rank's heads: the namespace has the TP rank and size (so two TP widths never share a
   key, unlike Mooncake's MHA keys), the PP and attention-CP ranks, the model and the host layout fingerprint;
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.config import Config, ConfigError
-from kvtier.hashers import sglang_namespace
+from kvtier.keys.hashers import sglang_namespace
 from kvtier.keys import Namespace
 from kvtier.offload import offload_policy
 

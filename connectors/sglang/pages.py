@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.hostcopy import CopyThreads
+from kvtier.memory.hostcopy import CopyThreads
 
 GEOMETRY_VERSION = 1
 
@@ -49,7 +49,7 @@ class HostPages:
         self.page_size = int(pool.page_size)
         self.interface = interface
         self.copy_threads = copy_threads
-        # Each direction timed on its own (copy_threads 0: by measured rate, kvtier.hostcopy.CopyThreads).
+        # Each direction timed on its own (copy_threads 0: by measured rate, kvtier.memory.hostcopy.CopyThreads).
         self._copies = {True: CopyThreads(copy_threads), False: CopyThreads(copy_threads)}  # by to_blocks
         ptrs, sizes = pool.get_page_buffer_meta(torch.arange(self.page_size, dtype=torch.int64))
         if not sizes or len(ptrs) != len(sizes) or any(int(s) <= 0 for s in sizes):

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from kvtier.blocks import BlockRows, block_rows
-from kvtier.hostmem import HostBuffer
+from kvtier.memory.hostmem import HostBuffer
 from kvtier.keys import Namespace
-from kvtier.leases import session_lease
+from kvtier.store.leases import session_lease
 from kvtier.store import TieredStore
 
 from kvtier.connectors.hints import AgentHints

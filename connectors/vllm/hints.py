@@ -8,7 +8,7 @@ which sessions keep their pins when hints pin more than ``hint_max_fraction`` of
 request on the scheduler when it is admitted (``request_hints``: kvtier.connectors.hints.read_hints, one check of
 each value for the pin, the policy's notes (observe.py) and the envelope's note alike), the pin (``pin_of``)
 carried in each SavePlan, applied by the worker after the save
-(``TieredStore.leases``, lease ``kvtier.leases.session_lease(session)``: the one a kvtier-master session pin
+(``TieredStore.leases``, lease ``kvtier.store.leases.session_lease(session)``: the one a kvtier-master session pin
 holds, so a router can extend a session on every node). vLLM's Request fields are read through compat.py.
 
 The engine's standard envelope (``Request.kv_hints``: Prefetch / Pin / Retain / Demote / Share, kvtier's

@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from kvtier import wire
-from kvtier.store_types import count_in_runs
+from kvtier.store.types import count_in_runs
 
 log = logging.getLogger(__name__)
 

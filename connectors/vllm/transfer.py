@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from kvtier.blocks import BlockRows
-from kvtier.hostmem import HostBuffer
-from kvtier.leases import LeaseTable, session_lease
+from kvtier.memory.hostmem import HostBuffer
+from kvtier.store.leases import LeaseTable, session_lease
 from kvtier.kernels import SKIP
 from kvtier.store import TieredStore
 

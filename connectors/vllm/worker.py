@@ -30,9 +30,9 @@ from kvtier.config import Config
 from kvtier.connectors.kv_hints import HintOutcomes, apply_kv_hints
 from kvtier.connectors.prefetching import WorkerPrefetch
 from kvtier.connectors.rank_store import open_rank_store
-from kvtier.hashers import vllm_namespace
+from kvtier.keys.hashers import vllm_namespace
 from kvtier.keys import Namespace
-from kvtier.leases import LeaseTable
+from kvtier.store.leases import LeaseTable
 from kvtier.store import TieredStore
 
 from .events import EventRecorder, event_group

@@ -13,7 +13,7 @@ Results: ``MasterLookup`` (``lookup``; its ``hits`` are ``NodeTierHit``s), ``Mas
 ``Hints`` still import from here, with a DeprecationWarning (``Hints`` was also the connectors' name for an
 agent's request hints, now ``kvtier.connectors.hints.AgentHints``).
 
-Engine-compatible hashers (token ids -> the engine's own block hashes) are in kvtier.hashers.
+Engine-compatible hashers (token ids -> the engine's own block hashes) are in kvtier.keys.hashers.
 """
 
 import warnings

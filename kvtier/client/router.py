@@ -6,7 +6,7 @@
     routed = router.route(token_ids, ["w1", "w2"], session="agent-7")  # the best plan, and its prefix prefetched
     router.prefetch(token_ids, "w2")                          # PrefetchResult: accepted/clipped/ignored/rejected
 
-Keys are computed the way the engine computed them (an engine hasher from kvtier.hashers, folded into the
+Keys are computed the way the engine computed them (an engine hasher from kvtier.keys.hashers, folded into the
 namespace exactly as the connectors fold engine hashes), or by kvtier's own chained hash when no hasher is
 given; a caller holding keys already passes them instead of token ids.
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from kvtier.client.api import Plan, PrefetchResult
 from kvtier.client.master import AsyncMasterClient, MasterClient
-from kvtier.hashers import BlockHasher
+from kvtier.keys.hashers import BlockHasher
 from kvtier.keys import KEY_BYTES, Namespace
 
 

@@ -1,4 +1,4 @@
-"""StoreHints: kvtier-master's hints applied to one node's TieredStore, as leases (kvtier/leases.py).
+"""StoreHints: kvtier-master's hints applied to one node's TieredStore, as leases (kvtier/store/leases.py).
 
 The master keeps what routers and agent frameworks say (master/hints.py); a node's NodeAgent fetches the
 hints when their version changes and hands them to ``StoreHints.apply``, which turns them into the same
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtier.client.api import MasterHints
-from kvtier.leases import session_lease
+from kvtier.store.leases import session_lease
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier import hostcopy
+from kvtier.memory import hostcopy
 from kvtier.kernels.dispatch import PackedRows
 from kvtier.kernels.enginekv import EngineKV
 

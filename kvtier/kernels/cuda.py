@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import torch
 
-from kvtier import native_build
+from kvtier.kernels import native_build
 from kvtier.kernels.dispatch import KernelError, PackedRows, upload_ids_and_rows
 from kvtier.kernels.enginekv import EngineKV
 

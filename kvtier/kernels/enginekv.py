@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.hostcopy import FRAGMENT_FIELDS
+from kvtier.memory.hostcopy import FRAGMENT_FIELDS
 from kvtier.layout import DTYPE_BYTES, BlockLayout, Region
 
 _RAW_BYTES = ("uint8", "int8")  # engines keep fp8 KV in byte tensors; moved as bytes either way

@@ -1,6 +1,6 @@
 """What moves a Prefetcher in a server and shows it: ``PrefetchDriver`` (a thread, real time, demand first) and
 ``PrefetchCollector`` (its counts for Prometheus). A replay moves it on its virtual clock instead
-(kvtier/replay/prefetch.py)."""
+(kvtier/tools/replay/prefetch.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ a job ended early: the rest of its prefix still below the top tier then).
 
 In a server the Prefetcher is moved by a PrefetchDriver (driver.py; a thread: every ``tick_s`` each lower tier's
 budget is its read rate measured on the prefetches' own copies times the tick, and nothing moves while a demand
-read is under way in the store: demand first); in a replay by the virtual clock (kvtier/replay/prefetch.py).
+read is under way in the store: demand first); in a replay by the virtual clock (kvtier/tools/replay/prefetch.py).
 PrefetchCollector (driver.py) exposes the counts to Prometheus, in bytes.
 
 Bounded: at most ``max_jobs`` jobs, and ``max_jobs`` parked holding ``max_parked_keys`` keys in all (jobs.py
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from kvtier.policies import Observations
 from kvtier.prefetch.jobs import Job, ParkedJobs
 from kvtier.store import TieredStore
-from kvtier.store_types import StoreEvent
+from kvtier.store.types import StoreEvent
 from kvtier.tiers.base import PrefetchTarget
 
 

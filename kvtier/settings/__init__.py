@@ -1,7 +1,7 @@
 """The config keys, one section per tier: each declares its keys (default, help, choices, kind) and checks them.
 
 ``kvtier.config.Config`` is these sections composed into one flat dataclass (the flat dict users write), and
-``Config.validate`` asks each section in turn; ``kvtier.store_build`` asks each section for its tier's
+``Config.validate`` asks each section in turn; ``kvtier.store.build`` asks each section for its tier's
 arguments. A new tier's keys are a new section here, a base of Config and one line of its validate and of
 store_build.
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from kvtier.blocks import block_rows
-from kvtier.hostcopy import CopyThreads
-from kvtier.hostmem import HostBuffer
+from kvtier.memory.hostcopy import CopyThreads
+from kvtier.memory.hostmem import HostBuffer
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations
 from kvtier.tiers.base import AddressableSlots, EvictListener, PrefetchTarget, Reservation, TierStats

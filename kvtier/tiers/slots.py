@@ -14,7 +14,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from kvtier.keytable import KeyTable, key_array
+from kvtier.keys.table import KeyTable, key_array
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, make_policy
 from kvtier.policies.guard import GuardedPolicy

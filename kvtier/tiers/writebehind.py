@@ -40,7 +40,7 @@ from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.tiers.ssd.io import STAGE_TIMEOUT_S, StagingPool
 
 log = logging.getLogger(__name__)

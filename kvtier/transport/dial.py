@@ -47,7 +47,7 @@ def connect(endpoint: str, block_bytes: int, *, transport: str = "auto", timeout
             shared_memory: bool = True) -> PoolConnection:
     """A connection to the pool at ``endpoint`` for blocks of ``block_bytes``; ``auth`` for a pool that requires
     CurveZMQ keys (kvtier.auth.ClientKeys.load(auth_dir, endpoint)); ``copy_threads``: threads per host copy of
-    the shm transport (0: by measured rate, kvtier.hostcopy.CopyThreads; the other transports copy no host
+    the shm transport (0: by measured rate, kvtier.memory.hostcopy.CopyThreads; the other transports copy no host
     memory themselves). ``shared_memory`` False: never map a file the pool names (a daemon dialing a pool: the
     blocks come as bytes on a socket; "auto" picks tcp on an ipc:// endpoint, "shm" is refused). Raises
     PoolError (unreachable, refused, another protocol version) or ValueError (an unknown transport, or one that

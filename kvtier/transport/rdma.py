@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.onesided import OneSidedConnection
 from kvtier.wire import pool as P

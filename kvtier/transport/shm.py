@@ -2,7 +2,7 @@
 
 Engine processes on one host share one pool: control goes over zmq ipc, bytes never touch a socket. The
 lease protocol (reserve/commit, acquire/release) is OneSidedConnection's; the copies here are the caller's own
-batched native copies (kvtier.hostcopy), straight between the caller's rows and the pool's slots, on
+batched native copies (kvtier.memory.hostcopy), straight between the caller's rows and the pool's slots, on
 ``copy_threads`` threads (0, the default: by measured rate: hostcopy.CopyThreads times this connection's puts
 and its gets apart and gives each batch the thread count that copied fastest here lately).
 
@@ -12,9 +12,9 @@ truncated) until the calls still copying from it finish and drop it; blocks of t
 that has no block size yet has no file either: the connection maps it at its first copy (after the reserve
 that sized the pool).
 
-The mapping is prefaulted on a background thread as it is made (kvtier.hostmem.populate: page tables only, no
+The mapping is prefaulted on a background thread as it is made (kvtier.memory.hostmem.populate: page tables only, no
 byte touched): a copy into pages this process had not touched yet ran ~8x slower, one minor fault per 4 KiB.
-It starts on a 2 MiB boundary and is collapsed onto the file's huge pages (kvtier.hostmem.SharedMapping): the
+It starts on a 2 MiB boundary and is collapsed onto the file's huge pages (kvtier.memory.hostmem.SharedMapping): the
 pool moves its file onto them, and this side then maps each with one entry.
 
 Next to the DRAM file each mapping holds the pool's slot generations (``<file>.gen``, read-only): a get reads
@@ -43,8 +43,8 @@ import numpy as np
 
 from kvtier import wire
 from kvtier.auth.peercred import NotPeersFile, open_peers_file
-from kvtier.hostcopy import CopyThreads
-from kvtier.hostmem import (HUGE_ALIGN, SharedMapping, collapsible, hugetlbfs_page, page_sizes, populate,
+from kvtier.memory.hostcopy import CopyThreads
+from kvtier.memory.hostmem import (HUGE_ALIGN, SharedMapping, collapsible, hugetlbfs_page, page_sizes, populate,
                             whole_pages)
 from kvtier.transport.base import PoolInfo, PoolProtocolError, PoolUnavailable
 from kvtier.transport.connection import hello
@@ -76,7 +76,7 @@ class Mapping:
                 raise PoolProtocolError(f"ipc ({path})", f"the pool's shared file is {size} bytes, it said "
                                         f"{nbytes}", wire.ERR_BAD_MESSAGE)
             # whole huge pages where the pool made its file in a hugetlbfs mount, at an address where its huge
-            # pages map with one page-table entry each (kvtier.hostmem)
+            # pages map with one page-table entry each (kvtier.memory.hostmem)
             huge = hugetlbfs_page(Path(path).parent)
             self._mm = SharedMapping(fd, whole_pages(nbytes, huge), max(HUGE_ALIGN, huge))
         finally:
@@ -168,7 +168,7 @@ class ShmConnection(OneSidedConnection):
         del mapping
 
     def pages(self) -> str:
-        """The page size of the pool's shared file as mapped here (kvtier.hostmem.page_sizes); "" before it is
+        """The page size of the pool's shared file as mapped here (kvtier.memory.hostmem.page_sizes); "" before it is
         mapped."""
         mapping = self._mapping
         return page_sizes(mapping.base, mapping.nbytes) if mapping is not None else ""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import wire
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.transport.channel import Answer, Request
 from kvtier.transport.connection import ConnectionBase
 from kvtier.wire import frames as F

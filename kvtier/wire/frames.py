@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 
 MAX_FRAME_BYTES = 8 << 20  # frames up to 8 MiB: the receiver's allocator reuses buffers this size (no page faults)
 ZERO_COPY_RUN_BYTES = 1 << 20  # runs at least this long (on average) go zero-copy; shorter ones are gathered

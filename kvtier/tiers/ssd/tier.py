@@ -43,7 +43,7 @@ import numpy as np
 import xxhash
 
 from kvtier.blocks import block_rows
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.iothreads import IoThreads
 from kvtier.pins import PinTable
 from kvtier.policies import Clock, Observations

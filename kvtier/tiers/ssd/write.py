@@ -25,7 +25,7 @@ from concurrent.futures import wait as wait_all
 
 import numpy as np
 
-from kvtier.hostcopy import copy_rows
+from kvtier.memory.hostcopy import copy_rows
 from kvtier.tiers.ssd.index import DiskIndex, IndexEntry, block_checksum
 from kvtier.tiers.ssd.io import ALIGN, STAGE_TIMEOUT_S, StagingPool, raw_view
 from kvtier.tiers.ssd.read import RUN_BYTES

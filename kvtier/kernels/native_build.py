@@ -4,7 +4,7 @@ The CUDA kernels are plain CUDA with extern "C" launchers (no torch extension), 
 exists and load with ctypes into any torch build. The library lands in ``$KVTIER_CACHE_DIR`` (default
 ``~/.cache/kvtier``)/native under a name hashing the sources, the nvcc version and the flags, so a changed
 kernel or another GPU gets its own build and concurrent builders never see a half-written file (each
-writes a temporary file and renames it). ``python -m kvtier.native_build [--arch 90]`` builds it ahead of
+writes a temporary file and renames it). ``python -m kvtier.kernels.native_build [--arch 90]`` builds it ahead of
 time (e.g. in a container image).
 
 Architectures: the current GPU's when torch sees one, else ``KVTIER_CUDA_ARCH`` (e.g. "80;90"), else
@@ -49,7 +49,7 @@ def source_dir() -> Path:
             return Path(str(shipped))
     except ModuleNotFoundError:
         pass
-    return Path(__file__).resolve().parent.parent / "native" / "cuda"
+    return Path(__file__).resolve().parents[2] / "native" / "cuda"
 
 
 def find_nvcc() -> str | None:
@@ -115,7 +115,7 @@ def build_cuda_library(archs: Sequence[str] | None = None, *, out_dir: Path | No
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise BuildError(f"nvcc did not finish building {target.name} within {NVCC_TIMEOUT_S:.0f} s (killed); "
-                             "a hung or overloaded compiler? build ahead of time: python -m kvtier.native_build"
+                             "a hung or overloaded compiler? build ahead of time: python -m kvtier.kernels.native_build"
                              ) from None
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip()[-4000:]
@@ -140,7 +140,7 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvtier.native_build", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvtier.kernels.native_build", description=__doc__.split("\n")[0])
     p.add_argument("--arch", action="append", help="GPU architecture, e.g. 90 (repeatable; default: see docs)")
     p.add_argument("--out-dir", type=Path, help=f"where to put the library (default {cache_dir()})")
     args = p.parse_args(argv)

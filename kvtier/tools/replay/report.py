@@ -7,8 +7,8 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from kvtier.replay.replayer import HBM
-from kvtier.replay.sweep import PolicyRun, Sweep, SweepPoint
+from kvtier.tools.replay.replayer import HBM
+from kvtier.tools.replay.sweep import PolicyRun, Sweep, SweepPoint
 from kvtier.units import format_bytes
 
 # Prefill utilization above which the modeled server is saturated: queues grow, TTFT is minutes, and a ranking

@@ -29,12 +29,12 @@ import numpy as np
 import xxhash
 
 from kvtier.policies import Arrival
-from kvtier.replay.hbm import HbmPrefixCache
-from kvtier.replay.hybrid import STATE, HybridModel, boundary_objects, checkpoints, restorable_depth
+from kvtier.tools.replay.hbm import HbmPrefixCache
+from kvtier.tools.replay.hybrid import STATE, HybridModel, boundary_objects, checkpoints, restorable_depth
 from kvtier.store import TieredStore
 
 if TYPE_CHECKING:
-    from kvtier.replay.replayer import ReplayResult
+    from kvtier.tools.replay.replayer import ReplayResult
 
 STATE_NAME = "state"  # the recurrent state's name among the groups in the report
 FULL = "full"

@@ -29,13 +29,13 @@ from kvtier.config import Config
 from kvtier.keys import Namespace
 from kvtier.layout import BlockLayout
 from kvtier.policies import Clock, policy_class
-from kvtier.replay.hybrid import HybridModel
-from kvtier.replay.hybrid_replay import Objects
-from kvtier.replay.opt import Limits, LimitsCache
-from kvtier.replay.replayer import HBM, ReplayConfig, Replayer, ReplayResult, VirtualClock
-from kvtier.replay.service import ServiceModel
-from kvtier.replay.sizing import Capacity
-from kvtier.replay.workload import Workload
+from kvtier.tools.replay.hybrid import HybridModel
+from kvtier.tools.replay.hybrid_replay import Objects
+from kvtier.tools.replay.opt import Limits, LimitsCache
+from kvtier.tools.replay.replayer import HBM, ReplayConfig, Replayer, ReplayResult, VirtualClock
+from kvtier.tools.replay.service import ServiceModel
+from kvtier.tools.replay.sizing import Capacity
+from kvtier.tools.replay.workload import Workload
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)

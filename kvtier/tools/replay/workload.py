@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.keys import Namespace
-from kvtier.replay.traces import Trace, TraceError, detect_format, expand_paths, read_trace
+from kvtier.tools.replay.traces import Trace, TraceError, detect_format, expand_paths, read_trace
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.store_types import StoreLookup
+from kvtier.store.types import StoreLookup
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from kvtier.config import Config, ConfigError
 # Modules that add subcommands: each has register(subparsers). Kept as names so `kvtier --help` stays fast.
 COMMAND_MODULES = [
     "kvtier.bench.cli",
-    "kvtier.replay.cli",
+    "kvtier.tools.replay.cli",
     "kvtier.auth.cli",
-    "kvtier.status",
+    "kvtier.tools.status",
     "kvtier.client.prefetch_cli",
 ]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from kvtier.layout import MODELS, BlockLayout
-from kvtier.replay.hybrid import HYBRID_MODELS, HybridModel
+from kvtier.tools.replay.hybrid import HYBRID_MODELS, HybridModel
 from kvtier.units import format_bytes, parse_bytes
 
 

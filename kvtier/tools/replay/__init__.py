@@ -1,4 +1,4 @@
-"""kvtier.replay: replay real LLM serving traces through a real store and compare with the offline optimum.
+"""kvtier.tools.replay: replay real LLM serving traces through a real store and compare with the offline optimum.
 
 Rooms: traces.py (readers), workload.py (parsed traces, replay order, keys), hbm.py (the engine's prefix
 cache), service.py (service times), replayer.py (the virtual-clock replay), opt.py (infinite cache and

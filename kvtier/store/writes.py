@@ -15,7 +15,7 @@ import numpy as np
 
 from kvtier.blocks import BlockRows, block_rows
 from kvtier.offload import Offloader, Sightings
-from kvtier.store_types import Fill, PutResult
+from kvtier.store.types import Fill, PutResult
 from kvtier.tiers.base import AddressableSlots, Tier
 
 # One in-place write's scratch rows for the blocks the top tier did not take but a lower tier may (freed when the

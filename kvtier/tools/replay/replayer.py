@@ -35,13 +35,13 @@ import numpy as np
 
 from kvtier.keys import Namespace
 from kvtier.policies import Arrival, Completion, Hint
-from kvtier.replay.hbm import HbmPrefixCache
-from kvtier.replay.hybrid import HybridModel
-from kvtier.replay.hybrid_replay import HybridCache
-from kvtier.replay.prefetch import ReplayPrefetch
-from kvtier.replay.service import Server, ServiceModel
-from kvtier.replay.traces import Step, TraceRequest
-from kvtier.replay.workload import Replay, Workload
+from kvtier.tools.replay.hbm import HbmPrefixCache
+from kvtier.tools.replay.hybrid import HybridModel
+from kvtier.tools.replay.hybrid_replay import HybridCache
+from kvtier.tools.replay.prefetch import ReplayPrefetch
+from kvtier.tools.replay.service import Server, ServiceModel
+from kvtier.tools.replay.traces import Step, TraceRequest
+from kvtier.tools.replay.workload import Replay, Workload
 from kvtier.store import TieredStore
 
 log = logging.getLogger(__name__)

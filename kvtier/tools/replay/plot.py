@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.replay.sweep import SweepPoint
+from kvtier.tools.replay.sweep import SweepPoint
 
 GIB = 1024**3
 

@@ -40,17 +40,17 @@ import numpy as np
 
 from kvtier.blocks import BlockRows, block_rows
 from kvtier.config import Config
-from kvtier.inflight import InflightPuts
+from kvtier.store.inflight import InflightPuts
 from kvtier.keys import check_keys
 from kvtier.layout import BlockLayout
-from kvtier.leases import LeaseTable
+from kvtier.store.leases import LeaseTable
 from kvtier.offload import OffloadPolicy, write_down
 from kvtier.pins import PinTable
 from kvtier.policies import Arrival, Clock, Completion, Hint, Observations
 from kvtier.policies.sessions import SessionTracker
-from kvtier.store_build import offloads_between, tiers_from_config
-from kvtier.store_types import BroughtUp, Fill, Listener, PutResult, StoreEvent, StoreLookup
-from kvtier.store_writes import PutPlan, TopWrites
+from kvtier.store.build import offloads_between, tiers_from_config
+from kvtier.store.types import BroughtUp, Fill, Listener, PutResult, StoreEvent, StoreLookup
+from kvtier.store.writes import PutPlan, TopWrites
 from kvtier.tiers.base import ListsKeys, ObservingTier, PrefetchTarget, RemoteTier, Tier
 
 log = logging.getLogger(__name__)

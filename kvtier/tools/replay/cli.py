@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config import Config
-from kvtier.hostcopy import usable_cores
+from kvtier.memory.hostcopy import usable_cores
 from kvtier.units import parse_bytes
 
 if TYPE_CHECKING:
-    from kvtier.replay.sweep import RunPool
+    from kvtier.tools.replay.sweep import RunPool
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ def add_output_arguments(p: argparse.ArgumentParser, plot_default: str | None = 
 
 
 def add_replay_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtier.replay.replayer import OFFLOAD_MODES
-    from kvtier.replay.service import DEFAULT_DECODE_TOKENS_PER_S, DEFAULT_PREFILL_TOKENS_PER_S
+    from kvtier.tools.replay.replayer import OFFLOAD_MODES
+    from kvtier.tools.replay.service import DEFAULT_DECODE_TOKENS_PER_S, DEFAULT_PREFILL_TOKENS_PER_S
 
     g = p.add_argument_group("traces")
     g.add_argument("--format", choices=("agentic", "mooncake"), help="trace format (default: from file names)")
@@ -80,7 +80,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think-cap", type=float, default=60.0, metavar="S", help="cap on think times (default 60 s)")
     g = p.add_argument_group("sizing")
     g.add_argument("--model", help="llama-3.1-8b (default), qwen3-32b, deepseek-v3, ... (see kvtier.layout.MODELS); "
-                                   "hybrid: gemma-3-27b, qwen3-next-80b-a3b, deepseek-v4-flash (kvtier.replay.hybrid)")
+                                   "hybrid: gemma-3-27b, qwen3-next-80b-a3b, deepseek-v4-flash (kvtier.tools.replay.hybrid)")
     g.add_argument("--store-groups", choices=("useful", "whole"), default="useful",
                    help="a hybrid model: store only what can be used (full-history blocks, state and window tails "
                         "at checkpoints; default) or every group of every block whole")
@@ -141,13 +141,13 @@ def run_replay(args: argparse.Namespace, title: str = "kvtier replay") -> int:
 def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool | None = None) -> dict[str, Any]:
     """Run the sweep ``args`` describe (its runs on ``pool``'s workers if given): print the table, draw
     ``args.plot``; return the JSON report."""
-    from kvtier.replay.plot import plot_hit_rates, require_matplotlib
-    from kvtier.replay.replayer import ReplayConfig
-    from kvtier.replay.report import print_table, to_json
-    from kvtier.replay.service import DEFAULT_TIER_BYTES_PER_S, ServiceModel
-    from kvtier.replay.sizing import model_layout, parse_capacities, parse_capacity
-    from kvtier.replay.sweep import Sweep, capacity_keys
-    from kvtier.replay.workload import load_workload
+    from kvtier.tools.replay.plot import plot_hit_rates, require_matplotlib
+    from kvtier.tools.replay.replayer import ReplayConfig
+    from kvtier.tools.replay.report import print_table, to_json
+    from kvtier.tools.replay.service import DEFAULT_TIER_BYTES_PER_S, ServiceModel
+    from kvtier.tools.replay.sizing import model_layout, parse_capacities, parse_capacity
+    from kvtier.tools.replay.sweep import Sweep, capacity_keys
+    from kvtier.tools.replay.workload import load_workload
 
     if args.plot:
         require_matplotlib()
@@ -205,7 +205,7 @@ def replay(args: argparse.Namespace, title: str = "kvtier replay", pool: RunPool
 def run_demo(args: argparse.Namespace) -> int:
     """Two replays of the shipped sample: DRAM capacities (plotted), then DRAM with a pool and an SSD under it.
     ``--json`` gets the first report with the second under ``"tiers"``."""
-    from kvtier.replay.traces import sample_traces
+    from kvtier.tools.replay.traces import sample_traces
 
     sample = sample_traces()
     if not sample.is_dir():
@@ -236,7 +236,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _run_pool(jobs: int) -> Iterator[RunPool | None]:
-    from kvtier.replay.sweep import run_pool
+    from kvtier.tools.replay.sweep import run_pool
 
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from kvtier.status_shape import NODES, PING, TOP, MalformedStatus, check
+from kvtier.tools.status_shape import NODES, PING, TOP, MalformedStatus, check
 from kvtier.units import format_bytes
 from kvtier.wire.pool import PAGES_LABEL
 
@@ -34,7 +34,7 @@ EXIT_MALFORMED = 3  # an answer that is not a status (another version, not a mas
 def gather(master: str, top: int = 10, timeout_s: float = 2.0, auth_dir: str = "") -> dict[str, Any]:
     """Everything the screen shows, as plain data (what ``--json`` prints). Raises MasterError (MasterTimeout
     when the master does not answer within ``timeout_s``), or MalformedStatus when an answer is not the shape
-    the screen reads (kvtier/status_shape.py: checked here, once, before anything reads it)."""
+    the screen reads (kvtier/tools/status_shape.py: checked here, once, before anything reads it)."""
     from kvtier.auth.client import ClientKeys
     from kvtier.client import MasterClient
 
@@ -145,7 +145,7 @@ def render(data: dict[str, Any], width: int = 110) -> str:
                         f"{_ago(n.get('silent_s', 0)):>8}{_latency(n.get('rpc_latency_s')):>9}")
             else:
                 lead = " " * (4 + 22 + 9 + 24 + 8 + 9)
-            # a pool's DRAM page size, as it registered it (kvtier.hostmem: huge pages where the kernel allows)
+            # a pool's DRAM page size, as it registered it (kvtier.memory.hostmem: huge pages where the kernel allows)
             pages = (n.get("labels") or {}).get(PAGES_LABEL) if t["name"] == "dram" else None
             out.append(f"{lead}  {t['name'][:5]:<6}{format_bytes(t['capacity']):>11}{format_bytes(t['used']):>11}"
                        f"{util:>6}{_rate(t.get('bw') or 0.0):>12}" + (f"  pages {pages}" if pages else ""))

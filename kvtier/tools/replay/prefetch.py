@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from kvtier.prefetch import Prefetcher
-from kvtier.replay.hbm import HbmPrefixCache
+from kvtier.tools.replay.hbm import HbmPrefixCache
 from kvtier.store import TieredStore
 
 

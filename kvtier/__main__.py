@@ -1,0 +1,5 @@
+"""``python -m kvtier``: the ``kvtier`` command (kvtier/tools/cli.py)."""
+
+from kvtier.tools.cli import main
+
+raise SystemExit(main())
