@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,9 @@ from kvtier.bench.common import gbps, median, row, time_once
 from kvtier.bench.copies import HostCopies
 from kvtier.keys import Namespace
 from kvtier.pool.process import PoolDaemon
-from kvtier.transport import connect
+from kvtier.transport import PoolConnection, connect
+from kvtier.transport.registry import known_transports
+from kvtier.transport.registry import transport as registered
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB"
 OPS = ("put", "get")
@@ -62,6 +65,49 @@ def bench_pool(sizes: list[int], total: int, rounds: int, *, connections: int = 
     return rows
 
 
+@dataclass
+class _Path:
+    """One transport as the bench measures it: rows ``name`` (``+auth`` added), its connection, and its baseline:
+    the raw socket, or for a transport that maps the pool's memory (``maps_memory``) the best copy."""
+
+    name: str
+    conn: PoolConnection
+    maps_memory: bool
+    what: str  # how an error about the bytes read back names it
+
+
+def _connect_paths(pool: PoolDaemon, bb: int, connections: int) -> list[_Path]:
+    """A connection per transport of the table (kvtier/transport/registry.py) that the pool offers and this host
+    can run: those over a socket first, then those that map the pool's memory, each in the table's order (stream,
+    tcp, shm: rdma only where the pool serves it, and PoolDaemon starts it with --rdma off); a transport that
+    copies host memory itself (shm) once more on one copy thread (``-1thread``: the default's before/after). A
+    transport that runs on tcp:// is measured there, the others on the pool's ipc:// endpoint."""
+    on_tcp = pool.endpoint("tcp")
+    probe = connect(on_tcp, bb, transport="tcp", timeout_s=30.0, auth=pool.client_auth(on_tcp))  # every pool: tcp
+    offered = probe.info.transports
+    probe.close()
+    table = [registered(name) for name in known_transports()]
+    paths: list[_Path] = []
+    try:
+        for t in sorted(table, key=lambda t: t.maps_memory):  # stable: the table's order within each kind
+            if t.offer not in offered or t.cannot_here() is not None:
+                continue
+            endpoint = pool.endpoint("tcp" if "tcp" in t.schemes else "ipc")
+            lanes = {} if t.maps_memory else {"lanes": connections}
+            opts = [({}, t.name, f"pool {t.name}")]
+            if t.copy_threads:
+                opts.append(({"copy_threads": 1}, f"{t.name}-1thread", f"pool {t.name} on one thread"))
+            for extra, name, what in opts:
+                conn = connect(endpoint, bb, transport=t.name, timeout_s=30.0, auth=pool.client_auth(endpoint),
+                               **lanes, **extra)
+                paths.append(_Path(name, conn, t.maps_memory, what))
+    except BaseException:
+        for p in paths:
+            p.conn.close()
+        raise
+    return paths
+
+
 def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = False) -> list[dict[str, Any]]:
     nbytes = n * bb
     src = torch.arange(nbytes, dtype=torch.int32).to(torch.uint8).view(n, bb)  # not constant: catches mixups
@@ -73,12 +119,9 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
     times: dict[str, list[float]] = {}
     with PoolDaemon(nbytes + 4 * bb, bb, ipc=True, auth=auth) as pool, _RawPeer(nbytes) as raw, \
             HostCopies(src.numpy(), out.numpy()) as copies:
-        on_tcp, on_ipc = pool.endpoint("tcp"), pool.endpoint("ipc")
-        tcp = connect(on_tcp, bb, transport="tcp", timeout_s=30.0, lanes=connections, auth=pool.client_auth(on_tcp))
-        stream = connect(on_tcp, bb, transport="stream", timeout_s=30.0, lanes=connections,
-                         auth=pool.client_auth(on_tcp))
-        shm = connect(on_ipc, bb, transport="shm", timeout_s=30.0, auth=pool.client_auth(on_ipc))
-        shm1 = connect(on_ipc, bb, transport="shm", timeout_s=30.0, auth=pool.client_auth(on_ipc), copy_threads=1)
+        paths = _connect_paths(pool, bb, connections)
+        sockets = [p for p in paths if not p.maps_memory]
+        mapped = [p for p in paths if p.maps_memory]
         try:
             for r in range(rounds + 1):
                 keys = ns.keys(range(r * n, (r + 1) * n))
@@ -87,53 +130,50 @@ def _bench_size(bb: int, n: int, rounds: int, connections: int, auth: bool = Fal
                     "raw get": time_once(lambda: raw.get(out)),
                 }
                 _check(out, src, "raw socket", bb)
+                for p in sockets:
+                    out.zero_()
+                    t.update(_round_trip(p, keys, src_rows, out_rows, out, src, bb))
                 out.zero_()
-                t["stream put"] = time_once(lambda: _all(stream.put(keys, src_rows), "stream put", bb))
-                t["stream get"] = time_once(lambda: _all(stream.get(keys, out_rows), "stream get", bb))
-                _check(out, src, "pool stream", bb)
-                stream.remove(keys)
-                out.zero_()
-                t["tcp put"] = time_once(lambda: _all(tcp.put(keys, src_rows), "tcp put", bb))
-                t["tcp get"] = time_once(lambda: _all(tcp.get(keys, out_rows), "tcp get", bb))
-                _check(out, src, "pool tcp", bb)
-                tcp.remove(keys)
-                out.zero_()
-                copies.round(keep=r > 0)
-                out.zero_()
-                t["shm put"] = time_once(lambda: _all(shm.put(keys, src_rows), "shm put", bb))
-                t["shm get"] = time_once(lambda: _all(shm.get(keys, out_rows), "shm get", bb))
-                _check(out, src, "pool shm", bb)
-                shm.remove(keys)
-                out.zero_()
-                t["shm-1thread put"] = time_once(lambda: _all(shm1.put(keys, src_rows), "shm-1thread put", bb))
-                t["shm-1thread get"] = time_once(lambda: _all(shm1.get(keys, out_rows), "shm-1thread get", bb))
-                _check(out, src, "pool shm on one thread", bb)
-                shm1.remove(keys)
+                copies.round(keep=r > 0)  # the mapped paths' baseline, measured right before them
+                for p in mapped:
+                    out.zero_()
+                    t.update(_round_trip(p, keys, src_rows, out_rows, out, src, bb))
                 if r:
                     for k, v in t.items():
                         times.setdefault(k, []).append(v)
-            pages = shm.pages()  # the pool's shared file as this process maps it
+            pages = mapped[0].conn.pages()  # the pool's shared file as this process maps it
         finally:
-            for conn in (tcp, stream, shm, shm1):
-                conn.close()
+            for p in paths:
+                p.conn.close()
     fig = {k: gbps(nbytes, median(v)) for k, v in times.items()}
     out_rows_: list[dict[str, Any]] = []
     tag = "+auth" if auth else ""
     for op in OPS:
         out_rows_.append(row({"tier": "pool", "path": "raw-socket", "op": op, "block_bytes": bb},
                              fig[f"raw {op}"], fig[f"raw {op}"]))
-        for path in ("stream", "tcp"):
-            out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
-                                 fig[f"{path} {op}"], fig[f"raw {op}"]))
+        for p in sockets:
+            out_rows_.append(row({"tier": "pool", "path": p.name + tag, "op": op, "block_bytes": bb},
+                                 fig[f"{p.name} {op}"], fig[f"raw {op}"]))
     best_name, best = copies.best()
     out_rows_ += copies.rows({"tier": "pool", "block_bytes": bb})
-    for path in ("shm", "shm-1thread"):
+    for p in mapped:
         for op in OPS:
-            out_rows_.append(row({"tier": "pool", "path": path + tag, "op": op, "block_bytes": bb},
-                                 fig[f"{path} {op}"], best))
+            out_rows_.append(row({"tier": "pool", "path": p.name + tag, "op": op, "block_bytes": bb},
+                                 fig[f"{p.name} {op}"], best))
     print(f"pool bench {bb >> 10} KiB blocks: the shm rows' baseline is {best_name} ({best:.2f} GB/s), the fastest "
           f"copy of the same bytes in the same rounds; the pool's shared file is on {pages} pages here")
     return out_rows_
+
+
+def _round_trip(p: _Path, keys: list[bytes], src_rows: np.ndarray, out_rows: np.ndarray, out: torch.Tensor,
+                src: torch.Tensor, bb: int) -> dict[str, float]:
+    """One round of a path: a timed put and get of the batch, the bytes checked, the keys removed."""
+    conn, name = p.conn, p.name
+    t = {f"{name} put": time_once(lambda: _all(conn.put(keys, src_rows), f"{name} put", bb)),
+         f"{name} get": time_once(lambda: _all(conn.get(keys, out_rows), f"{name} get", bb))}
+    _check(out, src, p.what, bb)
+    conn.remove(keys)
+    return t
 
 
 def _all(held: list[bool], what: str, bb: int) -> None:

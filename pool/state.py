@@ -16,7 +16,8 @@ files of earlier runs of the same endpoint are removed at start).
 With ``--master`` the node agent registers at start, sized or not (engines in distributed mode find pools
 only through the master, and their first put sizes it). There the pool is a client of the master, and uses the
 SDK's public entry for it, ``kvtier.client.NodeAgent``, as any node does (the only client-side import of the
-pool besides pool/replicas.py's ``kvtier.transport.connect``; tests/test_layering.py holds the line).
+pool besides pool/replicas.py's ``kvtier.transport.connect`` and pool/ops.py's ``pool_offers``, the transports'
+table its hello offers from; tests/test_layering.py holds the line).
 
 Thread-safe: the pool's worker threads share it; the tier, the lease table and the budgets lock for
 themselves.

@@ -1,10 +1,15 @@
 """Extension points used from outside kvtier: a module under tests/ registers its own offload policy and its own pool
 transport, and stores built by ``TieredStore.from_config`` put, evict and get through them, with no edit under
-kvtier/."""
+kvtier/ or pool/ (a pool offers the transport because its table lists it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +20,9 @@ from kvtier import TieredStore
 from kvtier.config import Config, ConfigError
 from kvtier.offload import OffloadPolicy, known_offloads, register_offload
 from kvtier.pool.process import PoolDaemon
-from kvtier.transport import Transport, register_transport
+from kvtier.pool.server import PoolServer
+from kvtier.pool.state import PoolSettings
+from kvtier.transport import PoolRefused, Transport, connect, register_transport
 from kvtier.transport.tcp import TcpConnection
 
 BB = 4096
@@ -74,12 +81,61 @@ class CountedFrames(TcpConnection):
         return super().get(keys, rows)
 
 
-register_transport(Transport("test_counted", f"{__name__}:CountedFrames", offer="tcp"))
+# Its own offer, carried by the pool's zmq frames (the service tcp rides): a pool lists "test_counted" in its hello
+# only where its table has this registration, i.e. in a process that imported this module.
+register_transport(Transport("test_counted", f"{__name__}:CountedFrames", offer="test_counted",
+                             pool_service="frames"))
 
 
-def test_a_registered_transport_is_a_config_value_and_moves_the_blocks(make_keys):
+@contextmanager
+def pool_in_this_process(tmp_path: Path, capacity: int) -> Iterator[str]:
+    """A real pool (pool/server.py's PoolServer, on an ipc:// endpoint) on a thread of this process, whose table
+    of transports has test_counted; its endpoint."""
+    ready = tmp_path / "pool.ready"
+    settings = PoolSettings(bind=(f"ipc://{tmp_path}/pool.sock",), capacity=capacity, block_bytes=BB,
+                            shm_dir=str(tmp_path), rdma="off", stream="off", client_share=1.0)
+    server = PoolServer(settings, ready_file=str(ready))
+    thread = threading.Thread(target=server.run, name="test-pool", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert thread.is_alive() and time.monotonic() < deadline, "the pool did not start"
+            time.sleep(0.01)
+        yield json.loads(ready.read_text())["endpoints"][0]
+    finally:
+        server.stop()
+        thread.join(10)
+    assert not thread.is_alive(), "the pool did not stop"
+
+
+def test_a_pool_offers_a_registered_transport_from_its_table(tmp_path):
+    with pool_in_this_process(tmp_path, 16 * BB) as endpoint:
+        conn = connect(endpoint, BB, transport="test_counted", timeout_s=10.0)
+        try:
+            assert isinstance(conn, CountedFrames)
+            assert conn.info.transports["test_counted"] == {} == conn.info.transports["tcp"]
+            assert list(conn.info.transports) == ["tcp", "test_counted", "shm"]  # by service, the table's order
+        finally:
+            conn.close()
+
+
+def test_a_pool_whose_table_lacks_a_transport_does_not_offer_it():
+    """A kvtier-pool process never imported this module: it offers what its own table lists, not test_counted."""
     with PoolDaemon(16 * BB, BB, ipc=True) as pool:
-        config = {"mode": "standalone", "pool": pool.endpoint("ipc"), "standalone_dram_capacity": 0,
+        endpoint = pool.endpoint("ipc")
+        conn = connect(endpoint, BB, transport="tcp", timeout_s=10.0)
+        try:
+            assert sorted(conn.info.transports) == ["shm", "stream", "tcp"]
+        finally:
+            conn.close()
+        with pytest.raises(PoolRefused, match="the pool does not offer 'test_counted'"):
+            connect(endpoint, BB, transport="test_counted", timeout_s=10.0)
+
+
+def test_a_registered_transport_is_a_config_value_and_moves_the_blocks(make_keys, tmp_path):
+    with pool_in_this_process(tmp_path, 16 * BB) as endpoint:
+        config = {"mode": "standalone", "pool": endpoint, "standalone_dram_capacity": 0,
                   "pool_transport": "test_counted"}
         with TieredStore.from_config(config, BB) as store:
             keys = make_keys(24)

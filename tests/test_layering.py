@@ -9,7 +9,8 @@ Rules (a violation is named file:line):
 * a client module never imports a daemon (kvtier.pool, kvtier.master);
 * a daemon never imports the client side, except where it truly is a client of another daemon, and then only
   through the SDK's public entries: ``from kvtier.client import NodeAgent`` (a pool registering with a master)
-  and ``from kvtier.transport import connect, PoolConnection, PoolError`` (a pool copying from another pool);
+  and ``from kvtier.transport import connect, PoolConnection, PoolError`` (a pool copying from another pool),
+  ``pool_offers`` (a pool's hello offers what the transports' table lists);
 * the two daemons never import each other (what they share is in kvtier.wire).
 
 Tools (kvtier.tools.cli, kvtier.tools.replay, bench) may start daemons (kvtier.pool.process, the pool launcher) and are no
@@ -29,7 +30,9 @@ FOLDERS = {"kvtier": "kvtier", "pool": "kvtier.pool", "master": "kvtier.master",
 CLIENT = ("kvtier.transport", "kvtier.tiers", "kvtier.client", "kvtier.store", "kvtier.connectors")
 DAEMONS = ("kvtier.pool", "kvtier.master")
 # What a daemon may import from the client side: the SDK's public entries, name by name.
-PUBLIC_ENTRIES = {"kvtier.client": {"NodeAgent"}, "kvtier.transport": {"connect", "PoolConnection", "PoolError"}}
+# pool_offers: the transports' table as a pool reads it for its hello (what it offers comes from the one table).
+PUBLIC_ENTRIES = {"kvtier.client": {"NodeAgent"},
+                  "kvtier.transport": {"connect", "PoolConnection", "PoolError", "pool_offers"}}
 # Library rooms the client side holds and a daemon may use too: the DRAM tier the pool serves from (and its slot
 # bookkeeping), and the store's event vocabulary (what a pool's NodeAgent publishes).
 SHARED_LIBRARY = ("kvtier.tiers.dram", "kvtier.tiers.slots", "kvtier.store.types")

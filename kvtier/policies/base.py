@@ -14,6 +14,7 @@ policies on its virtual clock and tests on a hand-moved one.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -103,6 +104,26 @@ class Policy:
         """The free slots only: a policy that predicts nothing has no way to tell that a prefetched block is
         needed sooner than the one it would evict, so it evicts nothing for a prefetch."""
         return max(0, min(need, free))
+
+
+def take_oldest(queue: OrderedDict[bytes, None], n: int, protected: Container[bytes], out: list[bytes]) -> None:
+    """Evict from the old end of ``queue`` (oldest first) into ``out`` until ``out`` holds ``n`` keys: an
+    unprotected key leaves the queue and is appended, a protected one moves to the young end (it is in use, so
+    "recently used" is honest, and the next call does not scan it again). Each key is looked at once per call:
+    a queue whose keys are all protected is scanned once, not cycled.
+
+    The one scan of LRU's (and so FIFO's and chain-lru's) victims and of PNU's queues of keys of no agent; ARC
+    and S3-FIFO scan two queues at once, with their own rules for a protected key, and keep their own loops."""
+    move = queue.move_to_end
+    for _ in range(len(queue)):
+        if len(out) >= n:
+            break
+        key = next(iter(queue))
+        if key in protected:
+            move(key)
+        else:
+            del queue[key]
+            out.append(key)
 
 
 class KeysOnly(Policy):

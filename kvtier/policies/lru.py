@@ -11,7 +11,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 
-from kvtier.policies.base import Clock, Policy
+from kvtier.policies.base import Clock, Policy, take_oldest
 from kvtier.policies.registry import register_policy
 
 
@@ -41,18 +41,7 @@ class LRUPolicy(Policy):
 
     def victims(self, n: int, protected: Container[bytes]) -> list[bytes]:
         out: list[bytes] = []
-        order = self._order
-        move = order.move_to_end
-        # Each key is looked at most once per call: a fully protected queue is scanned once, not cycled.
-        for _ in range(len(order)):
-            if len(out) >= n:
-                break
-            k = next(iter(order))
-            if k in protected:
-                move(k)
-            else:
-                del order[k]
-                out.append(k)
+        take_oldest(self._order, n, protected, out)  # each key looked at once: a protected queue is not cycled
         return out
 
     def __len__(self) -> int:

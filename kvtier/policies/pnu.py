@@ -49,7 +49,7 @@ from collections.abc import Container, Sequence
 from itertools import compress, count, repeat
 from operator import and_, is_, is_not, not_
 
-from kvtier.policies.base import Clock, Policy
+from kvtier.policies.base import Clock, Policy, take_oldest
 from kvtier.policies.chain_lru import ChainLRUPolicy
 from kvtier.policies.checkpoints import CheckpointObjects
 from kvtier.policies.observations import SUBAGENTS, Arrival, Completion, Hint, Observations
@@ -389,13 +389,13 @@ class PredictedNextUse(Policy):
         i = len(ranking) - 1
         keys = self._ranking.keys
         handed = False
-        if self._dead:
-            self._take_queue(self._dead, n, protected, out)
+        if self._dead:  # this queue and the keys of no agent's: from the front, as LRU (base.take_oldest)
+            take_oldest(self._dead, n, protected, out)
         while i >= 0 and len(out) < n and keys[i][1] == INF:  # finished, or not expected back: first
             handed |= self._take(ranking[i], n, protected, out)
             i -= 1
         if len(out) < n and self._orphans_map:
-            self._take_orphans(n, protected, out)
+            take_oldest(self._unknown(), n, protected, out)
         while i >= 0 and len(out) < n:
             handed |= self._take(ranking[i], n, protected, out)
             i -= 1
@@ -456,23 +456,6 @@ class PredictedNextUse(Policy):
             if k[1] < INF and k < best_key:
                 best, best_key = other, k
         return best
-
-    def _take_orphans(self, n: int, protected: Container[bytes], out: list[bytes]) -> None:
-        self._take_queue(self._unknown(), n, protected, out)
-
-    def _take_queue(self, orphans: OrderedDict[bytes, None], n: int, protected: Container[bytes],
-                    out: list[bytes]) -> None:
-        """From the front of a queue of keys of no agent, until ``out`` has ``n``."""
-        move = orphans.move_to_end
-        for _ in range(len(orphans)):  # each looked at once per call: a protected queue is not cycled
-            if len(out) >= n:
-                break
-            key = next(iter(orphans))
-            if key in protected:
-                move(key)
-            else:
-                del orphans[key]
-                out.append(key)
 
     # ---- admission -------------------------------------------------------------------------------------
 
