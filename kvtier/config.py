@@ -158,9 +158,9 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
     def dram_admits(self) -> bool:
         """Whether a full DRAM tier may decline a put's new blocks (``dram_admission``): where it is the last tier
         always; "every" above any lower tier too; "auto" also above an SSD that is its only lower tier (embedded
-        mode), not above a pool (replay, README 'Between turns': with prefetch on, declining above an SSD raised
-        the hit rate from 0.933 to 0.943 and cut TTFT p50 from 10.19 to 8.47 s; above a pool it cost 0.4 points
-        and raised TTFT)."""
+        mode), not above a pool (replay, docs/prefetch.md 'Between turns': with prefetch on, declining above an
+        SSD raised the hit rate from 0.933 to 0.943 and cut TTFT p50 from 10.19 to 8.47 s; above a pool it cost
+        0.4 points and raised TTFT)."""
         if self.dram_admission == "every":
             return True
         last = self.mode == "embedded" and not self.ssd_path
