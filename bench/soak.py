@@ -3,8 +3,8 @@ byte.
 
     kvtier bench soak --duration 60 --clients 16 --faults --json soak.json
 
-Starts a kvtier-master (lmdb data dir), two kvtier-pools registered with it as the README's distributed
-commands do (no --block-bytes: the first put sizes them) and ``--clients`` engine-like processes, each with a
+Starts a kvtier-master (lmdb data dir), two kvtier-pools registered with it as the distributed commands of
+docs/pool.md do (no --block-bytes: the first put sizes them) and ``--clients`` engine-like processes, each with a
 distributed TieredStore (small private DRAM over the pools, placed and found by the master). Each client
 loops until the deadline: puts batches of fresh keys, gets batches of keys any client may have put, looks
 prefixes up; every block's content is derived from its key alone (the key tiled over the block, XOR its

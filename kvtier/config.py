@@ -37,7 +37,7 @@ ENV_CONFIG_FILE = "KVTIER_CONFIG"  # names a file; not a config key itself
 # still an error; a new non-config variable must be named here (tests/test_config.py scans the tree for them).
 ENV_CACHE_DIR = "KVTIER_CACHE_DIR"  # where native_build.py caches the compiled CUDA library
 ENV_CUDA_ARCH = "KVTIER_CUDA_ARCH"  # GPU architectures native_build.py compiles for when none is visible
-ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": hostcopy.py and keytable.py skip the native CPU library
+ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": memory/hostcopy.py and keys/table.py skip the native CPU library
 ENV_RDMA_DEVICE = "KVTIER_RDMA_DEVICE"  # name[:port[:gid_index]]: the device kvtier/transport/rdma.py opens
 ENV_ENGINE_PYTHON = "KVTIER_ENGINE_PYTHON"  # the real vLLM engine's python for bench/engine_proc.py (tests, bench)
 ENV_RUNTIME_DIR = "KVTIER_RUNTIME_DIR"  # the directory of keyless daemons' owner tokens (kvtier/auth/owner.py)
@@ -158,9 +158,9 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
     def dram_admits(self) -> bool:
         """Whether a full DRAM tier may decline a put's new blocks (``dram_admission``): where it is the last tier
         always; "every" above any lower tier too; "auto" also above an SSD that is its only lower tier (embedded
-        mode), not above a pool (replay, README 'Between turns': with prefetch on, declining above an SSD raised
-        the hit rate from 0.933 to 0.943 and cut TTFT p50 from 10.19 to 8.47 s; above a pool it cost 0.4 points
-        and raised TTFT)."""
+        mode), not above a pool (replay, docs/prefetch.md 'Between turns': with prefetch on, declining above an
+        SSD raised the hit rate from 0.933 to 0.943 and cut TTFT p50 from 10.19 to 8.47 s; above a pool it cost
+        0.4 points and raised TTFT)."""
         if self.dram_admission == "every":
             return True
         last = self.mode == "embedded" and not self.ssd_path

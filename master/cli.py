@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="directory for the lmdb state (nodes, hints, directory snapshots); "
                    "without it (and without --directory) nothing survives a restart")
     p.add_argument("--directory", default="", help="redis://HOST:PORT/N (or unix:///path.sock?db=N): keep the state "
-                   "in Redis, shared by every master started with the same URL (README 'Running more than one "
-                   "master'); default: this process (with --data-dir's lmdb)")
+                   "in Redis, shared by every master started with the same URL (docs/master.md 'Running more "
+                   "than one master'); default: this process (with --data-dir's lmdb)")
     p.add_argument("--write-timeout-s", type=float, default=d.write_timeout_s, help="with --directory: a write not "
                    f"applied from the shared log by then is answered '{'unavailable'}' (default {d.write_timeout_s:g})")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-keys", type=int, default=d.max_batch_keys,
                    help=f"largest batch one request may carry (default {d.max_batch_keys}); the largest message "
                    "read is 24 B per key of it plus 1 MiB")
-    g = p.add_argument_group("memory bounds (RELIABILITY.md)")
+    g = p.add_argument_group("memory bounds (docs/reliability.md)")
     g.add_argument("--max-nodes", type=int, default=d.max_nodes, help=f"node records kept, dead ones included "
                    f"(default {d.max_nodes}; past it the oldest dead node is forgotten, else a register is refused)")
     g.add_argument("--max-nodes-per-client", type=int, default=d.max_nodes_per_client,
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{d.handshake_timeout_s:g})")
     p.add_argument("--replicate-heat", type=float, default=d.replicate_heat, help="hot-block replication: a key "
                    "this hot (decayed accesses) held by one pool gets a copy on another, dropped again below half "
-                   "of it (default 0: off; README 'Hot-block replication')")
+                   "of it (default 0: off; docs/master.md 'Hot-block replication')")
     p.add_argument("--replicate-interval-s", type=float, default=d.replicate_interval_s,
                    help=f"how often replication looks at the hottest keys (default {d.replicate_interval_s:g})")
     p.add_argument("--snapshot-interval-s", type=float, default=d.snapshot_interval_s,
@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path-bw", type=lambda s: float(parse_bytes(s)), default=CostDefaults().path_bw,
                    help="node-to-node bandwidth where none is measured yet (bytes/s, default 10GB)")
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this daemon's "
-                   "keypair, DIR/authorized/*.key the clients admitted (kvtier keys generate; README "
-                   "'Authenticated sockets'). Default: only this user's processes (the owner token; --insecure-bind: anyone)")
+                   "keypair, DIR/authorized/*.key the clients admitted (kvtier keys generate; "
+                   "docs/pool.md 'Authenticated sockets'). Default: only this user's processes (the owner token; "
+                   "--insecure-bind: anyone)")
     p.add_argument("--insecure-bind", action="store_true", help="serve without authentication: without it and "
                    "without --auth-dir only this user's processes may connect (the owner token, found with no "
                    "configuration); with it anyone who reaches the port (every local user, and the network for a "

@@ -4,7 +4,7 @@ Why: everything the master keeps (node records, labels, addresses, hints, sessio
 so the master's memory has a ceiling only if every field has one. A field over its limit is refused with
 ERR_TOO_LARGE or ERR_BAD_REQUEST naming the field and the limit, before anything is kept. The counts the
 master keeps (nodes, locations, hints) are bounded by MasterSettings; the whole message by zmq's
-MAXMSGSIZE (``MasterSettings.max_message_bytes``). RELIABILITY.md lists them all.
+MAXMSGSIZE (``MasterSettings.max_message_bytes``). docs/reliability.md lists them all.
 
 Lengths are in characters (a Python str holds at most 4 bytes per character). Pure functions.
 """

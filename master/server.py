@@ -9,7 +9,7 @@ Where the state lives is the backend's business (backend.py): this process with 
 Redis shared by several masters (shared.py), which answers writes once they are applied. A bad request gets an error reply naming the problem; a bug in an op gets ERR_INTERNAL and a
 logged traceback, and the loop goes on.
 
-Bounds on what clients can make the master hold (RELIABILITY.md): zmq reads at most MAXMSGSIZE per message
+Bounds on what clients can make the master hold (docs/reliability.md): zmq reads at most MAXMSGSIZE per message
 (``MasterSettings.message_bytes``) and RCVHWM messages per connection before it stops reading that connection;
 a connection has ``--handshake-timeout-s`` to finish zmq's handshake; ZMTP heartbeats drop peers that stop
 answering; replies wait in SNDHWM per connection and, when large, in the ReplyBudget (replies.py). The

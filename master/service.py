@@ -48,7 +48,7 @@ class MasterSettings:
     max_message_bytes: int = 0  # zmq's MAXMSGSIZE; 0: message_bytes() (derived from max_batch_keys)
     snapshot_interval_s: float = 300.0
     sweep_slots_per_tick: int = 1 << 18
-    # Memory bounds (RELIABILITY.md): what the master keeps, whoever asks.
+    # Memory bounds (docs/reliability.md): what the master keeps, whoever asks.
     max_nodes: int = 1024  # node records (live, syncing, pending, dead)
     max_nodes_per_client: int = 0  # nodes one key may hold (with --auth-dir; 0: only max_nodes)
     max_locations: int = 1024  # node tiers numbered at once: bits in every directory entry's mask

@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{d.metrics_host}: this host only; it is not authenticated)")
     p.add_argument("--auth-dir", default="", help="require CurveZMQ keys: DIR/server.key_secret is this pool's "
                    "keypair, DIR/authorized/*.key the clients admitted, DIR/master.key (optional) the master's "
-                   "public key; the data port then admits connections by a token handed out at hello (README "
-                   "'Authenticated sockets'). Default: only this user's processes (the owner token; --insecure-bind: anyone)")
+                   "public key; the data port then admits connections by a token handed out at hello "
+                   "(docs/pool.md 'Authenticated sockets'). Default: only this user's processes (the owner token; "
+                   "--insecure-bind: anyone)")
     p.add_argument("--heartbeat-s", type=float, default=None, help="heartbeat interval (default: lease/3)")
     add_start_options(p, "{endpoints, node, pid, epoch, shm_path, stream_port, metrics_port}")
     return p

@@ -5,7 +5,7 @@ cannot blow up the label cardinality) with a latency histogram per op. Everythin
 pool's state when Prometheus scrapes (a collector): bytes in and out per path, slots used / free / held by
 clients, evictions, hits and misses, connections per port and stage, refused connections per reason, the
 memory and held budgets, leases, requests waiting in the dispatcher, errors per code. The metrics table of
-README "Node pool and remote DRAM: kvtier-pool" lists every name.
+docs/pool.md "Node pool and remote DRAM: kvtier-pool" lists every name.
 
 Thread-safe: the workers observe requests, the metrics port's thread (kvtier/daemon/metrics_http.py: bounded
 connections and deadlines, its refusals counted here with port="metrics") collects.

@@ -112,7 +112,7 @@ def _shm_dir(fallback: Path) -> Path:
 
 
 def _make_keys(directory: Path) -> Path:
-    """A daemon keypair admitting one client keypair (README "Authenticated sockets"); the daemon's directory."""
+    """A daemon keypair admitting one client keypair (docs/pool.md "Authenticated sockets"); the daemon's dir."""
     daemon, client = directory / "daemon", directory / "client"
     generate(daemon, "server", role="daemon")
     generate(client, role="engine")

@@ -85,6 +85,17 @@ if [ "${1:-}" = "--slow" ]; then
   slow=(-m slow)
 fi
 
+# ---- the documentation site: mkdocs.yml over docs/ (mkdocs comes with the test extra) -----------------------------
+# --strict fails on a broken link or anchor, a page missing from nav, or a placeholder docs/gen_config.py cannot
+# fill (it renders the configuration table from kvtier/settings/). Default run only (no arguments); a throwaway
+# site directory (no --quiet: it hides the warnings that --strict counts, and the build passes).
+if [ $# -eq 0 ] && [ ${#slow[@]} -eq 0 ]; then
+  echo "== docs: mkdocs build --strict =="
+  site_tmp=$(mktemp -d)
+  mkdocs build --strict --site-dir "$site_tmp" || { rm -rf "$site_tmp"; exit 1; }
+  rm -rf "$site_tmp"
+fi
+
 # ---- vLLM 0.34: the connector's scheduler-side tests again, against 0.34's classes ---------------------------------
 # .vllm-0.34 holds vllm 0.34.0 alone (pip --target --no-deps: one wheel, no dependency set of its own). Put ahead
 # of .venv's site-packages it shadows 0.33 and reuses 0.33's pinned dependencies: 0.34 asks for torch 2.14, but the

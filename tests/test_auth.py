@@ -42,7 +42,7 @@ def mode(path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> dict[str, Path]:
-    """One daemon keypair for the cluster (master and pool share it, as README's layout allows), an authorized
+    """One daemon keypair for the cluster (master and pool share it, as docs/pool.md's layout allows), an authorized
     client, a client whose key no daemon lists, and a client directory with the daemon key but no keypair."""
     root = tmp_path_factory.mktemp("keys")
     daemon, good, stranger, lost = root / "daemon", root / "good", root / "stranger", root / "lost"

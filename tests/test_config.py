@@ -120,10 +120,38 @@ def test_every_kvtier_variable_in_the_tree_is_a_key_or_reserved():
     assert not stray, f"KVTIER_ variables that are neither config keys nor in ENV_NOT_CONFIG: {stray}"
 
 
-def test_readme_has_a_row_for_every_key():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    missing = [f.name for f in fields(Config) if f"| `{f.name}` |" not in readme]
-    assert not missing, f"README's configuration table lacks {missing}"
+# ---- docs/configuration.md's table, rendered from the declarations (docs/gen_config.py, an mkdocs hook) ----------
+
+
+def _gen_config():
+    """docs/gen_config.py, the mkdocs hook that renders the table (a file of docs/, not a module of the package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "gen_config.py"
+    spec = importlib.util.spec_from_file_location("kvtier_docs_gen_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_configuration_page_holds_the_generated_table_not_a_written_one():
+    gen = _gen_config()
+    page = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert page.count(gen.CONFIG_PLACEHOLDER) == 1  # the hook fills it; mkdocs build --strict fails without it
+    written = re.findall(r"^\| `([a-z_]+)` \|", page, re.M)
+    assert not written, f"docs/configuration.md writes rows the declarations render: {written}"
+
+
+def test_the_generated_table_has_a_row_for_every_key_with_its_default_and_help():
+    gen = _gen_config()
+    rows = re.findall(r"^\| `([a-z_]+)` \| (.*?) \| (.*) \|$", gen.config_table(), re.M)
+    assert [key for key, _, _ in rows] == [key for key, _, _ in Config.describe()]  # DRAM, SSD, pool, store
+    by_key = {key: (default, meaning) for key, default, meaning in rows}
+    assert by_key["dram_capacity"][0] == "4GiB" and by_key["ssd_segment_bytes"][0] == "256MiB"  # as declared
+    assert by_key["ssd_fsync"][0] == "true" and by_key["dram_shm_path"][0] == '""'
+    assert by_key["close_timeout_s"][0] == "30" and by_key["pool_timeout_ms"][0] == "500"
+    assert all(meaning.strip() for _, meaning in by_key.values()), "a key without help"
+    assert "[Eviction policies](eviction.md#eviction-policies)" in by_key["eviction"][1]  # docs/<page>.md 'Title'
 
 
 # ---- one coercion for every key: store keys, the vLLM connector's, the SGLang backend's (issue 16) -----------
@@ -309,12 +337,6 @@ def test_config_is_the_sections_keys_each_owned_once():
     owned = [f.name for name in SECTIONS for f in fields(getattr(settings, name))]
     assert len(owned) == len(set(owned)), "a key declared by two sections"
     assert [f.name for f in fields(Config)] == owned  # nothing of Config's own; DRAM, SSD, pool, store order
-
-
-def test_readme_table_lists_the_keys_in_kvtier_configs_order():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    rows = re.findall(r"^\| `([a-z_]+)` \|", readme.split("## Configuration", 1)[1].split("\n## ", 1)[0], re.M)
-    assert rows == [key for key, _, _ in Config.describe()]
 
 
 @pytest.mark.parametrize("values,match", [

@@ -187,7 +187,7 @@ def test_a_flood_of_sessions_keeps_the_store_bounded():
 
 def test_the_ssd_tier_learns_the_same_observations(tmp_path):
     """DRAM and the SSD under it both get the store's observations (the replay shows the SSD gains from them:
-    README, Eviction policies); an SSD policy that ignores them gets none."""
+    docs/eviction.md, Eviction policies); an SSD policy that ignores them gets none."""
     clock = Clock()
     cfg = {"dram_capacity": 8 * BB, "ssd_path": str(tmp_path / "a"), "ssd_capacity": 64 * 4096, "ssd_direct_io": "false",
            "ssd_fsync": False, "ssd_staging_bytes": 0}

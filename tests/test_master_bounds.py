@@ -1,4 +1,4 @@
-"""The master's memory is bounded whatever clients send (RELIABILITY.md, "kvtier-master: memory"), through a
+"""The master's memory is bounded whatever clients send (docs/reliability.md, "kvtier-master: memory"), through a
 real kvtier-master subprocess and real sockets: every field has a size limit; the node table, the directory
 locations and the hints have counts; dead nodes are forgotten after a grace period, also across a restart;
 and replies a client never reads are held within a budget."""

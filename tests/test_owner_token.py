@@ -4,7 +4,7 @@ nor write a block, clear the pool, register a node, reach the data port, map the
 ipc socket nor read the owner token; each refusal is counted and logged. The pool's user needs no
 configuration (the pool itself reports to the master that way). Negative controls: the stranger handed the
 token, and a pool started with --insecure-bind, do overwrite a block, so the checks can fail
-(kvtier/auth/owner.py, RELIABILITY.md section 11)."""
+(kvtier/auth/owner.py, docs/reliability.md section 11)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 13 item 4: distributed mode as the README writes it (`kvtier-pool --master ... --bind ... --capacity`,
-no --block-bytes) registers with the master and serves engines; and "no pool reachable" is loud on the engine
-side: a warning naming why, and counters in the pool tier's stats."""
+"""Issue 13 item 4: distributed mode as README.md and docs/pool.md write it (`kvtier-pool --master ... --bind ...
+--capacity`, no --block-bytes) registers with the master and serves engines; and "no pool reachable" is loud on the
+engine side: a warning naming why, and counters in the pool tier's stats."""
 
 from __future__ import annotations
 

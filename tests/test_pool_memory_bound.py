@@ -21,7 +21,7 @@ from poolproc import PoolProcess
 
 BB = 64 << 10
 ns = Namespace("memory-bound")
-# The pool's own bound beyond its capacity (RELIABILITY.md "Memory"): its memory budget (--staging-bytes, 64 MiB
+# The pool's own bound beyond its capacity (docs/reliability.md "Memory"): its memory budget (--staging-bytes, 64 MiB
 # here) plus what zmq and the interpreter keep around; RSS beyond it is a leak.
 BOUND_MIB = 160
 GUARD_MIB = 1500  # stop flooding past this: a broken pool must fail the test, not take the machine down

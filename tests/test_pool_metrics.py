@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attack import RawClient, host_port
 from bytecheck import assert_all_hits_exact
+from doctext import page_text
 from kvtier import wire
 from kvtier.keys import Namespace
 from kvtier.transport import connect
@@ -85,12 +86,12 @@ def test_the_pool_serves_its_metrics_on_loopback(tmp_path):
                                    reason="handshake_timeout") >= 1, timeout=8.0)
         idle.close()
         names = {name for name, _ in scrape(port)}
-        documented = open(__file__.replace("tests/test_pool_metrics.py", "README.md")).read()
+        documented = page_text("pool.md")  # its metrics table
         for name in names:
             base = name.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
             base = base.removesuffix("_created")
             if base.startswith("kvtier_pool_"):
-                assert base in documented, f"{base} is not in the README's metrics table"
+                assert base in documented, f"{base} is not in docs/pool.md's metrics table"
 
 
 def test_replies_a_client_does_not_read_are_dropped_counted_and_logged(tmp_path):

@@ -42,7 +42,7 @@ def rows_of(t: torch.Tensor) -> np.ndarray:
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> dict[str, Path]:
     """The cluster's daemon keypair (master and pool share it) and one client directory per role, laid out as
-    README 'Authenticated sockets' says: authorized/engines/, daemons/, operators/, and one legacy flat key."""
+    docs/pool.md 'Authenticated sockets' says: authorized/engines/, daemons/, operators/, and one legacy flat key."""
     root = tmp_path_factory.mktemp("rolekeys")
     daemon = root / "daemon"
     generate(daemon, "server", role="daemon")
@@ -186,7 +186,7 @@ def test_a_key_straight_in_authorized_is_an_engine(cluster, keys, make_keys):
 
 
 def test_with_the_layout_before_roles_an_admitted_key_still_cannot_register_or_clear(tmp_path, make_keys):
-    """The keys as README's layout before roles made them (no role, every client key straight in authorized/):
+    """The keys as docs/pool.md's layout before roles made them (no role, every client key straight in authorized/):
     such a key is an engine's, so it still moves blocks but no longer registers pools or clears them."""
     daemon, engine = tmp_path / "daemon", tmp_path / "engine"
     generate(daemon, "server")
@@ -312,8 +312,8 @@ def test_one_key_cannot_take_every_hint_or_node_slot(tmp_path, keys):
 
 @pytest.mark.parametrize("program", ["kvtier-pool", "kvtier-master"])
 def test_the_readmes_daemon_commands_bind_beyond_loopback_only_with_keys_or_insecure_bind(program):
-    """Each README command, as its CLI would check it: a command that serves a network says how (--auth-dir
-    or --insecure-bind), so it starts as written."""
+    """Each daemon command of README.md and docs/, as its CLI would check it: a command that serves a network
+    says how (--auth-dir or --insecure-bind), so it starts as written."""
     import logging
 
     from kvtier.auth.exposure import check_binds

@@ -1,7 +1,7 @@
 """The SGLang backend in each mode, against real daemons and real SGLang servers (its radix cache and controller,
 tests/sglang_harness.py): standalone, a second server process finds the first one's pages in a real
 kvtier-pool; distributed, a real kvtier-master places pages in a real kvtier-pool and another server's backend
-finds them there. And every ``python -m sglang.launch_server`` command of the README, parsed by SGLang's own
+finds them there. And every ``python -m sglang.launch_server`` command of README.md and docs/, parsed by SGLang's own
 argument parser and extra-config reader and by kvtier's config.
 """
 
@@ -94,21 +94,15 @@ def test_distributed_the_master_places_pages_in_a_pool_and_another_server_finds_
                 b.close()
 
 
-# ---- the README's commands ---------------------------------------------------------------------------------
+# ---- the documentation's commands (README.md and docs/*.md) ---------------------------------------------------
 
 
 def readme_sglang_commands() -> list[list[str]]:
-    """Every ``python -m sglang.launch_server ...`` command of the README's bash blocks (a paragraph each)."""
-    import re
-    import shlex
+    """Every ``python -m sglang.launch_server ...`` command of the bash blocks of README.md and the docs pages
+    (docs/sglang.md), each once, a paragraph each, its continuation lines joined as a shell joins them."""
+    from doctext import commands
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for piece in re.split(r"\n\s*\n", block):
-            if piece.strip().startswith("python -m sglang.launch_server "):
-                commands.append(shlex.split(piece.replace("\\\n", ""), comments=True))  # as a shell joins lines
-    return commands
+    return commands("python -m sglang.launch_server ", paragraphs=True)
 
 
 def test_readme_sglang_commands_parse_with_sglangs_and_kvtiers_own_parsers():

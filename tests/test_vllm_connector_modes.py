@@ -172,23 +172,16 @@ def test_distributed_node2_loads_the_prefix_node1_saved_from_the_pool(engine, tm
         node2.close()  # before the daemons go
 
 
-# ---- the README's commands ---------------------------------------------------------------------------------
+# ---- the documentation's commands (README.md and docs/*.md) ---------------------------------------------------
 
 
 def readme_commands(program: str) -> list[list[str]]:
-    """Every ``program ...`` command of the README's bash blocks, split as a shell would (lines joined)."""
-    import re
-    import shlex
-    from pathlib import Path
+    """Every ``program ...`` command of the bash blocks of README.md and the docs pages (docs/vllm.md, pool.md,
+    master.md, ...), each once, split as a shell would (lines joined)."""
+    from doctext import commands
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        # A vllm serve command spans a paragraph; the daemons' commands are one line each.
-        pieces = re.split(r"\n\s*\n", block) if program == "vllm" else block.split("\n")
-        head = "vllm serve " if program == "vllm" else program + " "
-        commands += [shlex.split(c, comments=True) for c in pieces if c.strip().startswith(head)]
-    return commands
+    # A vllm serve command spans a paragraph; the daemons' commands are one line each.
+    return commands("vllm serve " if program == "vllm" else program + " ", paragraphs=program == "vllm")
 
 
 def test_readme_vllm_commands_parse_with_vllms_and_kvtiers_own_parsers():

@@ -1,6 +1,6 @@
 """kvtier's SGLang HiCache L3 backend: ``--hicache-storage-backend dynamic --hicache-storage-backend-extra-config
 '{"backend_name": "kvtier", "module_path": "kvtier.connectors.sglang", "class_name": "KVTierHiCacheStorage",
-"interface_v1": 1, ...}'`` (see backend.py and the README's SGLang section).
+"interface_v1": 1, ...}'`` (see backend.py and docs/sglang.md).
 
 Rooms: backend.py (the HiCacheStorage subclass, thin: SGLang's contract, failures as misses, metrics),
 pagestore.py (host pages in and out of the store, the copies), pages.py (a host pool's page geometry and copy

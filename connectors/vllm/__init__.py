@@ -1,5 +1,5 @@
 """kvtier's vLLM connector: ``--kv-transfer-config '{"kv_connector": "KVTierConnector",
-"kv_connector_module_path": "kvtier.connectors.vllm", ...}'`` (see connector.py and the README).
+"kv_connector_module_path": "kvtier.connectors.vllm", ...}'`` (see connector.py and docs/vllm.md).
 
 Rooms: connector.py (the KVConnectorBase_V1 subclass, thin), scheduler.py (what to load and save),
 worker.py (the rank's store, lookups, finished/failed tracking), transfer.py (copy threads), pagedkv.py

@@ -5,7 +5,7 @@ vLLM's hybrid KV cache manager gives each kind of layer its own group, block tab
 (``KVCacheConfig.kv_cache_groups``). kvtier stores one object per group per block, keyed by the engine's block
 hash in a namespace of the model, the group's layout and the group index (worker.py): groups do not live and
 die together (a sliding-window group's old blocks are dead while the full-attention group's are still hits),
-so packing them into one object per block would store the dead ones too (README, "Hybrid models"; measured by
+so packing them into one object per block would store the dead ones too (docs/vllm.md "Hybrid models"; measured by
 ``bench/hybrid_bytes.py``).
 
 Kinds kvtier stores:

@@ -1,4 +1,4 @@
-"""``kvtier keys``: make CurveZMQ keypairs for authenticated sockets (README "Authenticated sockets").
+"""``kvtier keys``: make CurveZMQ keypairs for authenticated sockets (docs/pool.md "Authenticated sockets").
 
     kvtier keys generate /etc/kvtier/daemon --role daemon       # a daemon's keypair (server.key, server.key_secret)
     kvtier keys generate /etc/kvtier/engine                     # an engine's (client.key, client.key_secret)

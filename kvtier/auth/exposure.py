@@ -71,8 +71,8 @@ def check_binds(prog: str, endpoints: Iterable[str], *, auth: bool, insecure: bo
     if not insecure:
         raise ValueError(f"{what} can be reached from other hosts and {prog} has no --auth-dir: anyone who reaches "
                          "it could read and overwrite blocks, clear pools and register pools of their own. Start it "
-                         "with --auth-dir DIR (README 'Authenticated sockets'), bind a loopback or ipc:// address, or "
-                         "pass --insecure-bind to serve the network (and every local user) without keys")
+                         "with --auth-dir DIR (docs/pool.md 'Authenticated sockets'), bind a loopback or ipc:// "
+                         "address, or pass --insecure-bind to serve the network (and every local user) without keys")
     log.warning("%s serves %s WITHOUT AUTHENTICATION (--insecure-bind): any host that reaches it may do any op, "
                 "including reading and overwriting blocks, clearing pools and registering pools of its own", prog, what)
 

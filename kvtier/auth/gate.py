@@ -25,7 +25,7 @@ MONITOR_POLL_MS = 200
 
 # The counters a gate passes to ``count(name)`` (server.py, owner.py, HandshakeGate below) -> the ``reason`` label
 # both daemons give them on port="zmq" of their refused-connections metric: one table, so kvtier-pool and
-# kvtier-master name one event alike (README "Metrics").
+# kvtier-master name one event alike (docs/master.md "Metrics").
 REASONS: dict[str, str] = {
     "auth_refused_key": "key_not_authorized",  # a CurveZMQ client key not admitted
     "auth_handshake_failed": "handshake_failed",  # the handshake failed (wrong server key, a broken client)

@@ -28,7 +28,7 @@ in the (token-gated) hello (kvtier/auth/tokens.py), its shared-memory files are 
 PLAIN sends the token in clear: on loopback and ipc only this host's root can see it, and a daemon binds
 beyond loopback without keys only with ``--insecure-bind`` (exposure.py), which serves without the token at all.
 But it goes to whoever listens: over ipc a client checks the server's kernel uid (client.py, channel.py); over
-tcp a local user squatting a dead daemon's port receives it (RELIABILITY.md 11.1, not covered: CurveZMQ with a
+tcp a local user squatting a dead daemon's port receives it (docs/reliability.md 11.1, not covered: CurveZMQ with a
 pinned server key is the fix).
 The check is once per connection (the zmq handshake), constant-time; nothing per request.
 

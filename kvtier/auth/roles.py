@@ -17,7 +17,7 @@ into the key files' metadata; a key whose metadata names another role than the d
 start-up error (an engine key copied into operators/ by mistake would otherwise get an operator's rights).
 
 Each op a daemon serves needs one *permission*; a role is a set of permissions (``ROLE_PERMISSIONS``). Without
-``--auth-dir`` there are no keys and so no roles: every op is served (RELIABILITY.md says what that exposes).
+``--auth-dir`` there are no keys and so no roles: every op is served (docs/reliability.md says what that exposes).
 Immutable after loading; any thread may read it.
 """
 

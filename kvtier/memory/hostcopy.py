@@ -11,7 +11,7 @@ measurement (``configured`` 0): each copy of a batch of
 PARALLEL_MIN_BYTES or more is timed, and the next batch gets the thread count whose copies ran fastest here
 lately (every choice measured by the first batches, the others re-measured every REPROBE_S): a second thread
 pays where it gets a core of its own and the memory bus has room, and neither the core count nor the load
-average says whether it does (README "Shared-memory copy threads" has the measurements).
+average says whether it does (docs/pool.md "Shared-memory copy threads" has the measurements).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ _lib = _load_native()
 NATIVE = _lib is not None
 
 # The batch size from which two copy threads may beat one (UMBP's two-thread copy beats one thread 1.2-1.4x at
-# 1-4 MiB blocks on a quiet 2-core machine: the peer bench, README "Benchmarks"); below it a batch is a few blocks
-# and the second thread's start (~30-60 us) eats the gain, so it always gets one thread and is not timed.
+# 1-4 MiB blocks on a quiet 2-core machine: the peer bench, docs/benchmarks.md "Benchmarks"); below it a batch is a few
+# blocks and the second thread's start (~30-60 us) eats the gain, so it always gets one thread and is not timed.
 PARALLEL_MIN_BYTES = 1 << 20
 AUTO_MAX_THREADS = 2  # a third thread gains nothing where two already saturate the memory bus
 # Whether a second thread pays changes with what else runs on the host: on 2 cores at load ~2.5 two threads

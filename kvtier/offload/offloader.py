@@ -9,7 +9,7 @@ says when blocks go down. Every policy also writes, on eviction, a block that sh
 (its write-through copy was dropped: staging full, or the disk stopped admitting then). A block a put offered
 that DRAM did not take (its policy declined it: admission; full of pinned blocks; a batch larger than DRAM)
 goes down as if DRAM had evicted it at once (an in-place put fills it into scratch rows for that:
-store_writes.TopWrites.fill): with write_through the whole batch reaches the disk, as far as the disk has room.
+writes.TopWrites.fill): with write_through the whole batch reaches the disk, as far as the disk has room.
 On close (``write_down``) DRAM is about to vanish as if evicted whole: every block the policy would write on
 eviction and the lower tier lacks is written, until a deadline; what is left when it passes is lost with the
 process (the count is logged).

@@ -2,7 +2,7 @@
 
 Agentic traffic is a set of interleaved loops: each turn of an agent re-reads its whole context and appends a
 little. A block's next use is its agent's next request, so the policy ranks agents, not blocks, by when each is
-predicted back, using only what a server knows online (observations.py; the README's "Eviction policies" has
+predicted back, using only what a server knows online (observations.py; docs/eviction.md "Eviction policies" has
 the measurements that chose it):
 
 * learned, no priors (returns.py): service times, and per stop reason the gaps until the agent's next request

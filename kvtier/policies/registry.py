@@ -12,8 +12,8 @@ from typing import Any
 from kvtier.registry import ClassRegistry
 
 # The session-aware predictor (pnu.py): on agentic traffic it keeps the agents that come back soon, and it
-# behaves as LRU where no agent is ever seen coming back (traffic without sessions). Evidence: README,
-# "Eviction policies".
+# behaves as LRU where no agent is ever seen coming back (traffic without sessions). Evidence:
+# docs/eviction.md "Eviction policies".
 DEFAULT_POLICY = "pnu"
 DEFAULT_NAME = "default"
 

@@ -2,7 +2,8 @@
 
 A field's metadata is what ``kvtier config`` prints and what the loader coerces by: ``help``, ``choices`` (the
 values allowed, checked by ``Config.validate`` for every section's fields) and ``kind`` (bytes, switch; else
-the field's type). Pure functions; importing this module imports no tier.
+the field's type). The documentation's configuration table is rendered from the same metadata at build time
+(docs/gen_config.py), so a key's help is written once, here. Pure functions; importing this module imports no tier.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ class ConfigError(ValueError):
 
 
 def bytes_field(default: int | str, help: str) -> Any:
-    """A size key: written as bytes or "64GiB" (kvtier.units.parse_bytes), held as an int."""
-    return field(default=parse_bytes(default), metadata={"kind": "bytes", "help": help})
+    """A size key: written as bytes or "64GiB" (kvtier.units.parse_bytes), held as an int; the default as written
+    is kept for the documentation's table (``default_text``)."""
+    return field(default=parse_bytes(default), metadata={"kind": "bytes", "help": help, "default_text": str(default)})
 
 
 def key_field(default: Any, help: str, choices: tuple[str, ...] = (), kind: str = "") -> Any:

@@ -25,19 +25,22 @@ class DramKeys:
     dram_prefault: bool = key_field(False, "touch every page of the DRAM buffer at start-up, so the first "
                                            "puts pay no page faults (costs ~0.1 s per GiB at start)")
     eviction: str = key_field("default", "DRAM eviction policy: default (the session-aware predictor, pnu), lru, "
-                                         "fifo, s3fifo, arc, chain-lru, or an import path 'package.module:Class'")
-    copy_threads: int = key_field(0, "threads per batched DRAM put/get copy: 0 = by measured rate (a batch of 1 "
-                                      "MiB or more gets the count, 1 or 2, that copied fastest in this process "
-                                      "lately, as pool_copy_threads 0; the second thread takes a core only for "
-                                      "the copy's milliseconds); 1 where the engine's own threads need every "
-                                      "core; N fixes it. Threads copy in place: more never raise memory use")
+                                         "fifo, s3fifo, arc, chain-lru, or an import path 'package.module:Class' "
+                                         "(docs/eviction.md 'Eviction policies')")
+    copy_threads: int = key_field(0, "threads per batched DRAM put/get copy (and SGLang's host pages): 0 = by "
+                                      "measured rate (a batch of 1 MiB or more gets the count, 1 or 2, that "
+                                      "copied fastest in this process lately, as pool_copy_threads 0; the second "
+                                      "thread takes a core only for the copy's milliseconds); 1 where the "
+                                      "engine's own threads need every core; N fixes it. Threads copy in place: "
+                                      "more never raise memory use")
 
     dram_admission: str = key_field(
         "auto", "where DRAM's policy may decline a put's new blocks when it is full: last (only where no tier is "
                 "below DRAM; above an SSD or a pool a put evicts to make room, the policy choosing the order), "
                 "every (above lower tiers too: a declined block goes down as an eviction would, "
-                "store_writes.TopWrites), auto (last, and every above an SSD that is DRAM's only lower tier: "
-                "measured better there and worse above a pool in the replay, README 'Between turns')",
+                "writes.TopWrites), auto (last, and every above an SSD that is DRAM's only lower tier: "
+                "measured better there and worse above a pool in the replay, docs/prefetch.md 'Between turns: what "
+                "the defaults are measured on')",
         ("auto", "last", "every"))
 
     def check_dram_keys(self) -> None:

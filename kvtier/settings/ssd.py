@@ -26,9 +26,10 @@ class SsdKeys:
     ssd_offload: str = key_field("on_evict", "when blocks go from DRAM to SSD: write_through (every put), on_evict "
                                              "(when DRAM evicts them), second_hit (on eviction, if seen twice), or "
                                              "a policy registered by name (kvtier.offload.register_offload)")
-    ssd_promote: bool = key_field(True, "copy a block served from SSD into DRAM too (off served more on the "
-                                        "standard replay slice but cost hit rate with prefetch on the sample's "
-                                        "traces: README 'Between turns')")
+    ssd_promote: bool = key_field(True, "copy a block served from SSD into DRAM too (and from a pool, while "
+                                        "pool_promote is auto); off served more on the standard replay slice but "
+                                        "cost hit rate with prefetch on the sample's traces (docs/prefetch.md "
+                                        "'Between turns: what the defaults are measured on')")
     ssd_eviction: str = key_field("default", "SSD eviction policy: default (pnu, told what the engine knows, as "
                                              "DRAM's), lru, fifo, s3fifo, arc, chain-lru, or an import path")
     ssd_direct_io: str = switch_field("auto", "O_DIRECT for SSD I/O: auto (fall back to buffered I/O, with one "
@@ -37,7 +38,8 @@ class SsdKeys:
                                       "false keeps checksums but may lose the last writes to a machine crash")
     ssd_segment_bytes: int = bytes_field("256MiB", "size of each SSD segment file")
     ssd_staging_bytes: int = bytes_field("256MiB", "host memory for blocks queued for the SSD (write-behind); "
-                                                   "0 writes offloads synchronously on the caller's thread")
+                                                   "0 writes offloads synchronously on the caller's thread (never "
+                                                   "under DRAM's lock)")
     ssd_io_threads: int = key_field(4, "threads doing the SSD tier's preadv/pwritev")
 
     def check_ssd_keys(self) -> None:

@@ -15,9 +15,11 @@ class StoreKeys:
     close_timeout_s: float = key_field(30.0, "on close (an engine's clean shutdown), write DRAM's blocks that the "
                                              "lower tiers would get on eviction (on_evict: every block the SSD "
                                              "lacks) for at most this long; the rest is lost with the process "
-                                             "(logged)")
+                                             "(logged). The vLLM connector bounds it by vLLM's worker shutdown "
+                                             "grace, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + 4 s")
     # Namespace (used by connectors and the CLI when they make keys).
-    model: str = key_field("", "model id folded into every key's namespace")
+    model: str = key_field("", "model id folded into every key's namespace (the vLLM connector "
+                                 "defaults to the served model)")
 
     def check_store_keys(self) -> None:
         """ConfigError naming the first of the store's own keys out of its range."""

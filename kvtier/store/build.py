@@ -43,7 +43,7 @@ def tiers_from_config(cfg: Config, layout: BlockLayout | int, clock: Clock | Non
 
         # Admission (a full DRAM declining a put's blocks: Config.dram_admits): above a lower tier a declined
         # block goes down as its eviction would (each lower tier's offload policy, then that tier's own policy,
-        # decide: store_writes.TopWrites).
+        # decide: writes.TopWrites).
         parts.tiers.append(DramTier(**cfg.dram_args(dram_capacity, block_bytes, dtypes, clock, cfg.dram_admits)))
     if cfg.mode != "embedded":
         from kvtier.tiers.pool import PoolTier

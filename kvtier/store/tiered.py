@@ -10,19 +10,19 @@ What the store adds over its tiers: "which tier holds this key?" is answered onc
 asked once (``_where``). A put asks it once (``prepare_put``: a PutPlan, which every write of the put then uses)
 of the top tier and the local ones, never of a remote pool below (no master RPC per save; a block a pool holds
 is at worst copied into DRAM again), and claims what no tier holds and no other thread is putting (concurrent
-sessions sharing a prefix pay once: inflight.py); the writes themselves are store_writes.py's. A prefix lookup
+sessions sharing a prefix pay once: inflight.py); the writes themselves are writes.py's. A prefix lookup
 can pin what it finds in the same pass (``lookup_prefix(pin=True)``, pinned before the tiers are asked). A get
 falls through the tiers in order, and what a lower tier served is promoted into the top tier; pins (per-block
 reference counts) keep blocks from being evicted in every tier, and leases are pins that expire
 (``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners hear
 which keys each tier gained and lost (the engines' KV events and the master's directory feed on them). Which
-tiers a Config describes is store_build.py's; what moves between the top tier and each lower one, offload/'s.
+tiers a Config describes is build.py's; what moves between the top tier and each lower one, offload/'s.
 
 Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
 and the bookkeeping every call shares (the one tier walk, counters, events; ``bring_up``, the copy a prefetch
 between turns makes, and its hand-off to the offloaders that move blocks up, ``_moved_up``, are here because they
 are that walk, the promotion claim and the store's pins and events); its parts with a role of their own
-live beside it (store_build.py, store_writes.py, inflight.py, offload/, leases.py).
+live beside it (build.py, writes.py, inflight.py, offload/, leases.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ claimed), and ``TopWrites``, the writes themselves (copied, or filled in place i
 what follows every write: one retry after expired leases are released, the offloads of what went in (or could
 not), the sightings second_hit counts, and the store's count and announcement.
 
-Split from store.py by role: the store decides which keys a put writes (once); this module writes them.
+Split from tiered.py by role: the store decides which keys a put writes (once); this module writes them.
 """
 
 from __future__ import annotations

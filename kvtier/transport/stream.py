@@ -18,7 +18,7 @@ trickles its reply is PoolUnavailable by then and its socket is closed (a stream
 mid-message; the pool closes it too after an error reply).
 
 A pool started with --auth-dir hands out a token in its hello reply (over CurveZMQ); each data socket sends
-it as its first bytes. The block bytes themselves cross the wire unencrypted (README "Authenticated sockets").
+it as its first bytes. The block bytes themselves cross the wire unencrypted (docs/pool.md "Authenticated sockets").
 
 Thread-safe: sockets are checked out per request.
 """

@@ -38,7 +38,7 @@ def prompt_tokens(seed: int, n: int = PREFIX_TOKENS) -> list[int]:
 
 
 def connector(extra: dict[str, Any], **kv: Any) -> dict[str, Any]:
-    """vLLM's kv_transfer_config for kvtier, as the README writes it, with ``extra`` as its extra config."""
+    """vLLM's kv_transfer_config for kvtier, as docs/vllm.md writes it, with ``extra`` as its extra config."""
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra, **kv}
 

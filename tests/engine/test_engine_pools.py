@@ -1,4 +1,4 @@
-"""Real vLLM engines sharing blocks through real kvtier daemons (subprocesses, as the README starts them).
+"""Real vLLM engines sharing blocks through real kvtier daemons (subprocesses, as README.md and docs/ start them).
 
 * Standalone: two engine processes of one host share one kvtier-pool (ipc + shared memory); the second
   loads what the first saved.

@@ -1,6 +1,6 @@
 """Hybrid models for the replay: what each cache group of a model costs, and when a prefix can be restored.
 
-A hybrid model's cache groups live by different rules (README "Hybrid models (several KV cache groups)"):
+A hybrid model's cache groups live by different rules (docs/vllm.md "Hybrid models (several KV cache groups)"):
 
 * full-history groups (full attention, MLA, DeepSeek V4's compressed attention and indexer) keep every token:
   a prefix of d blocks needs all d of their blocks;

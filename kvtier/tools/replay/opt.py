@@ -6,7 +6,7 @@
   again is not kept (bypass). For unit-size blocks this maximises the number of hits over every way of
   managing the cache, online or offline, that only takes a block in when it is accessed.
 
-What it bounds (see README, "Trace replay"): the replayer's hits in HBM and in every store tier together. The
+What it bounds (see docs/replay.md "Trace replay"): the replayer's hits in HBM and in every store tier together. The
 union of HBM and the store's tiers never holds more distinct blocks than the sum of their capacities, and a
 block enters that union only when a request accesses it (it is computed then; demotions only move blocks
 already inside). Any such system is one way of managing a cache of that summed capacity, so its block hits,
