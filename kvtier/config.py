@@ -177,7 +177,8 @@ class Config(StoreKeys, PoolKeys, SsdKeys, DramKeys):
     @classmethod
     def describe(cls) -> list[tuple[str, str, str]]:
         """(key, default, help) for every key: what ``kvtier config`` prints."""
-        return [(f.name, repr(f.default), f.metadata.get("help", "")) for f in fields(cls)]
+        return [(f.name, repr(f.default if f.default is not dataclasses.MISSING else f.default_factory()),
+                 f.metadata.get("help", "")) for f in fields(cls)]
 
 
 @dataclass(frozen=True)
@@ -248,10 +249,19 @@ def parse_bool(key: str, raw: Any) -> bool:
 
 def coerce_value(key: str, kind: str, raw: Any) -> Any:
     """Turn a dict/env/TOML value into ``kind`` or raise ConfigError naming ``key``. Kinds: bool, int, float,
-    str, bytes (a size such as "64GiB", kvtier.units.parse_bytes) and switch (``auto`` or a boolean word,
+    str, bytes (a size such as "64GiB", kvtier.units.parse_bytes), mapping (a table, or JSON text) and switch (``auto`` or a boolean word,
     normalised to "auto", "true" or "false"); any other kind passes ``raw`` through."""
     if kind == "bool":
         return parse_bool(key, raw)
+    if kind == "mapping":
+        if isinstance(raw, str):  # a KVTIER_* variable: JSON text
+            try:
+                raw = json.loads(raw)
+            except ValueError as e:
+                raise ConfigError(f"{key}: not JSON: {e}") from None
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{key}: expected a table, got {type(raw).__name__}")
+        return {str(k): v for k, v in raw.items()}
     if kind == "switch":
         if isinstance(raw, str) and raw.strip().lower() == "auto":
             return "auto"

@@ -1,9 +1,11 @@
-"""Extension points used from outside kvtier: a module under tests/ registers its own offload policy and its own pool
-transport, and stores built by ``TieredStore.from_config`` put, evict and get through them, with no edit under
-kvtier/ or pool/ (a pool offers the transport because its table lists it)."""
+"""Extension points used from outside kvtier: a module under tests/ registers its own tier, its own offload policy
+and its own pool transport, and stores built by ``TieredStore.from_config`` put, evict and get through them, alone
+and all three together, with no edit under kvtier/ or pool/ (a pool offers the transport because its table lists
+it; the tier takes its settings from the config's ``tiers`` key, checked at load)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 import time
@@ -17,15 +19,132 @@ import torch
 from bytecheck import assert_all_hits_exact
 from conftest import blocks_for
 from kvtier import TieredStore
+from kvtier.blocks import block_rows
 from kvtier.config import Config, ConfigError
 from kvtier.offload import OffloadPolicy, known_offloads, register_offload
 from kvtier.pool.process import PoolDaemon
 from kvtier.pool.server import PoolServer
 from kvtier.pool.state import PoolSettings
+from kvtier.settings import ConfigError as SettingsError
+from kvtier.settings.tiers import StackedTier, TierBlock, TierSpec, register_tier
+from kvtier.tiers.base import TierStats
 from kvtier.transport import PoolRefused, Transport, connect, register_transport
 from kvtier.transport.tcp import TcpConnection
 
 BB = 4096
+
+
+class DictTier:
+    """A tier of whole blocks in a dict, refusing puts when full (it evicts nothing): enough of the Tier protocol
+    (kvtier/tiers/base.py) for the store to offload into it, promote out of it and remove from it."""
+
+    name = "test_dict"
+
+    def __init__(self, block_bytes: int, capacity_blocks: int) -> None:
+        self.block_bytes, self.capacity = block_bytes, capacity_blocks
+        self.blocks: dict[bytes, bytes] = {}
+        self.stat = TierStats(self.name, capacity_blocks * block_bytes, 0, 0)
+        self.closed = False
+
+    def contains(self, keys):
+        return [k in self.blocks for k in keys]
+
+    def put(self, keys, blocks):
+        rows = block_rows(blocks, len(keys), self.block_bytes)
+        held = []
+        for k, ptr in zip(keys, rows.ptrs):
+            if k not in self.blocks and len(self.blocks) < self.capacity:
+                self.blocks[k] = ctypes.string_at(int(ptr), self.block_bytes)
+                self.stat.puts += 1
+            held.append(k in self.blocks)
+        return held
+
+    def get(self, keys, out):
+        rows = block_rows(out, len(keys), self.block_bytes, writable=True)
+        hit = []
+        for k, ptr in zip(keys, rows.ptrs):
+            data = self.blocks.get(k)
+            if data is not None:
+                ctypes.memmove(int(ptr), data, self.block_bytes)
+            hit.append(data is not None)
+        self.stat.hits += sum(hit)
+        self.stat.misses += len(hit) - sum(hit)
+        return hit
+
+    def remove(self, keys):
+        return sum(self.blocks.pop(k, None) is not None for k in keys)
+
+    def attach(self, pins, on_evict):
+        pass  # it never evicts
+
+    def stats(self):
+        self.stat.blocks, self.stat.used_bytes = len(self.blocks), len(self.blocks) * self.block_bytes
+        return self.stat
+
+    def close(self):
+        self.closed = True
+
+
+def _check_dict_tier(section) -> None:
+    if set(section) - {"capacity_blocks", "offload"}:
+        raise SettingsError(f"unknown keys {sorted(set(section) - {'capacity_blocks', 'offload'})}")
+    if not isinstance(section.get("capacity_blocks"), int) or section["capacity_blocks"] < 1:
+        raise SettingsError(f"capacity_blocks must be an integer >= 1, got {section.get('capacity_blocks')!r}")
+
+
+BUILT: list[DictTier] = []
+
+
+def _build_dict_tier(cfg, section, block: TierBlock) -> StackedTier | None:
+    tier = DictTier(block.block_bytes, section["capacity_blocks"])
+    BUILT.append(tier)
+    return StackedTier(tier, offload=section.get("offload", "on_evict"), promote=True)
+
+
+# Below the SSD (order 200), built wherever the config names it under "tiers".
+register_tier(TierSpec("test_dict", 300, _build_dict_tier, check=_check_dict_tier))
+
+
+def test_a_registered_tier_is_stacked_from_its_settings_and_blocks_go_through_it(make_keys):
+    config = {"dram_capacity": 8 * BB, "tiers": {"test_dict": {"capacity_blocks": 64}}}
+    with TieredStore.from_config(config, BB) as store:
+        tier = BUILT[-1]
+        assert [t.name for t in store.tiers] == ["dram", "test_dict"] and store.tiers[1] is tier
+        keys = make_keys(32)
+        for a in range(0, 32, 4):  # DRAM holds 8: the earlier batches are evicted into the registered tier
+            assert store.put(keys[a:a + 4], blocks_for(keys[a:a + 4], BB)).stored == 4
+        evicted = [k for k in keys if not store.tiers[0].contains([k])[0]]
+        assert len(evicted) >= 24 and all(tier.contains(evicted))
+        out = torch.zeros(len(keys), BB, dtype=torch.uint8)
+        assert_all_hits_exact(store.get(keys, out), out, blocks_for(keys, BB))
+        assert tier.stats().hits >= 24
+        assert store.remove(keys[:4]) >= 4 and not any(tier.contains(keys[:4]))
+    assert tier.closed, "the store did not close the registered tier"
+
+
+def _build_broken(cfg, section, block):
+    raise RuntimeError("the broken tier cannot open")
+
+
+register_tier(TierSpec("test_broken", 400, _build_broken, check=lambda section: None))
+
+
+def test_a_tier_that_fails_to_build_closes_the_tiers_built_before_it():
+    config = {"dram_capacity": 8 * BB, "tiers": {"test_dict": {"capacity_blocks": 4}, "test_broken": {}}}
+    with pytest.raises(RuntimeError, match="the broken tier cannot open"):
+        TieredStore.from_config(config, BB)
+    assert BUILT[-1].closed
+
+
+def test_a_registered_tiers_settings_are_checked_at_load():
+    with pytest.raises(ConfigError, match=r"tiers: test_dict: capacity_blocks must be an integer >= 1, got 0"):
+        Config.load({"tiers": {"test_dict": {"capacity_blocks": 0}}}, environ={})
+    with pytest.raises(ConfigError, match=r"tiers: 'test_nope' is not a registered tier; registered: test_dict"):
+        Config.load({"tiers": {"test_nope": {}}}, environ={})
+    with pytest.raises(ConfigError, match=r"tiers: 'ssd' is a built-in tier, set by its own keys"):
+        Config.load({"tiers": {"ssd": {}}}, environ={})
+    loaded = Config.load({}, environ={"KVTIER_TIERS": '{"test_dict": {"capacity_blocks": 3}}'})
+    assert loaded.tiers == {"test_dict": {"capacity_blocks": 3}}
 
 
 @register_offload("test_even_keys")
@@ -152,3 +271,28 @@ def test_a_registered_transport_is_a_config_value_and_moves_the_blocks(make_keys
 def test_an_unregistered_transport_is_refused_at_load_naming_the_known_ones():
     with pytest.raises(ConfigError, match=r"pool_transport: 'test_nope' is not one of auto, .*test_counted"):
         Config.from_dict({"mode": "standalone", "pool": "ipc:///p.sock", "pool_transport": "test_nope"})
+
+
+def test_a_registered_tier_offload_policy_and_transport_together(make_keys, tmp_path):
+    """One store over all three: private DRAM, a pool reached over the registered transport, and the registered tier
+    below it, fed by the registered offload policy (only even keys go down to it)."""
+    with pool_in_this_process(tmp_path, 64 * BB) as endpoint:
+        config = {"mode": "standalone", "pool": endpoint, "standalone_dram_capacity": 8 * BB,
+                  "pool_transport": "test_counted", "pool_offload": "on_evict",
+                  "tiers": {"test_dict": {"capacity_blocks": 64, "offload": "test_even_keys"}}}
+        before = dict(CountedFrames.calls)
+        with TieredStore.from_config(config, BB) as store:
+            tier = BUILT[-1]
+            assert [t.name for t in store.tiers] == ["dram", "pool", "test_dict"]
+            assert [o.policy.name for o in store._offloads] == ["on_evict", "test_even_keys"]
+            keys = make_keys(32)
+            for a in range(0, 32, 4):
+                assert store.put(keys[a:a + 4], blocks_for(keys[a:a + 4], BB)).stored == 4
+            store.tiers[1].flush(10)
+            evicted = [k for k in keys if not store.tiers[0].contains([k])[0]]
+            assert evicted and set(k for k in evicted if tier.contains([k])[0]) == {k for k in evicted if k[0] % 2 == 0}
+            assert CountedFrames.calls["put"] > before["put"], "nothing went to the pool over the registered transport"
+            out = torch.zeros(len(keys), BB, dtype=torch.uint8)
+            assert_all_hits_exact(store.get(keys, out), out, blocks_for(keys, BB))
+            store.remove(keys)
+            assert not any(store.contains(keys))

@@ -36,6 +36,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.settings.tiers import tier_specs
+
 from .compat import prefix_cache_retention_interval
 from .events import EventQuorum, KVTierKVEvents
 from .groups import describe_groups
@@ -58,9 +60,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Where a hit's blocks were, by kvtier tier name, for vLLM's per-source prefix-cache stats. The pool is
-# another node's DRAM in distributed mode, and this host's DRAM in standalone mode (see __init__).
-TIER_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK, "pool": CacheHitSource.P2P}
+# vLLM's per-source prefix-cache stats by the source each tier declares (kvtier/settings/tiers.py: the pool is
+# another node's DRAM in distributed mode, this host's DRAM in standalone mode).
+HIT_SOURCE = {"host": CacheHitSource.HOST, "p2p": CacheHitSource.P2P, "disk": CacheHitSource.DISK,
+              "external": CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -96,7 +99,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._quorum: EventQuorum | None = None
         self._step_loaded = self._step_saved = False
-        self._tier_source = dict(TIER_SOURCE)
+        self._tier_source = {spec.name: HIT_SOURCE[spec.source(config)] for spec in tier_specs()}
         if role == KVConnectorRole.SCHEDULER:
             block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
             client = LookupClient([endpoint(settings.socket_dir(), engine_id, dp_rank, r) for r in range(ranks)],
@@ -105,8 +108,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                                             load=transfer.is_kv_consumer, save=transfer.is_kv_producer, groups=groups,
                                             retention_interval=prefix_cache_retention_interval(vllm_config))
             self._quorum = EventQuorum(ranks) if events else None
-            if config.mode == "standalone":
-                self._tier_source["pool"] = CacheHitSource.HOST
         else:
             model = vllm_config.model_config
             weights = model_weights(vllm_config, settings.weights_fingerprint)  # folded into the namespace

@@ -23,6 +23,11 @@ class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names it."""
 
 
+def mapping_field(help: str) -> Any:
+    """A key whose value is a table (a dict, a TOML table, or JSON text in a KVTIER_* variable); empty by default."""
+    return field(default_factory=dict, metadata={"kind": "mapping", "help": help, "default_text": "{}"})
+
+
 def bytes_field(default: int | str, help: str) -> Any:
     """A size key: written as bytes or "64GiB" (kvtier.units.parse_bytes), held as an int; the default as written
     is kept for the documentation's table (``default_text``)."""

@@ -1,10 +1,12 @@
-"""StoreKeys: the store's own keys (no tier's): the async threads, the close deadline, the model in the namespace."""
+"""StoreKeys: the store's own keys: the async threads, the close deadline, registered tiers, the model in the
+namespace."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.settings.base import check_range, key_field
+from kvtier.settings.base import check_range, key_field, mapping_field
+from kvtier.settings.tiers import check_tier_sections
 
 
 @dataclass
@@ -17,6 +19,10 @@ class StoreKeys:
                                              "lacks) for at most this long; the rest is lost with the process "
                                              "(logged). The vLLM connector bounds it by vLLM's worker shutdown "
                                              "grace, VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + 4 s")
+    # Registered tiers (kvtier/settings/tiers.py) stacked beside the built-in ones, each with its own settings.
+    tiers: dict = mapping_field("tiers registered with kvtier.settings.tiers.register_tier to stack, by name, each "
+                                "with its own settings: {\"<name>\": {...}} (docs/architecture.md 'Where a newcomer "
+                                "adds...')")
     # Namespace (used by connectors and the CLI when they make keys).
     model: str = key_field("", "model id folded into every key's namespace (the vLLM connector "
                                  "defaults to the served model)")
@@ -25,3 +31,4 @@ class StoreKeys:
         """ConfigError naming the first of the store's own keys out of its range."""
         check_range("io_threads", self.io_threads, 1, 256)
         check_range("close_timeout_s", self.close_timeout_s, 0, 3600)
+        check_tier_sections("tiers", self.tiers)
