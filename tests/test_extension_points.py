@@ -294,5 +294,6 @@ def test_a_registered_tier_offload_policy_and_transport_together(make_keys, tmp_
             assert CountedFrames.calls["put"] > before["put"], "nothing went to the pool over the registered transport"
             out = torch.zeros(len(keys), BB, dtype=torch.uint8)
             assert_all_hits_exact(store.get(keys, out), out, blocks_for(keys, BB))
+            assert store.tiers[1].flush(10)  # the get's promotions evicted blocks that are still on their way down
             store.remove(keys)
             assert not any(store.contains(keys))
