@@ -1,11 +1,37 @@
-"""The import layering between kvtier's client side and its daemons, read from the source (ast, nothing imported).
+"""The import layering of kvtier, read from the source (ast, nothing imported): floors, circles, and the line
+between the client side and the daemons.
+
+Floors, lowest first. A module imports modules of its own floor and of the floors below it; an import of a higher
+floor is an arrow up and fails (file:line named):
+
+    0 base     the package kvtier itself (its names load on first use) and its root modules: units, keys (the
+               package: hashers, table), layout, blocks, envvars, backoff, iothreads, pins, private, ratelog,
+               registry, weights; kvtier.memory (host memory and copies)
+    1 rooms    kvtier.wire, kvtier.auth, kvtier.policies, kvtier.kernels, kvtier.transport, kvtier.tiers,
+               kvtier.offload, kvtier.settings (the tiers' sections of the config) and kvtier.client, the master's
+               SDK (MasterClient, Router: what the pool tier asks kvtier-master with)
+    2 store    kvtier.store, kvtier.config (the store's Config: every section together), kvtier.prefetch, and the
+               store's side of the SDK: kvtier.client.agent (NodeAgent), .store_hints, .store_prefetch
+    3 top      the engine connectors (kvtier.connectors), the daemons (kvtier.pool, kvtier.master and what they
+               share, kvtier.daemon) and the tools (kvtier.tools, kvtier.bench, kvtier.__main__)
+
+A module's floor is that of the longest prefix naming it (the bare ``kvtier`` names the package alone); every
+module has one.
+
+Circles: no module imports itself through others, over the whole tree and lazy imports (inside functions)
+included. An import of ``a.b.c`` also imports the packages ``a.b`` and ``a`` (Python runs their ``__init__``
+first) but for those the importing module sits in (they run before it). Not edges: imports under ``if
+TYPE_CHECKING`` (never run), and the declared lazy loads: what a package ``__init__`` imports in its module-level
+``__getattr__`` (PEP 562: nothing until the name is used) and the few lazy imports of ``LAZY_LOADS`` below, each
+with its reason. A floor rule reads type-only imports too (a type from above is a dependency on above).
+
+The client side and the daemons (a violation is named file:line):
 
     client side  kvtier.transport, kvtier.tiers, kvtier.client, kvtier.store*, kvtier.connectors
     daemons      kvtier.pool (folder pool/), kvtier.master (folder master/)
     shared       kvtier.wire (the formats both sides speak) and the neutral library rooms (kvtier.keys,
                  kvtier.auth, kvtier.memory.hostcopy, ...; kvtier.tiers.dram, the DRAM both use, and kvtier.store.types)
 
-Rules (a violation is named file:line):
 * a client module never imports a daemon (kvtier.pool, kvtier.master);
 * a daemon never imports the client side, except where it truly is a client of another daemon, and then only
   through the SDK's public entries: ``from kvtier.client import NodeAgent`` (a pool registering with a master)
@@ -13,19 +39,41 @@ Rules (a violation is named file:line):
   ``pool_offers`` (a pool's hello offers what the transports' table lists);
 * the two daemons never import each other (what they share is in kvtier.wire).
 
-Tools (kvtier.tools.cli, kvtier.tools.replay, bench) may start daemons (kvtier.pool.process, the pool launcher) and are no
-side of the rule.
+Tools (kvtier.tools.cli, kvtier.tools.replay, bench) may start daemons (kvtier.pool.process, the pool launcher)
+and are no side of the rule.
 """
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# folder -> import name (setup.py's ROOTS, bench left out: a tool)
-FOLDERS = {"kvtier": "kvtier", "pool": "kvtier.pool", "master": "kvtier.master", "connectors": "kvtier.connectors"}
+# folder -> import name (setup.py's ROOTS)
+FOLDERS = {"kvtier": "kvtier", "pool": "kvtier.pool", "master": "kvtier.master", "connectors": "kvtier.connectors",
+           "bench": "kvtier.bench"}
+
+# The floors, lowest first: (name, the prefixes of the modules on it); the module's docstring says what each holds.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("kvtier", "kvtier.units", "kvtier.keys", "kvtier.layout", "kvtier.blocks", "kvtier.envvars",
+              "kvtier.backoff", "kvtier.iothreads", "kvtier.pins", "kvtier.private", "kvtier.ratelog",
+              "kvtier.registry", "kvtier.weights", "kvtier.memory")),
+    ("rooms", ("kvtier.wire", "kvtier.auth", "kvtier.policies", "kvtier.kernels", "kvtier.transport", "kvtier.tiers",
+               "kvtier.offload", "kvtier.settings", "kvtier.client")),
+    ("store", ("kvtier.store", "kvtier.config", "kvtier.prefetch", "kvtier.client.agent", "kvtier.client.store_hints",
+               "kvtier.client.store_prefetch")),
+    ("top", ("kvtier.connectors", "kvtier.pool", "kvtier.master", "kvtier.daemon", "kvtier.tools", "kvtier.bench",
+             "kvtier.__main__")),
+]
+# Declared lazy plug-in loads: (importing module, imported prefix) -> why. Only an import inside a function matches
+# (one at module level is an edge whatever this says), and each entry must still match one.
+LAZY_LOADS = {
+    ("kvtier.policies.registry", "kvtier.policies"):
+        "the registry imports the built-in policies when first asked (_load_builtins); each registers itself "
+        "with it by decorator, so each imports the registry",
+}
 
 CLIENT = ("kvtier.transport", "kvtier.tiers", "kvtier.client", "kvtier.store", "kvtier.connectors")
 DAEMONS = ("kvtier.pool", "kvtier.master")
@@ -58,26 +106,64 @@ def modules() -> Iterator[tuple[Path, str]]:
             yield path, ".".join([package, *parts])
 
 
-def imports(path: Path, module: str) -> Iterator[tuple[int, str, set[str] | None]]:
-    """(line, imported module, names imported from it or None for a plain import) of every import in the file,
-    lazy ones inside functions and TYPE_CHECKING blocks included."""
+@dataclass(frozen=True)
+class Site:
+    """One import statement: where, what it names, and when it runs."""
+
+    line: int
+    target: str  # the module named (``from a import b``: a)
+    names: frozenset[str] | None  # the names imported from it; None for a plain ``import``
+    lazy: bool  # inside a function: runs when the function is called
+    type_only: bool  # under ``if TYPE_CHECKING``: never runs
+    getattr_load: bool  # in a package __init__'s module-level __getattr__: runs when the name is first used
+
+
+def sites(path: Path, module: str) -> Iterator[Site]:
+    """Every import statement in the file at ``path`` (the module ``module``), lazy and type-only ones included."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
-    for node in ast.walk(tree):
+
+    def visit(node: ast.AST, lazy: bool, type_only: bool, getattr_load: bool) -> Iterator[Site]:
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name, None
-        elif isinstance(node, ast.ImportFrom):
+                yield Site(node.lineno, alias.name, None, lazy, type_only, getattr_load)
+            return
+        if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".")
                 base = base[: len(base) - node.level + (1 if is_package else 0)]
                 target = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 target = node.module or ""
-            names = {a.name for a in node.names}
-            yield node.lineno, target, names
-            for n in names:  # ``from kvtier import pool`` imports the module kvtier.pool
-                yield node.lineno, f"{target}.{n}", set()
+            yield Site(node.lineno, target, frozenset(a.name for a in node.names), lazy, type_only, getattr_load)
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            getattr_load = getattr_load or (is_package and node in tree.body and node.name == "__getattr__")
+            lazy = True
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for part in node.body:
+                yield from visit(part, lazy, True, getattr_load)
+            for part in node.orelse:
+                yield from visit(part, lazy, type_only, getattr_load)
+            return
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, lazy, type_only, getattr_load)
+
+    yield from visit(tree, False, False, False)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path, module: str) -> Iterator[tuple[int, str, set[str] | None]]:
+    """(line, imported module, names imported from it or None for a plain import) of every import in the file,
+    lazy ones inside functions and TYPE_CHECKING blocks included."""
+    for site in sites(path, module):
+        yield site.line, site.target, None if site.names is None else set(site.names)
+        for n in site.names or ():  # ``from kvtier import pool`` imports the module kvtier.pool
+            yield site.line, f"{site.target}.{n}", set()
 
 
 def check(path: Path, module: str) -> list[str]:
@@ -111,6 +197,128 @@ def violations() -> list[str]:
 
 def _entries() -> str:
     return ", ".join(f"{m}.{n}" for m, names in PUBLIC_ENTRIES.items() for n in sorted(names))
+
+
+# ---- the import graph: floors and circles ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``source`` imports ``target``: the module an import statement names, or a package it runs first."""
+
+    source: str
+    target: str
+    where: str  # file:line of the import statement
+    site: Site
+    implied: bool  # a package of the named module (its __init__ runs first), not the named module itself
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The module ``name`` lives in (``kvtier.wire.POOL_LABELS``: kvtier.wire); None outside the tree."""
+    parts = name.split(".")
+    while parts and ".".join(parts) not in known:
+        parts.pop()
+    return ".".join(parts) or None
+
+
+def edges_of(path: Path, module: str, known: set[str]) -> Iterator[Edge]:
+    """The edges of one file: each module an import names (``from a import b``: a.b where b is a module, a where a
+    name of a), and each package of it that the import runs first (not those ``module`` itself sits in)."""
+    rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    for site in sites(path, module):
+        if not _within(site.target, "kvtier"):
+            continue
+        submodules = {f"{site.target}.{n}" for n in site.names or () if f"{site.target}.{n}" in known}
+        named = set(submodules)
+        if site.names is None or len(submodules) < len(site.names):
+            named.add(_resolve(site.target, known) or site.target)
+        for target in sorted(named - {module}):
+            yield Edge(module, target, f"{rel}:{site.line}", site, implied=False)
+            parts = target.split(".")
+            for i in range(1, len(parts)):
+                package = ".".join(parts[:i])
+                if package in known and not _within(module, package):
+                    yield Edge(module, package, f"{rel}:{site.line}", site, implied=True)
+
+
+def graph(scanned: list[tuple[Path, str]] | None = None) -> list[Edge]:
+    """Every edge of the scanned modules (default: the whole tree)."""
+    scanned = list(modules()) if scanned is None else scanned
+    known = {m for _, m in scanned}
+    return [e for path, module in scanned for e in edges_of(path, module, known)]
+
+
+def declared_lazy(edge: Edge, lazy_loads: dict[tuple[str, str], str] | None = None) -> bool:
+    """A load that is no edge: a package __init__'s __getattr__ import, or a lazy import LAZY_LOADS declares."""
+    lazy_loads = LAZY_LOADS if lazy_loads is None else lazy_loads
+    return edge.site.getattr_load or edge.site.lazy and any(
+        edge.source == source and _within(edge.target, prefix) for source, prefix in lazy_loads)
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of the longest prefix naming ``module`` (the bare ``kvtier`` names the package alone)."""
+    best: tuple[int, int] | None = None  # (prefix length, floor)
+    for floor, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or p != "kvtier" and module.startswith(p + ".")) and (best is None or len(p) > best[0]):
+                best = (len(p), floor)
+    return None if best is None else best[1]
+
+
+def _floor_name(module: str) -> str:
+    floor = floor_of(module)
+    return f"floor {floor} {FLOORS[floor][0]}" if floor is not None else "no floor"
+
+
+def arrows_up(edges: list[Edge], lazy_loads: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """Each import of a higher floor than the importing module's, as "file:line: why" (lazy and type-only ones
+    included: a dependency on above either way)."""
+    out: dict[tuple[str, str], str] = {}
+    for e in edges:
+        low, high = floor_of(e.source), floor_of(e.target)
+        if low is None or high is None or high <= low or declared_lazy(e, lazy_loads):
+            continue
+        how = " (its package, run first)" if e.implied else ""
+        out.setdefault((e.where, e.target), f"{e.where}: {e.source} ({_floor_name(e.source)}) imports {e.target}"
+                                              f"{how} ({_floor_name(e.target)})")
+    return sorted(out.values())
+
+
+def circles(edges: list[Edge], lazy_loads: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """Each circle of the edges that run (no type-only ones, no declared lazy loads), as "a (file:line) -> b
+    (file:line) -> ... -> a": one per edge back into the path a depth-first walk is on."""
+    following: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for e in edges:
+        if e.site.type_only or declared_lazy(e, lazy_loads):
+            continue
+        following.setdefault(e.source, set()).add(e.target)
+        where.setdefault((e.source, e.target), e.where + (" (its package, run first)" if e.implied else ""))
+    return _loops(following, where)
+
+
+def _loops(following: dict[str, set[str]], where: dict[tuple[str, str], str]) -> list[str]:
+    """The circles of a graph, one per edge back into the path a depth-first walk is on, each edge's place named."""
+    found: list[str] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(following.get(m, ())):
+            if state.get(t) == 1:
+                loop = [*path[path.index(t):], m, t] if t in path else [m, t]
+                found.append(" -> ".join(f"{a} ({where[(a, b)]})" for a, b in zip(loop, loop[1:])) + f" -> {t}")
+            elif t not in state:
+                visit(t, [*path, m])
+        state[m] = 2
+    for m in sorted(following):
+        if m not in state:
+            visit(m, [])
+    return found
 
 
 def test_no_import_across_the_client_daemon_line() -> None:
@@ -158,7 +366,7 @@ def test_no_import_circle_in_the_transports_and_the_wire() -> None:
     (connection.py) imports none of the transports built on it, and construction (dial.py) sits on top. Before,
     connection.py's connect() imported rdma, which imports onesided, which imports connection."""
     rooms = ("kvtier.transport", "kvtier.wire")
-    graph: dict[str, set[str]] = {}
+    following: dict[str, set[str]] = {}
     where: dict[tuple[str, str], str] = {}
     known = {m for _, m in modules() if _under(m, rooms) and m not in rooms}
     for path, module in modules():
@@ -166,21 +374,96 @@ def test_no_import_circle_in_the_transports_and_the_wire() -> None:
             continue
         for line, target, _names in imports(path, module):
             if target in known and target != module:
-                graph.setdefault(module, set()).add(target)
+                following.setdefault(module, set()).add(target)
                 where.setdefault((module, target), f"{path.relative_to(ROOT)}:{line}")
-    circles = []
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    found = _loops(following, where)
+    assert not found, "import circles:\n" + "\n".join(found)
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for t in sorted(graph.get(m, ())):
-            if state.get(t) == 1:
-                loop = [*path[path.index(t):], m, t] if t in path else [m, t]
-                circles.append(" -> ".join(f"{a} ({where[(a, b)]})" for a, b in zip(loop, loop[1:])) + f" -> {t}")
-            elif t not in state:
-                visit(t, [*path, m])
-        state[m] = 2
-    for m in sorted(known):
-        if m not in state:
-            visit(m, [])
-    assert not circles, "import circles:\n" + "\n".join(circles)
+
+def test_no_arrow_up() -> None:
+    found = arrows_up(graph())
+    assert not found, "imports of a higher floor (move the code down, or pass the value in):\n" + "\n".join(found)
+
+
+def test_no_import_circle() -> None:
+    found = circles(graph())
+    assert not found, "import circles:\n" + "\n".join(found)
+
+
+def test_every_module_has_a_floor_and_every_floor_entry_a_module() -> None:
+    """A new room is placed on a floor (not silently read as the root's), and no prefix names a room gone."""
+    names = {m for _, m in modules()}
+    unplaced = sorted(m for m in names if floor_of(m) is None)
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+    stale = [p for _, prefixes in FLOORS for p in prefixes if not any(_within(m, p) for m in names)]
+    assert not stale, f"FLOORS entries naming no module: {stale}"
+
+
+def test_every_declared_lazy_load_is_still_one() -> None:
+    """Each LAZY_LOADS entry still matches a lazy import (a fixed circle takes its entry with it)."""
+    used = {(e.source, p) for e in graph() for (s, p) in LAZY_LOADS if e.site.lazy and e.source == s
+            and _within(e.target, p)}
+    assert set(LAZY_LOADS) <= used, f"LAZY_LOADS entries matching no lazy import: {sorted(set(LAZY_LOADS) - used)}"
+
+
+def test_floor_of() -> None:
+    assert floor_of("kvtier") == 0 and floor_of("kvtier.keys.table") == 0
+    assert floor_of("kvtier.client.master") == 1 and floor_of("kvtier.client.agent") == 2
+    assert floor_of("kvtier.pool.server") == 3 and floor_of("kvtier.__main__") == 3
+    assert floor_of("kvtier.newroom") is None  # not the root's: the bare kvtier names the package alone
+
+
+def test_the_floor_rule_catches_an_arrow_up(tmp_path: Path) -> None:
+    """Each arrow up is found, lazy and type-only ones too; own floor and lower ones pass."""
+    known = {m for _, m in modules()}
+    lazy_getattr = "def __getattr__(name):\n    from kvtier.store import TieredStore\n    return TieredStore\n"
+    cases = {
+        ("kvtier.units", "m.py", "from kvtier.store import TieredStore\n"): True,
+        ("kvtier.memory.x", "m.py", "import kvtier.config\n"): True,
+        ("kvtier.tiers.x", "m.py", "def f():\n    from kvtier.prefetch import Prefetcher\n"): True,
+        ("kvtier.wire.x", "m.py", "import typing\nif typing.TYPE_CHECKING:\n    import kvtier.pool\n"): True,
+        ("kvtier.client.master", "m.py", "from kvtier.client import agent\n"): True,
+        ("kvtier.store.x", "m.py", "from kvtier.pool import process\n"): True,
+        ("kvtier.wire.x", "m.py", lazy_getattr): True,  # __getattr__ of a module, not of a package __init__
+        ("kvtier.wire.x", "__init__.py", lazy_getattr): False,  # a package's lazy name: a declared lazy load
+        ("kvtier.client.x", "m.py", "from kvtier.client import api\n"): False,
+        ("kvtier.store.x", "m.py", "from kvtier.tiers import Tier\nfrom kvtier import units\n"): False,
+        ("kvtier.tools.x", "m.py", "from kvtier.bench.common import x\n"): False,  # the same floor
+        ("kvtier.pool.x", "m.py", "from kvtier.store.types import StoreEvent\n"): False,
+    }
+    for (module, name, source), bad in cases.items():
+        path = tmp_path / name
+        path.write_text(source)
+        found = arrows_up(list(edges_of(path, module, known | {module})))
+        assert bool(found) == bad, (module, source, found)
+
+
+def test_the_circle_rule_catches_a_circle(tmp_path: Path) -> None:
+    """A circle is found through a lazy import and through a package run first, with each edge's file:line; a
+    package's __getattr__ load, a type-only import and a declared lazy load are no edges."""
+
+    def scan(files: dict[str, str], lazy_loads: dict[tuple[str, str], str] | None = None) -> list[str]:
+        scanned = []
+        for i, (module, source) in enumerate(files.items()):
+            folder = tmp_path / str(len(list(tmp_path.iterdir()))) / str(i)
+            folder.mkdir(parents=True)
+            path = folder / ("__init__.py" if module in ("kvtier.p", "kvtier.q") else "m.py")
+            path.write_text(source)
+            scanned.append((path, module))
+        return circles([e for p, m in scanned for e in edges_of(p, m, {m for _, m in scanned})], lazy_loads)
+
+    found = scan({"kvtier.a": "from kvtier import b\n", "kvtier.b": "def f():\n    import kvtier.a\n"})
+    assert len(found) == 1 and "kvtier.a (" in found[0] and "kvtier.b (" in found[0] and "m.py:2" in found[0], found
+    # kvtier.q.x imports kvtier.p.b: kvtier/p/__init__ runs first, and it imports kvtier.p.a, which imports q.x
+    package = {"kvtier.p": "from kvtier.p.a import A\n", "kvtier.p.a": "import kvtier.q.x\nA = 1\n",
+               "kvtier.p.b": "", "kvtier.q": "", "kvtier.q.x": "from kvtier.p.b import B\n"}
+    found = scan(package)
+    assert found and "its package, run first" in found[0], found
+    lazy = "def __getattr__(name):\n    from kvtier.p.a import A\n    return A\n"
+    assert not scan({**package, "kvtier.p": lazy})
+    assert not scan({"kvtier.a": "import kvtier.b\n",
+                     "kvtier.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvtier.a\n"})
+    plugins = {"kvtier.a": "def load():\n    import kvtier.b\n", "kvtier.b": "import kvtier.a\n"}
+    assert scan(plugins) and not scan(plugins, {("kvtier.a", "kvtier.b"): "why"})
+    # a declared lazy load is so only inside a function
+    assert scan({"kvtier.a": "import kvtier.b\n", "kvtier.b": "import kvtier.a\n"}, {("kvtier.a", "kvtier.b"): "why"})

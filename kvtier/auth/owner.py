@@ -56,7 +56,7 @@ from kvtier.auth.exposure import host_of, is_local
 from kvtier.auth.files import AuthError
 from kvtier.auth.gate import HandshakeGate
 from kvtier.auth.peercred import ipc_cred
-from kvtier.config import ENV_RUNTIME_DIR
+from kvtier.envvars import ENV_RUNTIME_DIR
 
 log = logging.getLogger("kvtier.auth")
 

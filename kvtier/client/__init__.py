@@ -16,16 +16,14 @@ agent's request hints, now ``kvtier.connectors.hints.AgentHints``).
 Engine-compatible hashers (token ids -> the engine's own block hashes) are in kvtier.keys.hashers.
 """
 
+import importlib
 import warnings
 from typing import Any
 
-from kvtier.client.agent import NodeAgent
 from kvtier.client.api import (CostResult, HeatResult, LocateResult, MasterHints, MasterLookup, NodeTierHit, Plan,
                                PrefetchResult, TopResult)
 from kvtier.client.master import AsyncMasterClient, MasterClient, MasterError, MasterTimeout, MasterUnknownNode
 from kvtier.client.router import Routed, Router
-from kvtier.client.store_hints import StoreHints
-from kvtier.client.store_prefetch import StorePrefetch
 
 __all__ = [
     "AsyncMasterClient", "CostResult", "HeatResult", "LocateResult", "MasterClient", "MasterError", "MasterHints",
@@ -33,11 +31,19 @@ __all__ = [
     "Routed", "Router", "StoreHints", "StorePrefetch", "TopResult",
 ]
 
+# The store's side of the SDK, loaded on first use: the master's clients sit a floor below the store (the pool
+# tier asks the master through MasterClient), these three work on a node's store and its Prefetcher
+# (tests/test_layering.py).
+_STORE_SIDE = {"NodeAgent": "kvtier.client.agent", "StoreHints": "kvtier.client.store_hints",
+               "StorePrefetch": "kvtier.client.store_prefetch"}
 # The SDK's old result names (deprecated; not in __all__): each is the same class as its new name.
 _DEPRECATED = {"LookupResult": MasterLookup, "PrefixHit": NodeTierHit, "Hints": MasterHints}
 
 
 def __getattr__(name: str) -> Any:
+    module = _STORE_SIDE.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(module), name)
     cls = _DEPRECATED.get(name)
     if cls is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

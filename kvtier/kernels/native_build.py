@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.config import ENV_CACHE_DIR, ENV_CUDA_ARCH
+from kvtier.envvars import ENV_CACHE_DIR, ENV_CUDA_ARCH
 
 log = logging.getLogger(__name__)
 

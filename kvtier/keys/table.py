@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvtier.config import ENV_NATIVE_CPU
+from kvtier.envvars import ENV_NATIVE_CPU
 from kvtier.keys import KEY_BYTES, check_keys
 
 log = logging.getLogger(__name__)

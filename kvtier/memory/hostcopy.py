@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.config import ENV_NATIVE_CPU
+from kvtier.envvars import ENV_NATIVE_CPU
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.config import ENV_RDMA_DEVICE
+from kvtier.envvars import ENV_RDMA_DEVICE
 
 QUEUE_DEPTH = 128  # work requests in flight per queue pair
 BOUNCE_BYTES = 64 << 20
