@@ -223,10 +223,12 @@ class KeyTable:
         is_new[missing[first]] = True
         return slots, is_new
 
-    def add(self, q: np.ndarray) -> None:
+    def add(self, q: np.ndarray, *, absent: bool = False) -> None:
         """Insert distinct keys (those present already stay as they are): ``insert`` without its pass that
-        groups repeats within the batch (a sort), for a caller whose batch has none (the DRAM tier's commit)."""
-        missing = q[self.find(q) < 0]
+        groups repeats within the batch (a sort), for a caller whose batch has none (the DRAM tier's commit).
+        ``absent``: the caller knows no key of ``q`` is in the table, so none is looked for first (a key that
+        is would then be in it twice: the caller's bug)."""
+        missing = q if absent else q[self.find(q) < 0]
         if len(missing):
             self.reserve(len(missing))
             self._place(missing)

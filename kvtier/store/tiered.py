@@ -12,11 +12,13 @@ of the top tier and the local ones, never of a remote pool below (no master RPC 
 is at worst copied into DRAM again), and claims what no tier holds and no other thread is putting (concurrent
 sessions sharing a prefix pay once: inflight.py); the writes themselves are writes.py's. A prefix lookup
 can pin what it finds in the same pass (``lookup_prefix(pin=True)``, pinned before the tiers are asked). A get
-falls through the tiers in order, and what a lower tier served is promoted into the top tier; pins (per-block
-reference counts) keep blocks from being evicted in every tier, and leases are pins that expire
-(``store.leases``: a lookup's blocks until their load, an agent session's blocks for its TTL); listeners hear
-which keys each tier gained and lost (the engines' KV events and the master's directory feed on them). Which
-tiers a Config describes is build.py's; what moves between the top tier and each lower one, offload/'s.
+falls through the tiers in order (each asked once about the keys the tiers above it missed), and what a lower
+tier served is promoted into the top tier (asked once more, in the reserve that takes its slot: another reader
+may have promoted it since the miss); pins (per-block reference counts) keep blocks from being evicted in every
+tier, and leases are pins that expire (``store.leases``: a lookup's blocks until their load, an agent session's
+blocks for its TTL); listeners hear which keys each tier gained and lost (the engines' KV events and the master's
+directory feed on them). Which tiers a Config describes is build.py's; what moves between the top tier and each
+lower one, offload/'s.
 
 Past 400 lines on purpose: what is left here is the store's public API (each call's contract in its docstring)
 and the bookkeeping every call shares (the one tier walk, counters, events; ``bring_up``, the copy a prefetch
@@ -492,12 +494,22 @@ class TieredStore:
         if not up:
             return []
         up_keys = [keys[i] for i in up]
-        # The top tier missed them before the copy from below; it is asked again here, with the claim, because
-        # another reader of the same blocks may have promoted them meanwhile (two sessions on one prefix).
-        with self._inflight.claim(up_keys, self.tiers[0].contains(up_keys)) as fresh:
+        # The top tier missed them before the copy from below (the caller's walk asked it), but another reader of
+        # the same blocks may have promoted them meanwhile (two sessions on one prefix): the claim skips those
+        # being written now, the top tier's own check-and-take those written since. A top tier with slots asks
+        # itself that once per key, in the reserve that takes the slot (put_new: what it stored now); one
+        # without is asked here first, and its put's answer cannot tell stored from held.
+        slots = self._slots
+        held = np.zeros(len(up_keys), bool) if slots is not None else self.tiers[0].contains(up_keys)
+        with self._inflight.claim(up_keys, held) as fresh:
             fresh_keys = [up_keys[j] for j in fresh]
-            stored = self.tiers[0].put(fresh_keys, rows.take([up[j] for j in fresh])) if fresh else []
-        promoted = [j for j, ok in zip(fresh, stored) if ok]
+            fresh_rows = rows.take([up[j] for j in fresh]) if fresh else None
+            if not fresh:
+                promoted: list[int] = []
+            elif slots is not None:
+                promoted = [fresh[j] for j in slots.put_new(fresh_keys, fresh_rows)]
+            else:
+                promoted = [j for j, ok in zip(fresh, self.tiers[0].put(fresh_keys, fresh_rows)) if ok]
         if not promoted:
             return []
         out = [up_keys[j] for j in promoted]

@@ -161,6 +161,12 @@ class AddressableSlots(ListsKeys):
         """Publish the reserved keys (or, with success=False, give their slots back)."""
 
     @abstractmethod
+    def put_new(self, keys: Sequence[bytes], blocks: Any) -> list[int]:
+        """``put`` of keys the caller found missing: the positions (ascending) of those it stored now. A key
+        held meanwhile (as ``contains`` would say) is left as it is; asked in the step that takes the slots, so
+        the caller does not ask ``contains`` first (the store's promotion of what a lower tier served)."""
+
+    @abstractmethod
     def acquire(self, keys: Sequence[bytes]) -> AbstractContextManager[list[int | None]]:
         """Addresses of held blocks (None for misses), readable until the context exits."""
 

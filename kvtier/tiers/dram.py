@@ -102,12 +102,22 @@ class DramTier(AddressableSlots, PrefetchTarget):
             return self._table.held(keys)
 
     def put(self, keys: Sequence[bytes], blocks: Any) -> list[bool]:
+        return self._put(keys, blocks).held
+
+    def put_new(self, keys: Sequence[bytes], blocks: Any) -> list[int]:
+        """put() of keys the caller found missing, answering which it stored now: the positions (ascending) of
+        the keys it reserved, copied and committed. A key held meanwhile (committed, being written, or evicted
+        and still being handed down: held as ``contains`` says) is left as it is; asked once, in the reserve
+        that takes the slots, so the caller need not ask ``contains`` first (the store's promotion)."""
+        return self._put(keys, blocks, leaving_held=True).index
+
+    def _put(self, keys: Sequence[bytes], blocks: Any, *, leaving_held: bool = False) -> Reservation:
         rows = block_rows(blocks, len(keys), self.block_bytes, dtypes=self._dtypes)
-        res = self.reserve(keys)
+        res = self.reserve(keys, leaving_held=leaving_held)
         if res.slots:
             self.put_copies.copy(res.addresses, rows.ptrs[res.index], self.block_bytes)
         self.commit(res)
-        return res.held
+        return res
 
     def get(self, keys: Sequence[bytes], out: Any) -> list[bool]:
         rows = block_rows(out, len(keys), self.block_bytes, writable=True, dtypes=self._dtypes, what="out")
@@ -171,16 +181,18 @@ class DramTier(AddressableSlots, PrefetchTarget):
 
     # ---- two-phase writes and zero-copy reads ----------------------------------------------------------
 
-    def reserve(self, keys: Sequence[bytes], protect: Sequence[bytes] = ()) -> Reservation:
+    def reserve(self, keys: Sequence[bytes], protect: Sequence[bytes] = (), *,
+                leaving_held: bool = False) -> Reservation:
         """Take a slot for each key not held or in flight, evicting unprotected blocks if needed (never a
         block of ``keys`` or of ``protect`` this tier holds: ``protect`` only guards, it reserves nothing).
+        ``leaving_held``: a key evicted and still being handed down counts as held too (not reserved again).
 
         Keys that get no slot have ``held`` False: the policy declined them (admission), or every other block
         is pinned or busy. When slots run short, the root-most keys get them (the policy orders a batch by the
         chains it knows; batch order otherwise) and the tail-most are refused.
         """
         with self._lock:
-            res, victims, vslots = self._table.reserve(keys, protect)
+            res, victims, vslots = self._table.reserve(keys, protect, leaving_held=leaving_held)
         if not res.slots:
             return res
         if victims:  # evicted by this reserve (now in ``res``'s slots): handed down with the lock released

@@ -152,10 +152,12 @@ class SlotTable:
         self._bad_admit = False  # logged once: the policy's admit answered nonsense
 
     def reserve(self, keys: Sequence[bytes], protect: Sequence[bytes] = (),
-                only: Container[bytes] | None = None) -> Taken:
-        """Take a slot for each key of ``keys`` neither committed nor pending (and, with ``only``, in it),
-        first occurrences only, evicting by the rules above. ``res.held[i]`` is False where key i was refused
-        or declined; the reserved keys are pending and their slots busy until ``publish``."""
+                only: Container[bytes] | None = None, *, leaving_held: bool = False) -> Taken:
+        """Take a slot for each key of ``keys`` neither committed nor pending (and, with ``only``, in it;
+        with ``leaving_held``, not leaving either: held as ``held`` says), first occurrences only, evicting by
+        the rules above. ``res.held[i]`` is False where key i was refused or declined; the reserved keys are
+        pending and their slots busy until ``publish``. This is the tier's one question about each key of a
+        write: asked under the owner's lock, in the step that takes the slot."""
         n = len(keys)
         if self.index is not None:
             key_array(keys)  # a batch that is not 16 bytes per key fails here, before any state changes
@@ -163,12 +165,13 @@ class SlotTable:
         victims: list[bytes] = []
         vslots: list[int] = []
         slot_of, pending = self.slot_of, self.pending
-        if only is None and slot_of.keys().isdisjoint(keys) and pending.keys().isdisjoint(keys):
+        leaving = self.leaving if leaving_held and self.leaving else None  # none leaving (the common case): no ask
+        if (only is None and slot_of.keys().isdisjoint(keys) and pending.keys().isdisjoint(keys)
+                and (leaving is None or leaving.keys().isdisjoint(keys))):
             new = list(range(n))  # all new (a put of fresh blocks): two set operations, no loop per key
-        elif only is None:
-            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending]
         else:
-            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending and keys[i] in only]
+            new = [i for i in range(n) if keys[i] not in slot_of and keys[i] not in pending
+                   and (leaving is None or keys[i] not in leaving) and (only is None or keys[i] in only)]
         if not new:
             return Taken(res, victims, vslots)
         if len(set(keys) if len(new) == n else {keys[i] for i in new}) < len(new):
@@ -229,7 +232,10 @@ class SlotTable:
                     lost.append(k)
         self.policy.insert(published)
         if self.index is not None and published:
-            self.index.add(key_array(published))
+            # A published key was pending, so not committed: the index (committed and leaving keys) lacks it
+            # unless it is leaving too (evicted, then put again before its hand-down ended). With none leaving it
+            # is placed without a probe for it.
+            self.index.add(key_array(published), absent=not self.leaving)
         self.free_idle_doomed()
         self.stats.puts += len(published)
         self.stats.put_bytes += len(published) * self._block_bytes
