@@ -37,7 +37,7 @@ echo "== kernel tests on the GPU"
 
 echo "== benchmarks"
 for engine in vllm sglang; do
-  "$PY" -m kvtier.tools.cli bench kernels --engine "$engine" --block-sizes 16,64 --total 256MiB --gpu-total 2GiB \
+  "$PY" -m kvtier bench kernels --engine "$engine" --block-sizes 16,64 --total 256MiB --gpu-total 2GiB \
     --rounds 5 --threads 4 --json "$out/bench-$engine.json" || echo "!! bench --engine $engine FAILED"
 done
 echo "== done: $out"

@@ -32,7 +32,7 @@ try:  # Python >= 3.11
 except ModuleNotFoundError:  # pragma: no cover - 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-ENV_PREFIX = "KVTIER_"  # KVTIER_<KEY>; the KVTIER_* variables that are not keys (ENV_NOT_CONFIG) are kvtier/envvars.py's
+ENV_PREFIX = "KVTIER_"  # KVTIER_<KEY>; the variables that are not keys (ENV_NOT_CONFIG) are kvtier/envvars.py's
 
 
 @dataclass
@@ -239,8 +239,8 @@ def parse_bool(key: str, raw: Any) -> bool:
 
 def coerce_value(key: str, kind: str, raw: Any) -> Any:
     """Turn a dict/env/TOML value into ``kind`` or raise ConfigError naming ``key``. Kinds: bool, int, float,
-    str, bytes (a size such as "64GiB", kvtier.units.parse_bytes), mapping (a table, or JSON text) and switch (``auto`` or a boolean word,
-    normalised to "auto", "true" or "false"); any other kind passes ``raw`` through."""
+    str, bytes (a size such as "64GiB", kvtier.units.parse_bytes), mapping (a table, or JSON text) and switch
+    (``auto`` or a boolean word, normalised to "auto", "true" or "false"); any other kind passes ``raw`` through."""
     if kind == "bool":
         return parse_bool(key, raw)
     if kind == "mapping":

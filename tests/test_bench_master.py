@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.slow
 def test_bench_master_writes_the_promised_json(tmp_path):
     out = tmp_path / "master.json"
-    r = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "bench", "master", "--keys", "40000", "--clients", "1,2",
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "master", "--keys", "40000", "--clients", "1,2",
                         "--seconds", "0.5", "--rounds", "1", "--candidates", "4", "--memory", "20000",
                         "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -35,7 +35,7 @@ def test_bench_master_with_shared_masters_beside_the_lmdb_master(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("needs Debian's redis-server (tests/run.sh installs it)")
     out = tmp_path / "shared.json"
-    r = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "bench", "master", "--keys", "20000", "--clients", "",
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "master", "--keys", "20000", "--clients", "",
                         "--seconds", "0.5", "--rounds", "1", "--candidates", "2", "--memory", "", "--masters", "1,2",
                         "--shared-clients", "2", "--staleness-samples", "20", "--json", str(out)],
                        capture_output=True, text=True, timeout=900)

@@ -23,7 +23,7 @@ def test_a_repeated_prefix_is_served_from_ssd_as_counted_by_hand(tmp_path):
 
 
 def test_cli_runs_on_the_sample_and_missing_traces_are_one_line_errors(tmp_path):
-    cmd = [sys.executable, "-m", "kvtier.tools.cli", "bench", "ssd-eviction"]
+    cmd = [sys.executable, "-m", "kvtier", "bench", "ssd-eviction"]
     r = subprocess.run([*cmd, "--traces", str(SAMPLE), "--conversations", "2", "--lanes", "2", "--ssd", "0.1",
                         "--schemes", "block-lru,segment-fifo+reinsert"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

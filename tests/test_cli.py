@@ -6,7 +6,7 @@ import pytest
 
 
 def kvtier(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True, **kw)
 
 
 def test_help_lists_subcommands():

@@ -8,7 +8,7 @@ from kvtier.tools.cli import main as kvtier_main
 
 
 def kvtier(*args):
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "kvtier", *args], capture_output=True, text=True)
 
 
 @pytest.mark.slow  # a benchmark

@@ -152,7 +152,7 @@ def test_the_router_prefetches_the_prefix_its_plan_loads_on_the_worker_it_picks(
 
 
 def kvtier_prefetch(mp: MasterProcess, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "prefetch", "--master", mp.endpoint, *args],
+    return subprocess.run([sys.executable, "-m", "kvtier", "prefetch", "--master", mp.endpoint, *args],
                           capture_output=True, text=True, timeout=60)
 
 

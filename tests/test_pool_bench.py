@@ -13,7 +13,7 @@ from kvtier.bench.copies import CANDIDATES
 @pytest.mark.slow
 def test_bench_pool_writes_every_path_beside_its_baseline(tmp_path):
     out = tmp_path / "pool.json"
-    r = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "bench", "tiers", "--tier", "pool", "--sizes", "64KiB,1MiB",
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "tiers", "--tier", "pool", "--sizes", "64KiB,1MiB",
                         "--total", "16MiB", "--rounds", "1", "--json", str(out)], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr

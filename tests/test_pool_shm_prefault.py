@@ -1,5 +1,5 @@
-"""The shm connection prefaults its mapping of the pool's file (kvtier.memory.hostmem.populate): after attach, a put into
-pages this process never touched costs no page faults. Counted with the kernel's minor-fault count of this
+"""The shm connection prefaults its mapping of the pool's file (kvtier.memory.hostmem.populate): after attach, a put
+into pages this process never touched costs no page faults. Counted with the kernel's minor-fault count of this
 process (getrusage), around a put into a real kvtier-pool process's file. And the mapping is on the file's huge
 pages where the kernel allows (MADV_COLLAPSE), read back from the kernel (/proc/self/smaps)."""
 

@@ -16,7 +16,7 @@ SAMPLE = Path(kvtier.__file__).parent / "sample-traces" / "agentic-cc"
 
 
 def kvtier_cli(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env)
 
 

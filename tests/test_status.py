@@ -27,7 +27,7 @@ KEYS = Namespace("status-test").keys(range(64))
 
 
 def status(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier", "status", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "120"})
 
 
@@ -117,7 +117,7 @@ def test_status_flags_a_dead_node(cluster):
 
 def test_status_watch_redraws(cluster):
     master, _, _ = cluster
-    p = subprocess.Popen([sys.executable, "-m", "kvtier.tools.cli", "status", "--master", master.endpoint, "--watch",
+    p = subprocess.Popen([sys.executable, "-m", "kvtier", "status", "--master", master.endpoint, "--watch",
                           "0.2"], stdout=subprocess.PIPE, text=True)
     try:
         seen = ""

@@ -89,7 +89,7 @@ def fake():
 
 
 def status(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "status", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvtier", "status", *args], capture_output=True, text=True,
                           timeout=60)
 
 

@@ -254,7 +254,7 @@ def test_bench_vllm_writes_rows_beside_memcpy(tmp_path):
     import sys
 
     out = tmp_path / "vllm.json"
-    r = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "bench", "vllm", "--bytes", "8MiB", "--staging", "4MiB",
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "vllm", "--bytes", "8MiB", "--staging", "4MiB",
                         "--rounds", "1", "--json", str(out)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())

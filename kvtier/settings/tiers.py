@@ -112,7 +112,7 @@ def check_tier_sections(key: str, sections: Mapping[str, Any]) -> None:
     registered = [s.name for s in tier_specs() if s.registered]
     for name, section in sections.items():
         spec = _TABLE.get(name)
-        if spec is None or spec.check is None:  # (spelled out: the type checker needs check non-None below)
+        if spec is None or spec.check is None:
             why = "a built-in tier, set by its own keys" if spec is not None else "not a registered tier"
             raise ConfigError(f"{key}: {name!r} is {why}; registered: {', '.join(registered) or 'none'} "
                               "(kvtier.settings.tiers.register_tier)")

@@ -1,7 +1,7 @@
-"""The store, one family: TieredStore (tiered.py) over the tiers a Config describes (build.py: the tier specs,
-tierspecs.py, stacked in order, and the offloaders between them), its writes (writes.py), the claims that let
-concurrent puts of one block pay once (inflight.py), leases (leases.py) and the vocabulary its callers and
-listeners share (types.py). ``kvtier.store`` names what its users import.
+"""The store, one family: TieredStore (tiered.py) over the tiers a Config describes (build.py: the tier table of
+kvtier/settings/tiers.py walked in order, and the offloaders between them), its writes (writes.py), the claims
+that let concurrent puts of one block pay once (inflight.py), leases (leases.py) and the vocabulary its callers
+and listeners share (types.py). ``kvtier.store`` names what its users import.
 
 Loaded on first use: a daemon (kvtier-pool) imports ``kvtier.store.types`` alone, the events it publishes, and
 must not load every tier with it.

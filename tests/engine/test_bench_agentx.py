@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_agentx_short_form(engine_py, tmp_path):
     out = tmp_path / "agentx.json"
-    cmd = [sys.executable, "-m", "kvtier.tools.cli", "bench", "agentx", "--python", str(engine_py), "--concurrency", "2",
+    cmd = [sys.executable, "-m", "kvtier", "bench", "agentx", "--python", str(engine_py), "--concurrency", "2",
            "--modes", "none,kvtier", "--duration", "60", "--grace", "15", "--warmup-limit", "90", "--think-cap", "2",
            "--json", str(out), "--aiperf-dir", str(tmp_path / "aiperf"), "--plot", str(tmp_path / "agentx.png")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)

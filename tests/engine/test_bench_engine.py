@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_engine_rows(engine_py, tmp_path):
     out = tmp_path / "engine.json"
-    r = subprocess.run([sys.executable, "-m", "kvtier.tools.cli", "bench", "engine", "--prefix", "320,640", "--rounds",
+    r = subprocess.run([sys.executable, "-m", "kvtier", "bench", "engine", "--prefix", "320,640", "--rounds",
                         "1", "--python", str(engine_py), "--json", str(out)], capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

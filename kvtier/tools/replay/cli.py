@@ -80,7 +80,8 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think-cap", type=float, default=60.0, metavar="S", help="cap on think times (default 60 s)")
     g = p.add_argument_group("sizing")
     g.add_argument("--model", help="llama-3.1-8b (default), qwen3-32b, deepseek-v3, ... (see kvtier.layout.MODELS); "
-                                   "hybrid: gemma-3-27b, qwen3-next-80b-a3b, deepseek-v4-flash (kvtier.tools.replay.hybrid)")
+                                   "hybrid: gemma-3-27b, qwen3-next-80b-a3b, deepseek-v4-flash "
+                                   "(kvtier.tools.replay.hybrid)")
     g.add_argument("--store-groups", choices=("useful", "whole"), default="useful",
                    help="a hybrid model: store only what can be used (full-history blocks, state and window tails "
                         "at checkpoints; default) or every group of every block whole")
