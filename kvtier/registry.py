@@ -9,6 +9,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
+
+
+def import_target(target: str) -> Any:
+    """What ``target`` names, imported: 'package.module:Name' or 'package.module.Name' (ImportError or
+    AttributeError when it is not there). The one reading of a plug-in's import path: registered classes here, the
+    transports' and the tiers' tables (kvtier/transport/registry.py, kvtier/settings/tiers.py)."""
+    module_name, _, attr = target.replace(":", ".").rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
 
 
 class ClassRegistry:
@@ -45,9 +54,8 @@ class ClassRegistry:
         if spec in self._classes:
             return self._classes[spec]
         if "." in spec or ":" in spec:
-            module_name, _, attr = spec.replace(":", ".").rpartition(".")
             try:
-                return getattr(importlib.import_module(module_name), attr)
+                return import_target(spec)  # type: ignore[no-any-return]
             except (ImportError, AttributeError) as e:
                 raise ValueError(f"cannot load {self.what} {spec!r}: {e}") from None
         raise ValueError(f"unknown {self.what} {spec!r}; known: {', '.join(self.names())} "

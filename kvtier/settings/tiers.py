@@ -17,11 +17,11 @@ imports no tier; a built-in builder is named "package.module:function" and impor
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.registry import import_target
 from kvtier.settings.base import ConfigError
 
 HIT_SOURCES = ("host", "p2p", "disk", "external")  # vLLM's CacheHitSource names; external: none of these
@@ -59,8 +59,7 @@ class TierSpec:
     def builder(self) -> Callable[[Any, Mapping[str, Any], TierBlock], StackedTier | None]:
         if callable(self.build):
             return self.build
-        module, _, name = self.build.partition(":")
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+        return import_target(self.build)  # type: ignore[no-any-return]
 
     def source(self, cfg: Any) -> str:
         return self.hit_source(cfg) if callable(self.hit_source) else self.hit_source

@@ -22,10 +22,11 @@ one with no ``pool_service`` is never listed by the pool itself (it needs anothe
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.registry import import_target
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,7 @@ class Transport:
     pool_service: str | None = None
 
     def connection_class(self) -> type[Any]:
-        module, _, name = self.target.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return import_target(self.target)  # type: ignore[no-any-return]
 
     def cannot_here(self) -> str | None:
         return self.host_reason() if self.host_reason is not None else None
