@@ -11,6 +11,7 @@ internals (tests/test_layering.py).
 * ``budget.py``  Budget: the memory budget beyond the capacity and the held budget of unevictable slots;
 * ``state.py``   PoolState: the DRAM tier (shared-memory backed in standalone mode), leases, budgets, agent;
 * ``ops.py``     the ops (hello, contains, remove, put, get, reserve/commit, acquire/release, stats);
+* ``offers.py``  what the hello offers: each transport of the transports' table over a service this pool serves;
 * ``leases.py``  what shared-memory and RDMA clients hold between two requests, owned, with expiry;
 * ``replicas.py`` pool-to-pool copies (hot-block replication, ``copy_from``): the pool as a client of a pool;
 * ``rdma.py``    RdmaServer: the DRAM registered for one-sided RDMA, a queue pair per client;

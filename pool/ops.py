@@ -33,10 +33,9 @@ from kvtier import wire
 from kvtier.auth.peercred import ipc_cred
 from kvtier.auth.roles import ADMIN, DATA, READ
 from kvtier.pool.clients import Client
+from kvtier.pool.offers import offers
 from kvtier.pool.sizing import MIN_BLOCK_BYTES, block_size_problem
 from kvtier.pool.state import PoolState
-from kvtier.tiers.dram import DramTier
-from kvtier.transport import pool_offers
 from kvtier.wire import ERR_BAD_REQUEST, ERR_TOO_LARGE, WireError
 from kvtier.wire import frames as F
 from kvtier.wire import observations as observations_wire
@@ -71,53 +70,6 @@ def hello(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:
                   "max_keys": st.settings.max_keys, "lease_s": st.settings.lease_s, "transports": offers(st, tier),
                   "request_bytes": st.request_bytes,
                   "session": st.client(client, body).session or st.sessions.issue()})
-
-
-def _frames(st: PoolState, tier: DramTier | None) -> dict[str, Any] | None:
-    return {}  # block bytes in zmq frames on the pool's own sockets: every pool, nothing more to say
-
-
-def _stream(st: PoolState, tier: DramTier | None) -> dict[str, Any] | None:
-    if not st.stream_port:
-        return None
-    offer: dict[str, Any] = {"port": st.stream_port}
-    if st.tokens is not None:  # the data port's admission (kvtier/auth/tokens.py); only keys or the owner
-        offer["token"] = st.tokens.issue()  # token got this far
-    return offer
-
-
-def _shm(st: PoolState, tier: DramTier | None) -> dict[str, Any] | None:
-    if st.shm_path is None:  # no ipc:// endpoint bound
-        return None
-    return ({"path": str(st.shm_path), "nbytes": tier.capacity_bytes,
-             "generations": str(st.generations.path) if st.generations else ""}
-            if tier is not None else {})  # unsized: the file comes with the first block
-
-
-def _rdma(st: PoolState, tier: DramTier | None) -> dict[str, Any] | None:
-    return st.rdma.describe() if st.rdma is not None else None
-
-
-# What a pool serves, by the name a transport declares as its ``pool_service`` (kvtier/transport/registry.py), in
-# the order the hello lists them: what a client is told of it, or None where this pool does not serve it (``tier``:
-# the pool's tier as the hello found it, None while unsized).
-SERVICES: dict[str, Callable[[PoolState, DramTier | None], dict[str, Any] | None]] = {
-    "frames": _frames, "stream": _stream, "shm": _shm, "rdma": _rdma}
-
-
-def offers(st: PoolState, tier: DramTier | None) -> dict[str, Any]:
-    """The hello's ``transports``, from the transports' table (``pool_offers``: the table as this process has it,
-    a transport registered by a module it imported included): per service this pool serves, the offer of each
-    transport that declares it, each with what its service tells a client. A service no transport declares is not
-    described (no data-port token issued for nobody); one this pool does not know is not offered."""
-    out: dict[str, Any] = {}
-    declared = pool_offers()
-    for service, describe in SERVICES.items():
-        keys = declared.get(service)
-        offer = describe(st, tier) if keys else None
-        if offer is not None:
-            out.update((key, dict(offer)) for key in keys)
-    return out
 
 
 def contains(st: PoolState, client: Client, body: Body, data: list[Any]) -> Reply:

@@ -15,7 +15,7 @@ one insists on it, and what it cannot do here is an error naming why. Importing 
 transport: a class is imported when first chosen (rdma pulls in nothing of pyverbs until then either).
 
 The pool reads the same table (``pool_offers``): its hello lists a transport's offer when it serves the
-transport's ``pool_service`` (what each service is and when a pool serves it: pool/ops.py ``SERVICES``). So a
+transport's ``pool_service`` (what each service is and when a pool serves it: pool/offers.py ``SERVICES``). So a
 transport registered in the pool's process over a service the pool has is offered with no edit of the pool;
 one with no ``pool_service`` is never listed by the pool itself (it needs another transport's offer).
 """
@@ -42,7 +42,7 @@ class Transport:
     copy_threads: bool = False  # copies host memory itself: takes connect()'s copy_threads
     host_reason: Callable[[], str | None] | None = None  # why this host cannot use it (None: it can)
     not_offered: str = ""  # what to tell a caller who named it when the pool does not offer it
-    # What of the pool carries it: a pool serving that lists ``offer`` in its hello (pool/ops.py SERVICES:
+    # What of the pool carries it: a pool serving that lists ``offer`` in its hello (pool/offers.py SERVICES:
     # "frames", "stream", "shm", "rdma"); None: the pool never lists it itself.
     pool_service: str | None = None
 
